@@ -3,6 +3,10 @@
 All per-prompt metrics are exact expectations over the C(n, k) equally likely k-subsets of the prompt's
 n samples (drawn without replacement), so they use every sample and have no sampling noise of their own.
 Aggregation averages per-prompt values over prompts (macro average) and reports a standard error.
+
+Error samples (stop_reason "error": a dead server, a failed generation, an environment that raised) are
+not answers: a prompt's n is its number of non-error samples, and the errors are only counted. A prompt
+that errors leave with n < k is excluded from that k's metrics and counted in `num_prompts_short@k`.
 """
 
 from __future__ import annotations
@@ -156,28 +160,30 @@ class PromptSamples:
     """Reward of each sample."""
     answers: tuple[str | None, ...]
     """Extracted answer of each sample (None: no answer), used by maj@k."""
+    num_errors: int = 0
+    """Samples that failed with an infrastructure error: not in `rewards`/`answers`, only counted."""
 
     def __post_init__(self) -> None:
         if len(self.rewards) != len(self.answers):
             raise ValueError(f"{len(self.rewards)} rewards but {len(self.answers)} answers")
-        if len(self.rewards) == 0:
+        if self.num_errors < 0:
+            raise ValueError(f"num_errors must be >= 0, got {self.num_errors}")
+        if len(self.rewards) + self.num_errors == 0:
             raise ValueError("a prompt needs at least one sample")
 
 
 def prompt_samples_from_record(record: PromptGroupRecord, answer_key: str = "answer") -> PromptSamples:
-    """Build PromptSamples from a record: answers come from `completion.env_extras[answer_key]` (str()-ed);
-    a missing answer or an errored completion gives None."""
-    answers: list[str | None] = []
-    for completion in record.completions:
-        answer = completion.env_extras.get(answer_key)
-        if completion.stop_reason == StopReason.ERROR or answer is None:
-            answers.append(None)
-        else:
-            answers.append(str(answer))
+    """Build PromptSamples from a record: answers come from `completion.env_extras[answer_key]` (str()-ed,
+    None when missing); errored completions are not samples, only counted in `num_errors`."""
+    scored = [c for c in record.completions if c.stop_reason != StopReason.ERROR]
+    answers = tuple(
+        None if c.env_extras.get(answer_key) is None else str(c.env_extras[answer_key]) for c in scored
+    )
     return PromptSamples(
         agent_name=record.agent_name,
-        rewards=tuple(float(c.reward) for c in record.completions),
-        answers=tuple(answers),
+        rewards=tuple(float(c.reward) for c in scored),
+        answers=answers,
+        num_errors=len(record.completions) - len(scored),
     )
 
 
@@ -190,10 +196,14 @@ def _mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
 
 
 def _per_prompt_values(p: PromptSamples, ks: Sequence[int], threshold: float) -> dict[str, float]:
-    values = {"mean_reward": mean_reward(p.rewards)}
+    """The prompt's metrics over its non-error samples; "short@k" = 1 where errors left it below k."""
+    n = len(p.rewards)
+    values = {"mean_reward": mean_reward(p.rewards)} if n else {}
     correct = [r >= threshold for r in p.rewards]
     for k in ks:
-        if k > len(p.rewards):
+        if k > n:
+            if k <= n + p.num_errors:
+                values[f"short@{k}"] = 1.0
             continue
         values[f"pass@{k}"] = pass_at_k(len(p.rewards), sum(correct), k)
         values[f"maj@{k}"] = maj_at_k(p.answers, correct, k)
@@ -202,14 +212,21 @@ def _per_prompt_values(p: PromptSamples, ks: Sequence[int], threshold: float) ->
 
 
 def _aggregate(
-    per_prompt: Sequence[dict[str, float]], n_samples: int, ks: Sequence[int], prefix: str
+    per_prompt: Sequence[dict[str, float]], prompts: Sequence[PromptSamples], ks: Sequence[int], prefix: str
 ) -> dict[str, float]:
-    out = {f"{prefix}num_prompts": float(len(per_prompt)), f"{prefix}num_samples": float(n_samples)}
-    mean, stderr = _mean_and_stderr([v["mean_reward"] for v in per_prompt])
-    out[f"{prefix}mean_reward"], out[f"{prefix}mean_reward/stderr"] = mean, stderr
+    out = {
+        f"{prefix}num_prompts": float(len(per_prompt)),
+        f"{prefix}num_samples": float(sum(len(p.rewards) for p in prompts)),
+        f"{prefix}num_errors": float(sum(p.num_errors for p in prompts)),
+    }
+    scored = [v["mean_reward"] for v in per_prompt if "mean_reward" in v]
+    if scored:
+        mean, stderr = _mean_and_stderr(scored)
+        out[f"{prefix}mean_reward"], out[f"{prefix}mean_reward/stderr"] = mean, stderr
     for k in ks:
         eligible = [v for v in per_prompt if f"pass@{k}" in v]
         out[f"{prefix}num_prompts@{k}"] = float(len(eligible))
+        out[f"{prefix}num_prompts_short@{k}"] = float(sum(f"short@{k}" in v for v in per_prompt))
         if not eligible:
             continue
         for name in ("pass", "maj", "mean"):
@@ -224,10 +241,13 @@ def aggregate_eval_metrics(
 ) -> dict[str, float]:
     """Flat, slash-namespaced eval metrics over prompts, overall and per agent (`agent/<name>/...`).
 
-    A sample is correct when its reward is >= `threshold` (pass@k and maj@k). Keys, each also under
-    `agent/<name>/`: `num_prompts`, `num_samples`, `mean_reward`, `mean_reward/stderr`, and for each k:
-    `num_prompts@k` (prompts with at least k samples) and, when that is > 0, `pass@k`, `maj@k`, `mean@k`
-    with their `/stderr`. A k larger than a prompt's sample count is skipped for that prompt: each @k
+    A sample is correct when its reward is >= `threshold` (pass@k and maj@k). Only non-error samples
+    count: a prompt's n is `len(rewards)`, its `num_errors` are only counted. Keys, each also under
+    `agent/<name>/`: `num_prompts` (all prompts), `num_samples` (non-error samples), `num_errors`,
+    `mean_reward` and `mean_reward/stderr` (over prompts with n >= 1; absent when there are none), and
+    for each k: `num_prompts@k` (prompts with n >= k), `num_prompts_short@k` (prompts that errors left
+    with n < k although they had k or more samples), and, when `num_prompts@k` > 0, `pass@k`, `maj@k`,
+    `mean@k` with their `/stderr`. A k larger than a prompt's n is skipped for that prompt: each @k
     metric is the mean over the prompts with n >= k only. stderr = sample std (ddof=1) of the per-prompt
     values / sqrt(number of those prompts), 0 for one prompt.
     """
@@ -237,9 +257,10 @@ def aggregate_eval_metrics(
     if ks and ks[0] < 1:
         raise ValueError(f"every k must be >= 1, got {ks[0]}")
     per_prompt = [_per_prompt_values(p, ks, threshold) for p in prompts]
-    out = _aggregate(per_prompt, sum(len(p.rewards) for p in prompts), ks, prefix="")
+    out = _aggregate(per_prompt, prompts, ks, prefix="")
     for agent in sorted({p.agent_name for p in prompts}):
         idx = [i for i, p in enumerate(prompts) if p.agent_name == agent]
-        n_samples = sum(len(prompts[i].rewards) for i in idx)
-        out.update(_aggregate([per_prompt[i] for i in idx], n_samples, ks, prefix=f"agent/{agent}/"))
+        out.update(
+            _aggregate([per_prompt[i] for i in idx], [prompts[i] for i in idx], ks, prefix=f"agent/{agent}/")
+        )
     return out

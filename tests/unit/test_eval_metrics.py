@@ -215,18 +215,23 @@ def test_aggregate_keys_and_values() -> None:
     assert m["agent/code/pass@1/stderr"] == 0.0  # one prompt
     assert m["agent/code/num_prompts@4"] == 0.0
     assert "agent/code/pass@4" not in m and "agent/code/maj@4" not in m
+    assert m["num_errors"] == 0.0 and m["num_prompts_short@4"] == 0.0
     expected_group = {
         "num_prompts",
         "num_samples",
+        "num_errors",
         "mean_reward",
         "mean_reward/stderr",
         "num_prompts@1",
         "num_prompts@4",
+        "num_prompts_short@1",
+        "num_prompts_short@4",
     }
     expected_group |= {
         f"{x}@{k}{s}" for x in ("pass", "maj", "mean") for k in (1, 4) for s in ("", "/stderr")
     }
-    code_keys = {k for k in expected_group if not k.endswith("@4") and "@4/" not in k} | {"num_prompts@4"}
+    code_keys = {k for k in expected_group if not k.endswith("@4") and "@4/" not in k}
+    code_keys |= {"num_prompts@4", "num_prompts_short@4"}
     expected = (
         expected_group | {f"agent/math/{k}" for k in expected_group} | {f"agent/code/{k}" for k in code_keys}
     )
@@ -267,4 +272,35 @@ def test_prompt_samples_from_record() -> None:
         rollout_metrics={},
     )
     samples = prompt_samples_from_record(record)
-    assert samples == PromptSamples("math", (1.0, 0.0, 0.0), ("4", None, None))
+    assert samples == PromptSamples("math", (1.0, 0.0), ("4", None), num_errors=1)
+
+
+# ---- error samples are not answers ---------------------------------------------------------------------
+
+
+def test_error_samples_are_counted_not_scored() -> None:
+    """A prompt's n is its non-error samples: 2 errors out of 4 leave pass@k over the other 2, not 4."""
+    with_errors = [
+        PromptSamples("math", (1.0, 0.0), ("4", "5"), num_errors=2),  # 4 samples, 2 failed
+        PromptSamples("math", (1.0, 1.0, 0.0, 1.0), ("4", "4", "3", "4")),
+        PromptSamples("code", (), (), num_errors=2),  # every sample failed
+    ]
+    m = aggregate_eval_metrics(with_errors, ks=[1, 2, 4])
+    # the same as the metrics of the non-error samples alone (the all-error prompt has none)
+    alone = aggregate_eval_metrics(with_errors[:2], ks=[1, 2, 4])
+    for key in ("pass@1", "pass@2", "maj@2", "mean@2", "mean_reward", "pass@4", "mean_reward/stderr"):
+        assert m[key] == pytest.approx(alone[key]), key
+    assert m["pass@1"] == pytest.approx((0.5 + 0.75) / 2)  # not (0.25 + 0.75) / 2: errors are not 0s
+    assert m["mean_reward"] == pytest.approx((0.5 + 0.75) / 2)
+    assert m["num_prompts"] == 3.0 and m["num_samples"] == 6.0 and m["num_errors"] == 4.0
+    # k=4: only the whole prompt; errors left the first one short of 4 samples (counted), the all-error
+    # prompt had 2 samples to begin with (never eligible for k=4) but is short of k=1 and k=2
+    assert m["num_prompts@4"] == 1.0 and m["num_prompts_short@4"] == 1.0
+    assert m["num_prompts@2"] == 2.0 and m["num_prompts_short@2"] == 1.0
+    assert m["num_prompts@1"] == 2.0 and m["num_prompts_short@1"] == 1.0
+    assert m["agent/math/num_errors"] == 2.0 and m["agent/code/num_errors"] == 2.0
+    assert m["agent/code/num_samples"] == 0.0 and m["agent/code/num_prompts@1"] == 0.0
+    assert "agent/code/mean_reward" not in m and "agent/code/pass@1" not in m
+    assert all(isinstance(v, float) and math.isfinite(v) for v in m.values())
+    with pytest.raises(ValueError, match="num_errors"):
+        PromptSamples("a", (1.0,), ("1",), num_errors=-1)
