@@ -5,7 +5,12 @@
 Rollout modes (`eval.rollout_mode`): single_turn, multi_turn (native environment loop), nemo_gym (Gym
 agents). Outputs in `eval.save_path`: config.yaml, completions.jsonl, summary.json, runs.jsonl,
 pass_at_k.png, report.md. Re-running with the same save_path resumes: finished (prompt, sample) pairs
-are skipped and the summary equals that of an uninterrupted run.
+are skipped, error samples (infrastructure failures) are retried, and the summary equals that of an
+uninterrupted run.
+
+Exit status: 0 done; 1 stopped before every sample was rolled out (re-run to resume); 2 a user error
+(config, dataset, output folder); 3 done, but more samples ended as errors than eval.max_error_rate
+allows (re-run to retry them).
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl_ext.evals.driver import run_eval
     from nemo_rl_ext.evals.report import format_metric_table
 
-    result = run_eval(cfg, progress=not args.no_progress)
+    try:
+        result = run_eval(cfg, progress=not args.no_progress)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(
         f"\n{result.groups_generated} group(s) rolled out, {result.completions_written} completion(s) written, "
         f"{result.skipped_completions} already on disk; {result.wall_time_s:.1f} s"
@@ -47,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         f"outputs in {result.paths.root}/: {result.paths.summary.name}, {result.paths.completions.name}, "
         f"{result.paths.report.name}, {result.paths.plot.name}"
     )
+    if result.errors_left:
+        print(f"error: {result.summary['num_errors']} error sample(s) left; see above", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -86,6 +86,13 @@ class EvalSettings(StrictModel):
         description="Prompts rolled out at once (null: all); smaller keeps more "
         "finished groups on disk if a run is killed.",
     )
+    max_error_rate: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of samples that may end as errors (infrastructure failures, not answers) for the "
+        "run to succeed; above it the CLI exits 3. 0: any error left fails the run; 1: errors never do.",
+    )
 
     @field_validator("num_tests_per_prompt", mode="before")
     @classmethod

@@ -6,9 +6,14 @@
 The driver has no generation loop of its own: `build_rollout_setup` (the one place that looks at
 `eval.rollout_mode`) builds the datums and the manager, and every group comes from `manager.run_rollout`.
 Groups are written as they finish (see `store.py`); re-running with the same `save_path` rolls out only
-the groups with missing samples, and the summary is always computed from the file, so a resumed run
-reports exactly what an uninterrupted one does (rollouts are seeded per prompt, sample and turn from
-`policy.generation.seed`; with `seed: null` a resumed group's samples are fresh draws instead).
+the groups with missing or errored samples, and the summary is always computed from the file, so a
+resumed run reports exactly what an uninterrupted one does (rollouts are seeded per prompt, sample and
+turn from `policy.generation.seed`; with `seed: null` a resumed group's samples are fresh draws instead).
+
+Error completions (a dead server, a failed generation, an environment that raised) are recorded but are
+not answers: the metrics use the other samples, the summary counts them (`num_errors`, `status`), and a
+re-run rolls them out again. `summary["status"]` is "errors_left" when more than `eval.max_error_rate` of
+the samples ended as errors (the CLI then exits 3).
 """
 
 from __future__ import annotations
@@ -26,7 +31,16 @@ from tqdm.auto import tqdm
 from nemo_rl_ext.config import dump_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics
-from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, check_resumable, completion_line, dumps
+from nemo_rl_ext.evals.store import (
+    CompletionStore,
+    EvalPaths,
+    check_dataset,
+    check_resumable,
+    completion_line,
+    dumps,
+    is_error,
+    row_digests,
+)
 from nemo_rl_ext.experience.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.experience.rollout_manager import RolloutManager, batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
@@ -41,13 +55,27 @@ def default_system_prompt(environment: str | None) -> str | None:
     return None
 
 
-def build_rollout_setup(
-    cfg: EvalConfig, generation: GenerationInterface
-) -> tuple[list[DatumSpec], RolloutManager]:
-    """The datums and the RolloutManager for `cfg.eval.rollout_mode` (the only function that branches on it)."""
-    from nemo_rl_ext.datasets import gym_datums, load_jsonl
+def load_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
+    """The dataset rows the eval evaluates: the first `eval.num_prompts` rows of `eval.dataset_path`."""
+    from nemo_rl_ext.datasets import load_jsonl
 
     ev = cfg.eval
+    required = (
+        ("responses_create_params", "agent_ref") if ev.rollout_mode == "nemo_gym" else ("question", "answer")
+    )
+    return load_jsonl(ev.dataset_path, required=required)[: ev.num_prompts]
+
+
+def build_rollout_setup(
+    cfg: EvalConfig, generation: GenerationInterface, rows: Sequence[dict[str, Any]] | None = None
+) -> tuple[list[DatumSpec], RolloutManager]:
+    """The datums and the RolloutManager for `cfg.eval.rollout_mode` (the only function that branches on it).
+
+    `rows`: the rows to evaluate (default: `load_rows(cfg)`)."""
+    from nemo_rl_ext.datasets import gym_datums
+
+    ev = cfg.eval
+    rows = load_rows(cfg) if rows is None else rows
     tokenizer = getattr(generation, "tokenizer", None)
     if tokenizer is None:
         raise TypeError(f"{type(generation).__name__} has no .tokenizer; the eval driver needs one")
@@ -59,9 +87,6 @@ def build_rollout_setup(
         generation_config=cfg.policy.generation,
     )
     if ev.rollout_mode == "nemo_gym":
-        rows = load_jsonl(ev.dataset_path, required=("responses_create_params", "agent_ref"))[
-            : ev.num_prompts
-        ]
         datums = gym_datums(rows)
         manager = RolloutManager(**common, task_to_env=None, use_nemo_gym=True, gym_config=cfg.gym)
         return datums, manager
@@ -72,7 +97,6 @@ def build_rollout_setup(
     env_name = ev.resolved_environment
     assert env_name is not None
     system_prompt = ev.system_prompt if ev.system_prompt is not None else default_system_prompt(env_name)
-    rows = load_jsonl(ev.dataset_path, required=("question", "answer"))[: ev.num_prompts]
     datums = qa_datums(tokenizer, rows, task_name=env_name, system_prompt=system_prompt or None)
     turns = 1 if ev.rollout_mode == "single_turn" else ev.max_rollout_turns
     manager = RolloutManager(
@@ -88,19 +112,28 @@ class EvalResult:
     paths: EvalPaths
     """The output files."""
     complete: bool
-    """True when every (prompt, sample) is on disk (then `summary` is set and written)."""
+    """True when every (prompt, sample) has a result or an error line (then `summary` is set and written)."""
     summary: dict[str, Any] | None
     """The summary (also in summary.json), or None when the run stopped early."""
     groups_generated: int
     """Groups rolled out by this call (resumed groups already complete are not counted)."""
     completions_written: int
-    """Lines this call appended."""
+    """Lines this call appended (error lines included)."""
     skipped_completions: int
-    """(prompt, sample) pairs found on disk and not generated again."""
+    """(prompt, sample) pairs whose result was found on disk and not generated again."""
     wall_time_s: float
     """Wall time of this call."""
     rollout_metrics: dict[str, float] = field(default_factory=dict)
     """The manager's metrics over this call's groups (empty when nothing was generated)."""
+    errors_written: int = 0
+    """Error lines this call appended (infrastructure failures recorded, to be retried)."""
+    retried: int = 0
+    """(prompt, sample) pairs whose latest line was an error when this call started (rolled out again)."""
+
+    @property
+    def errors_left(self) -> bool:
+        """True when the run finished with more errors than `eval.max_error_rate` allows."""
+        return self.summary is not None and self.summary["status"] == "errors_left"
 
 
 def run_eval(
@@ -133,31 +166,37 @@ async def run_eval_async(
     start = time.perf_counter()
     paths = EvalPaths(Path(cfg.eval.save_path))
     paths.root.mkdir(parents=True, exist_ok=True)
-    if paths.completions.exists() and paths.completions.stat().st_size > 0:
-        check_resumable(paths.config, cfg.model_dump(mode="json"))
-    paths.config.write_text(dump_config(cfg))
-    store = CompletionStore(paths.completions)
+    store = CompletionStore(paths.completions)  # ConfigError on a garbage line
     if store.torn_bytes:
         print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
+    resuming = paths.completions.exists() and paths.completions.stat().st_size > 0
+    if resuming:
+        check_resumable(paths.config, cfg.model_dump(mode="json"))
+    rows = load_rows(cfg)
+    check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
+    paths.config.write_text(dump_config(cfg))
 
     own_generation = generation is None
     gen = build_generation(cfg.policy) if generation is None else generation
     manager = None
     try:
-        datums, manager = build_rollout_setup(cfg, gen)
+        datums, manager = build_rollout_setup(cfg, gen, rows)
         manager.preflight(datums)
         expected = {d.idx: manager.counts.for_agent(d.agent) for d in datums}
-        todo = [d for d in datums if not set(range(expected[d.idx])) <= store.samples_of(d.idx)]
-        skipped = sum(len(store.samples_of(d.idx) & set(range(expected[d.idx]))) for d in datums)
+        todo = [d for d in datums if len(store.done(d.idx, expected[d.idx])) < expected[d.idx]]
+        skipped = sum(len(store.done(d.idx, expected[d.idx])) for d in datums)
+        retried = sum(len(store.failed(d.idx, expected[d.idx])) for d in datums)
         if todo and paths.summary.exists():
             paths.summary.unlink()  # stale until the missing groups are on disk
-        if skipped:
+        if skipped or retried:
             print(
-                f"resume: {skipped} completion(s) already in {paths.completions}; {len(todo)} group(s) to go"
+                f"resume: {skipped} completion(s) already in {paths.completions}, {retried} error sample(s) "
+                f"to retry; {len(todo)} group(s) to go"
             )
-        records, written = await _roll_out(
+        records, written, errors_written = await _roll_out(
             manager,
             todo,
+            expected,
             store,
             cfg.eval.save_token_ids,
             cfg.eval.max_concurrent_prompts,
@@ -178,6 +217,8 @@ async def run_eval_async(
                 {
                     "groups_generated": len(records),
                     "completions_written": written,
+                    "errors_written": errors_written,
+                    "retried": retried,
                     "skipped_completions": skipped,
                     "wall_time_s": wall,
                     "rollout_metrics": metrics,
@@ -185,12 +226,12 @@ async def run_eval_async(
             )
             + b"\n"
         )
-    missing = [idx for idx, n in expected.items() if not set(range(n)) <= store.samples_of(idx)]
+    missing = [idx for idx, n in expected.items() if any(store.line(idx, s) is None for s in range(n))]
     if missing and stop_after_groups is None:
         raise RuntimeError(
             f"the rollouts returned fewer completions than num_tests_per_prompt for prompts {missing[:20]}"
         )
-    complete = not missing
+    complete = not missing and len(records) == len(todo)
     summary = None
     if complete:
         summary = summarize(cfg, datums, expected, store)
@@ -198,20 +239,24 @@ async def run_eval_async(
         from nemo_rl_ext.evals.report import write_report
 
         write_report(summary, paths)
-    return EvalResult(paths, complete, summary, len(records), written, skipped, wall, metrics)
+    return EvalResult(
+        paths, complete, summary, len(records), written, skipped, wall, metrics, errors_written, retried
+    )
 
 
 async def _roll_out(
     manager: RolloutManager,
     todo: Sequence[DatumSpec],
+    expected: dict[int, int],
     store: CompletionStore,
     save_token_ids: bool,
     max_concurrent: int | None,
     progress: bool,
     stop_after_groups: int | None,
     desc: str,
-) -> tuple[list[PromptGroupRecord], int]:
-    """Roll out `todo` concurrently, appending each group's missing samples as soon as the group is done."""
+) -> tuple[list[PromptGroupRecord], int, int]:
+    """Roll out `todo` concurrently, appending each group's samples that have no result yet (missing or
+    errored before) as soon as the group is done; returns the records, lines written, error lines written."""
     limit = asyncio.Semaphore(max_concurrent or max(len(todo), 1))
 
     async def one(datum: DatumSpec) -> PromptGroupRecord:
@@ -220,17 +265,19 @@ async def _roll_out(
 
     tasks = [asyncio.ensure_future(one(d)) for d in todo]
     records: list[PromptGroupRecord] = []
-    written = 0
+    written = errors = 0
     bar = tqdm(total=len(todo), desc=desc, unit="prompt", disable=not progress)
     try:
         for next_done in asyncio.as_completed(tasks):
             record = await next_done
-            have = store.samples_of(record.prompt_idx)
-            written += store.append(
+            have = store.done(record.prompt_idx, expected[record.prompt_idx])
+            lines = [
                 completion_line(record, i, c, save_token_ids)
                 for i, c in enumerate(record.completions)
                 if i not in have
-            )
+            ]
+            written += store.append(lines)
+            errors += sum(is_error(x) for x in lines)
             records.append(record)
             bar.update(1)
             if stop_after_groups is not None and len(records) >= stop_after_groups:
@@ -240,30 +287,49 @@ async def _roll_out(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         bar.close()
-    return records, written
+    return records, written, errors
+
+
+MAX_LISTED_ERRORS = 50
+"""Error samples listed by name in the summary (all of them are counted)."""
 
 
 def summarize(
     cfg: EvalConfig, datums: Sequence[DatumSpec], expected: dict[int, int], store: CompletionStore
 ) -> dict[str, Any]:
-    """The summary of the completions on disk for `datums` (a pure function of the file's lines)."""
+    """The summary of the lines on disk for `datums` (a pure function of the file's lines).
+
+    Each (prompt, sample) counts once, as its result or, when it has none, as its latest error. Metrics,
+    truncation rate and mean turns are over the non-error samples; the errors are counted (`num_errors`,
+    per agent in `metrics`), listed (`error_samples`, the first MAX_LISTED_ERRORS) and judged against
+    `eval.max_error_rate` (`status`).
+    """
     prompts, lines = [], []
     for d in datums:
-        group = [store.lines[(d.idx, s)] for s in range(expected[d.idx])]
+        group = [store.line(d.idx, s) for s in range(expected[d.idx])]
+        assert all(x is not None for x in group), f"prompt {d.idx} has samples without a line"
         lines.extend(group)
+        scored = [x for x in group if not is_error(x)]
         prompts.append(
             PromptSamples(
                 agent_name=group[0]["agent"],
-                rewards=tuple(float(x["reward"]) for x in group),
-                answers=tuple(
-                    None if x["stop_reason"] == "error" or x["answer"] is None else str(x["answer"])
-                    for x in group
-                ),
+                rewards=tuple(float(x["reward"]) for x in scored),
+                answers=tuple(None if x["answer"] is None else str(x["answer"]) for x in scored),
+                num_errors=len(group) - len(scored),
             )
         )
     ks = cfg.eval.resolved_ks
     n = len(lines)
+    scored = [x for x in lines if not is_error(x)]
+    errors = [x for x in lines if is_error(x)]
     stops = Counter(x["stop_reason"] for x in lines)
+    error_rate = len(errors) / n
+    if not errors:
+        status = "ok"
+    elif error_rate <= cfg.eval.max_error_rate:
+        status = "errors_allowed"
+    else:
+        status = "errors_left"
     return {
         "rollout_mode": cfg.eval.rollout_mode,
         "model": cfg.policy.model_name,
@@ -274,8 +340,15 @@ def summarize(
         "reward_threshold": cfg.eval.reward_threshold,
         "agents": sorted({p.agent_name for p in prompts}),
         "stop_reasons": dict(sorted(stops.items())),
-        "num_errors": stops.get("error", 0),
-        "truncation_rate": sum(bool(x["truncated"]) for x in lines) / n,
-        "mean_turns": sum(int(x["num_turns"]) for x in lines) / n,
+        "status": status,
+        "num_errors": len(errors),
+        "error_rate": error_rate,
+        "max_error_rate": cfg.eval.max_error_rate,
+        "error_samples": [
+            {k: x.get(k) for k in ("prompt_idx", "sample_idx", "agent", "error")}
+            for x in errors[:MAX_LISTED_ERRORS]
+        ],
+        "truncation_rate": sum(bool(x["truncated"]) for x in scored) / len(scored) if scored else None,
+        "mean_turns": sum(int(x["num_turns"]) for x in scored) / len(scored) if scored else None,
         "metrics": aggregate_eval_metrics(prompts, ks, cfg.eval.reward_threshold),
     }

@@ -45,7 +45,38 @@ def metric_rows(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]
             for _, prefix in columns
         ]
     )
+    rows.append(
+        ["errors (not scored)"] + [f"{metrics.get(prefix + 'num_errors', 0.0):.0f}" for _, prefix in columns]
+    )
     return header, rows
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def error_note(summary: Mapping[str, Any], max_listed: int = 5) -> list[str]:
+    """What the errors left mean for the run, then the first few of them ([] when there are none)."""
+    n = summary["num_errors"]
+    if not n:
+        return []
+    verdict = (
+        f"more than eval.max_error_rate={summary['max_error_rate']:g} allows: the run failed"
+        if summary["status"] == "errors_left"
+        else f"within eval.max_error_rate={summary['max_error_rate']:g}"
+    )
+    listed = [
+        f"prompt {e['prompt_idx']} sample {e['sample_idx']} ({e['agent']}): {e['error']}"
+        for e in summary["error_samples"][:max_listed]
+    ]
+    if n > len(listed):
+        listed.append(f"... and {n - len(listed)} more (completions.jsonl has every one)")
+    headline = (
+        f"{n} error sample(s) left ({summary['error_rate']:.1%} of {summary['num_completions']}; {verdict}). "
+        "Errors are infrastructure failures, not answers: they are not scored, and re-running with the same "
+        "eval.save_path retries them."
+    )
+    return [headline, *listed]
 
 
 def format_metric_table(summary: Mapping[str, Any]) -> str:
@@ -61,9 +92,11 @@ def format_metric_table(summary: Mapping[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     stops = ", ".join(f"{k}: {v}" for k, v in summary["stop_reasons"].items())
     lines.append(
-        f"stop reasons: {stops}; mean turns {summary['mean_turns']:.2f}; "
-        f"truncation rate {summary['truncation_rate']:.3f}"
+        f"stop reasons: {stops}; mean turns {_number(summary['mean_turns'], '.2f')}; "
+        f"truncation rate {_number(summary['truncation_rate'], '.3f')}"
     )
+    note = error_note(summary)
+    lines += note[:1] + [f"  {x}" for x in note[1:]]
     return "\n".join(lines)
 
 
@@ -117,6 +150,7 @@ def markdown_report(summary: Mapping[str, Any], plot_name: str) -> str:
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     table += ["| " + " | ".join(r) + " |" for r in rows]
     stops = ", ".join(f"{k}: {v}" for k, v in summary["stop_reasons"].items())
+    note = error_note(summary, max_listed=20)
     return "\n".join(
         [
             f"# Eval: {summary['model']} on {summary['dataset_path']}",
@@ -124,8 +158,11 @@ def markdown_report(summary: Mapping[str, Any], plot_name: str) -> str:
             f"- mode: `{summary['rollout_mode']}`; {summary['num_prompts']} prompts, "
             f"{summary['num_completions']} completions; agents: {', '.join(summary['agents'])}",
             f"- correct: reward >= {summary['reward_threshold']:g}; values are means over prompts ± standard error",
-            f"- stop reasons: {stops}; errors: {summary['num_errors']}; mean turns: {summary['mean_turns']:.2f}; "
-            f"truncation rate: {summary['truncation_rate']:.3f}",
+            f"- stop reasons: {stops}; errors: {summary['num_errors']}; "
+            f"mean turns: {_number(summary['mean_turns'], '.2f')}; "
+            f"truncation rate: {_number(summary['truncation_rate'], '.3f')}",
+            f"- status: `{summary['status']}`",
+            *(["", f"**{note[0]}**", "", *(f"- {x}" for x in note[1:])] if note else []),
             "",
             *table,
             "",

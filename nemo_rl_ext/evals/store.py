@@ -5,12 +5,22 @@ groups plus at most one torn last line; opening the store truncates that line. A
 partially present (a kill between the kernel writing some of its lines and the rest); the driver then
 rolls the whole group out again (per-sample seeds make the samples identical) and writes only the
 samples that are missing. Nothing is ever rewritten: resuming only appends.
+
+Error completions (stop_reason "error": an infrastructure failure, not an answer) are written like any
+other line, but they are not results. What a (prompt, sample) pair holds is decided by its lines in file
+order: its first non-error line is its result (later lines for it are ignored as duplicates); until it
+has one, its latest error line says why it failed and the driver rolls it out again. So a retry only
+appends, a kill at any point leaves a readable file, and the error history stays on disk.
+
+The folder also records a fingerprint of the dataset rows it evaluates (`dataset_fingerprint.json`);
+a resume against rows whose contents changed is refused (`check_dataset`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +31,24 @@ from omegaconf import OmegaConf
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.experience.records import Completion, PromptGroupRecord
 
-RESUME_MAY_CHANGE = frozenset({"eval.num_prompts", "eval.max_concurrent_prompts", "policy.max_batch_size"})
+RESUME_MAY_CHANGE = frozenset(
+    {"eval.num_prompts", "eval.max_concurrent_prompts", "eval.max_error_rate", "policy.max_batch_size"}
+)
 """Config keys that may differ between a run and its resumption (they change no completion)."""
+
+ERROR = "error"
+"""The stop_reason of an error completion."""
+
+_LINE_TYPES: dict[str, tuple[type, ...]] = {
+    "prompt_idx": (int,),
+    "sample_idx": (int,),
+    "agent": (str,),
+    "reward": (int, float),
+    "stop_reason": (str,),
+    "truncated": (bool,),
+    "num_turns": (int,),
+}
+"""The keys every completion line needs (what resume and the summary read), with their JSON types."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +77,11 @@ class EvalPaths:
     def runs(self) -> Path:
         """One JSON line per invocation: what it generated, its rollout metrics and wall time."""
         return self.root / "runs.jsonl"
+
+    @property
+    def dataset(self) -> Path:
+        """The fingerprint of the evaluated dataset rows (checked on resume)."""
+        return self.root / "dataset_fingerprint.json"
 
     @property
     def plot(self) -> Path:
@@ -105,18 +136,49 @@ def completion_line(
     }
 
 
+def is_error(line: Mapping[str, Any]) -> bool:
+    """True for an error completion (an infrastructure failure, not the model's answer)."""
+    return line["stop_reason"] == ERROR
+
+
+def _line_problem(row: Any) -> str | None:
+    """What is wrong with a parsed line, or None when it is a completion line."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    missing = [k for k in _LINE_TYPES if k not in row]
+    if missing:
+        return f"missing key(s) {missing}"
+    bad = [
+        f"{k}={row[k]!r}"
+        for k, types in _LINE_TYPES.items()
+        if not isinstance(row[k], types) or (bool not in types and isinstance(row[k], bool))
+    ]
+    if bad:
+        return "wrong type: " + ", ".join(bad)
+    if row["prompt_idx"] < 0 or row["sample_idx"] < 0:
+        return f"negative index: prompt_idx={row['prompt_idx']}, sample_idx={row['sample_idx']}"
+    return None
+
+
 class CompletionStore:
-    """The completions JSONL of one output folder: read what is there, append groups durably."""
+    """The completions JSONL of one output folder: read what is there, append groups durably.
+
+    Raises ConfigError naming the file and every bad line when a line other than a torn last one is not
+    a completion (a file that was edited or belongs to something else: the user must look at it).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.torn_bytes = 0
         """Bytes of a torn last line that opening the store cut off (0 when the file was whole)."""
-        self.lines: dict[tuple[int, int], dict[str, Any]] = {}
-        """The lines on disk by (prompt_idx, sample_idx); the first one wins if a pair appears twice."""
+        self.results: dict[tuple[int, int], dict[str, Any]] = {}
+        """The result of each (prompt_idx, sample_idx) that has one: its first non-error line."""
+        self.errors: dict[tuple[int, int], dict[str, Any]] = {}
+        """The latest error line of each pair that has no result yet (to be rolled out again)."""
+        self.error_lines = 0
+        """Error lines in the file (every failed attempt, also those superseded by a later result)."""
         self.duplicates = 0
-        """Lines whose (prompt_idx, sample_idx) was already on disk (ignored)."""
-        self._samples: dict[int, set[int]] = {}
+        """Lines for a pair that already had a result (ignored)."""
         self._repair_and_read()
 
     def _repair_and_read(self) -> None:
@@ -137,27 +199,46 @@ class CompletionStore:
                 continue
             try:
                 row = orjson.loads(line)
-                key = (int(row["prompt_idx"]), int(row["sample_idx"]))
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                problems.append(f"line {lineno}: {type(exc).__name__}: {exc}")
+            except orjson.JSONDecodeError as exc:
+                problems.append(f"line {lineno}: not JSON ({exc})")
                 continue
-            if key in self.lines:
-                self.duplicates += 1
+            problem = _line_problem(row)
+            if problem is not None:
+                problems.append(f"line {lineno}: {problem}")
                 continue
-            self._add(key, row)
+            self._add(row)
         if problems:
-            raise ValueError(
-                f"{self.path}: {len(problems)} unreadable line(s) (not from a killed run; fix or move the file):\n  "
-                + "\n  ".join(problems[:20])
+            shown = "\n  ".join(problems[:20]) + (
+                f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            )
+            raise ConfigError(
+                f"{self.path}: {len(problems)} unreadable line(s), not from a killed run "
+                f"(fix or move the file, or use another eval.save_path):\n  {shown}"
             )
 
-    def _add(self, key: tuple[int, int], row: dict[str, Any]) -> None:
-        self.lines[key] = row
-        self._samples.setdefault(key[0], set()).add(key[1])
+    def _add(self, row: dict[str, Any]) -> None:
+        key = (int(row["prompt_idx"]), int(row["sample_idx"]))
+        if key in self.results:
+            self.duplicates += 1
+        elif is_error(row):
+            self.error_lines += 1
+            self.errors[key] = row
+        else:
+            self.errors.pop(key, None)
+            self.results[key] = row
 
-    def samples_of(self, prompt_idx: int) -> set[int]:
-        """The sample indices of a prompt already on disk (a copy)."""
-        return set(self._samples.get(prompt_idx, ()))
+    def line(self, prompt_idx: int, sample_idx: int) -> dict[str, Any] | None:
+        """What the pair holds now: its result, else its latest error line, else None."""
+        key = (prompt_idx, sample_idx)
+        return self.results.get(key, self.errors.get(key))
+
+    def done(self, prompt_idx: int, num_samples: int) -> set[int]:
+        """The sample indices below `num_samples` of a prompt that have a result."""
+        return {s for s in range(num_samples) if (prompt_idx, s) in self.results}
+
+    def failed(self, prompt_idx: int, num_samples: int) -> set[int]:
+        """The sample indices below `num_samples` of a prompt whose latest line is an error."""
+        return {s for s in range(num_samples) if (prompt_idx, s) in self.errors}
 
     def append(self, rows: Iterable[dict[str, Any]]) -> int:
         """Write rows with one write, then flush and fsync; returns how many were written."""
@@ -169,11 +250,59 @@ class CompletionStore:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
-        for r in rows:
-            key = (int(r["prompt_idx"]), int(r["sample_idx"]))
-            if key not in self.lines:
-                self._add(key, orjson.loads(dumps(r)))  # exactly what a later read of the file gives
+        for line in payload.splitlines():
+            self._add(orjson.loads(line))  # exactly what a later read of the file gives
         return len(rows)
+
+
+# ---- the dataset fingerprint ---------------------------------------------------------------------------
+
+
+def row_digests(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A short content hash per row: sha256 of its canonical JSON (sorted keys), first 16 hex digits."""
+    return [hashlib.sha256(dumps_canonical(row)).hexdigest()[:16] for row in rows]
+
+
+def dumps_canonical(obj: Any) -> bytes:
+    """JSON with sorted keys: the same bytes for the same content, however the file was formatted."""
+    return orjson.dumps(obj, default=_json_default, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SORT_KEYS)
+
+
+def check_dataset(fingerprint: Path, dataset_path: str, digests: Sequence[str], resuming: bool) -> None:
+    """Compare the selected rows with the fingerprint an earlier run recorded, then record the union.
+
+    When `resuming` (completions are on disk), every row index both runs selected must hold the same
+    content; otherwise ConfigError names the file and the rows that changed. A longer selection (more
+    `num_prompts`) extends the record; a shorter one keeps the recorded tail for a later, longer resume.
+    """
+    recorded: list[str] = []
+    if resuming and fingerprint.exists():
+        try:
+            recorded = list(orjson.loads(fingerprint.read_bytes())["row_sha256"])
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"{fingerprint}: unreadable ({type(exc).__name__}: {exc}); move it aside to resume "
+                "without the dataset check"
+            ) from None
+        changed = [i for i, (old, new) in enumerate(zip(recorded, digests, strict=False)) if old != new]
+        if changed:
+            shown = ", ".join(map(str, changed[:20])) + (" ..." if len(changed) > 20 else "")
+            raise ConfigError(
+                f"{dataset_path} changed since the completions in {fingerprint.parent} were written: "
+                f"{len(changed)} of the {min(len(recorded), len(digests))} rows they cover differ (rows {shown}); "
+                "resuming would mix answers to different questions. Restore the file, or use another "
+                "eval.save_path."
+            )
+    merged = list(digests) + recorded[len(digests) :]
+    record = {
+        "dataset_path": dataset_path,
+        "num_rows": len(merged),
+        "sha256": hashlib.sha256("".join(merged).encode()).hexdigest(),
+        "row_sha256": merged,
+    }
+    tmp = fingerprint.with_name(fingerprint.name + ".tmp")
+    tmp.write_bytes(dumps(record, indent=True) + b"\n")
+    os.replace(tmp, fingerprint)
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -126,7 +126,11 @@ SUMMARY_KEYS = {
     "reward_threshold",
     "agents",
     "stop_reasons",
+    "status",
     "num_errors",
+    "error_rate",
+    "max_error_rate",
+    "error_samples",
     "truncation_rate",
     "mean_turns",
     "metrics",
@@ -149,13 +153,22 @@ LINE_KEYS = {
 
 def check_outputs(result, num_prompts: int, num_samples: int) -> list[dict[str, Any]]:
     paths = result.paths
-    for p in (paths.config, paths.completions, paths.summary, paths.runs, paths.plot, paths.report):
+    for p in (
+        paths.config,
+        paths.completions,
+        paths.summary,
+        paths.runs,
+        paths.plot,
+        paths.report,
+        paths.dataset,
+    ):
         assert p.exists(), p
     assert paths.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| metric |" in paths.report.read_text() and "pass_at_k.png" in paths.report.read_text()
     summary = json.loads(paths.summary.read_text())
     assert summary == result.summary and set(summary) == SUMMARY_KEYS
     assert summary["num_prompts"] == num_prompts and summary["num_completions"] == num_samples
+    assert summary["status"] == "ok" and summary["num_errors"] == 0 and summary["error_samples"] == []
     lines = read_lines(paths.completions)
     assert len(lines) == num_samples and all(set(x) == LINE_KEYS for x in lines)
     assert len({(x["prompt_idx"], x["sample_idx"]) for x in lines}) == num_samples
@@ -354,12 +367,70 @@ def test_resume_refuses_a_changed_config_but_allows_more_prompts(
 
     target = tmp_path / "more"
     target.mkdir()
-    for name in ("config.yaml", "completions.jsonl"):
+    for name in ("config.yaml", "completions.jsonl", "dataset_fingerprint.json"):
         (target / name).write_bytes(
             (out / name).read_bytes().replace(str(out).encode(), str(target).encode())
         )
     more = run_eval(make_cfg(tiny_model_dir, target, num_prompts=8), generation=generation, progress=False)
     assert more.groups_generated == 2 and more.skipped_completions == 24 and more.summary["num_prompts"] == 8
+    assert json.loads((target / "dataset_fingerprint.json").read_text())["num_rows"] == 8
+
+
+@pytest.mark.timeout(60)
+def test_resume_refuses_a_dataset_whose_rows_changed(tiny_model_dir, generation, tmp_path) -> None:
+    data = tmp_path / "rows.jsonl"
+    rows = ARITHMETIC.read_text().splitlines(keepends=True)[:8]
+    data.write_text("".join(rows))
+    cfg = make_cfg(tiny_model_dir, tmp_path / "out", dataset_path=str(data), max_concurrent_prompts=2)
+    first = run_eval(cfg, generation=generation, progress=False, stop_after_groups=2)
+    before = first.paths.completions.read_bytes()
+    assert not first.complete and before.count(b"\n") == 8
+
+    data.write_text("".join(reversed(rows)))  # same path, same rows, another order
+    with pytest.raises(ConfigError) as info:
+        run_eval(cfg, generation=generation, progress=False)
+    msg = str(info.value)
+    assert msg.startswith(f"{data} changed since the completions in {first.paths.root} were written")
+    assert (
+        "6 of the 6 rows they cover differ" in msg
+        and "Restore the file, or use another eval.save_path" in msg
+    )
+    assert first.paths.completions.read_bytes() == before and not first.paths.summary.exists()
+
+    data.write_text("".join(rows[:6]) + "\n")  # restored (a blank line at the end changes no row): resumes
+    resumed = run_eval(cfg, generation=generation, progress=False)
+    assert resumed.complete and resumed.skipped_completions == 8 and resumed.summary["num_prompts"] == 6
+
+
+@pytest.mark.timeout(60)
+def test_cli_garbage_line_in_completions_is_one_clean_message(tiny_model_dir, tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    good = json.dumps(
+        {
+            "prompt_idx": 0,
+            "sample_idx": 0,
+            "agent": "math",
+            "reward": 1.0,
+            "answer": "31",
+            "stop_reason": "natural",
+            "truncated": False,
+            "num_turns": 1,
+        }
+    )
+    (out / "completions.jsonl").write_text(f"{good}\nthis is not json\n{good}\n")
+    proc = run_cli(
+        "--config",
+        "examples/configs/evals/eval.yaml",
+        f"policy.model_name={tiny_model_dir}",
+        f"eval.save_path={out}",
+        "--no-progress",
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: {out / 'completions.jsonl'}: 1 unreadable line(s)")
+    assert "\n  line 2: not JSON" in proc.stderr and "\n  line 1:" not in proc.stderr
+    assert "\n  line 3:" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 2
 
 
 @pytest.mark.timeout(120)

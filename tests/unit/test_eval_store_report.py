@@ -10,11 +10,25 @@ import pytest
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics
 from nemo_rl_ext.evals.report import format_metric_table, markdown_report, plot_pass_at_k
-from nemo_rl_ext.evals.store import CompletionStore, check_resumable
+from nemo_rl_ext.evals.store import CompletionStore, check_dataset, check_resumable, row_digests
 
 
-def line(p: int, s: int) -> str:
-    return json.dumps({"prompt_idx": p, "sample_idx": s, "reward": 1.0}) + "\n"
+def row(p: int, s: int, error: str | None = None, reward: float = 1.0) -> dict:
+    return {
+        "prompt_idx": p,
+        "sample_idx": s,
+        "agent": "a",
+        "reward": 0.0 if error else reward,
+        "answer": None,
+        "stop_reason": "error" if error else "natural",
+        "truncated": False,
+        "num_turns": 1,
+        "error": error,
+    }
+
+
+def line(p: int, s: int, error: str | None = None, reward: float = 1.0) -> str:
+    return json.dumps(row(p, s, error, reward)) + "\n"
 
 
 def test_store_cuts_a_torn_last_line_and_indexes_samples(tmp_path: Path) -> None:
@@ -23,19 +37,64 @@ def test_store_cuts_a_torn_last_line_and_indexes_samples(tmp_path: Path) -> None
     store = CompletionStore(path)
     assert store.torn_bytes == len('{"prompt_idx": 1, "sam')
     assert path.read_text() == line(0, 0) + line(0, 1) + line(1, 0)
-    assert store.samples_of(0) == {0, 1} and store.samples_of(1) == {0} and store.samples_of(2) == set()
-    assert store.append([{"prompt_idx": 1, "sample_idx": 1, "reward": 0.5}]) == 1
-    assert CompletionStore(path).samples_of(1) == {0, 1} and CompletionStore(path).torn_bytes == 0
+    assert store.done(0, 4) == {0, 1} and store.done(1, 4) == {0} and store.done(2, 4) == set()
+    assert store.done(0, 1) == {0}  # only the samples the prompt gets now
+    assert store.append([row(1, 1, reward=0.5)]) == 1
+    assert CompletionStore(path).done(1, 2) == {0, 1} and CompletionStore(path).torn_bytes == 0
 
 
 def test_store_ignores_duplicates_and_rejects_unreadable_lines(tmp_path: Path) -> None:
     path = tmp_path / "c.jsonl"
     path.write_text(line(0, 0) + line(0, 0))
     assert CompletionStore(path).duplicates == 1
-    path.write_text(line(0, 0) + "not json\n" + '{"sample_idx": 1}\n')
-    with pytest.raises(ValueError, match=r"2 unreadable line\(s\)") as info:
+    bad_type = json.dumps({**row(0, 2), "prompt_idx": "0"})
+    path.write_text(line(0, 0) + "not json\n" + '{"sample_idx": 1}\n' + line(0, 1) + bad_type + "\n")
+    with pytest.raises(ConfigError, match=r"3 unreadable line\(s\)") as info:
         CompletionStore(path)
-    assert "line 2" in str(info.value) and "line 3" in str(info.value)
+    msg = str(info.value)
+    assert str(path) in msg and "line 2: not JSON" in msg and "line 4" not in msg
+    assert (
+        "line 3: missing key(s) ['prompt_idx', 'agent'" in msg and "line 5: wrong type: prompt_idx='0'" in msg
+    )
+
+
+def test_error_lines_are_recorded_but_not_results(tmp_path: Path) -> None:
+    """An error line leaves its pair to do; the next line supersedes it; a result is final."""
+    path = tmp_path / "c.jsonl"
+    path.write_text(line(0, 0) + line(0, 1, "TimeoutError: timed out") + line(1, 0, "boom"))
+    store = CompletionStore(path)
+    assert store.done(0, 2) == {0} and store.failed(0, 2) == {1} and store.failed(1, 1) == {0}
+    assert store.error_lines == 2 and store.line(0, 1)["error"] == "TimeoutError: timed out"
+    store.append([row(0, 1, reward=0.5), row(1, 0, "boom again")])  # a retry: one fixed, one failed again
+    for s in (store, CompletionStore(path)):  # the same in memory and read back
+        assert s.done(0, 2) == {0, 1} and s.failed(0, 2) == set() and s.line(0, 1)["reward"] == 0.5
+        assert s.failed(1, 1) == {0} and s.line(1, 0)["error"] == "boom again" and s.error_lines == 3
+    store.append([row(0, 1, "late error"), row(0, 1, reward=0.0)])  # after a result: ignored
+    again = CompletionStore(path)
+    assert again.line(0, 1)["reward"] == 0.5 and again.duplicates == 2 and again.failed(0, 2) == set()
+    assert len(path.read_text().splitlines()) == 7  # append-only: every attempt is still on disk
+
+
+def test_dataset_fingerprint_refuses_changed_rows_and_extends(tmp_path: Path) -> None:
+    fp = tmp_path / "dataset_fingerprint.json"
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(5)]
+    check_dataset(fp, "d.jsonl", row_digests(rows[:3]), resuming=False)
+    assert json.loads(fp.read_text())["num_rows"] == 3
+    # key order and formatting don't matter; content does
+    assert row_digests([{"answer": "0", "question": "q0"}]) == row_digests(rows[:1])
+    check_dataset(fp, "d.jsonl", row_digests(rows), resuming=True)  # more prompts: extends the record
+    assert json.loads(fp.read_text())["row_sha256"] == row_digests(rows)
+    check_dataset(fp, "d.jsonl", row_digests(rows[:2]), resuming=True)  # fewer: keeps the tail
+    assert json.loads(fp.read_text())["num_rows"] == 5
+    swapped = [rows[0], rows[3], rows[2], rows[1], rows[4]]
+    with pytest.raises(ConfigError) as info:
+        check_dataset(fp, "data/d.jsonl", row_digests(swapped), resuming=True)
+    msg = str(info.value)
+    assert msg.startswith("data/d.jsonl changed since the completions in") and "2 of the 5 rows" in msg
+    assert "rows 1, 3" in msg
+    assert json.loads(fp.read_text())["row_sha256"] == row_digests(rows)  # a refused resume changes nothing
+    check_dataset(fp, "d.jsonl", row_digests(swapped), resuming=False)  # no completions yet: a fresh start
+    assert json.loads(fp.read_text())["row_sha256"] == row_digests(swapped)
 
 
 def test_check_resumable_names_changed_keys(tmp_path: Path) -> None:
@@ -69,7 +128,11 @@ def summary() -> dict:
         "reward_threshold": 1.0,
         "agents": ["alpha", "beta"],
         "stop_reasons": {"natural": 9, "truncated": 1},
+        "status": "ok",
         "num_errors": 0,
+        "error_rate": 0.0,
+        "max_error_rate": 0.0,
+        "error_samples": [],
         "truncation_rate": 0.1,
         "mean_turns": 1.0,
         "metrics": aggregate_eval_metrics(prompts, [1, 2, 4]),
@@ -85,6 +148,36 @@ def test_metric_table_has_a_column_per_agent_and_skips_missing_ks() -> None:
     mean_row = next(r for r in rows if r.startswith("mean_reward")).split()
     assert mean_row == ["mean_reward", "0.500", "±", "0.144", "0.500", "±", "0.250", "0.500", "±", "0.000"]
     assert "stop reasons: natural: 9, truncated: 1" in table
+
+
+def test_table_and_markdown_show_errors_left() -> None:
+    errored = summary()
+    prompts = [
+        PromptSamples("alpha", (1.0, 0.0, 1.0), ("3", "4", "3"), num_errors=1),
+        PromptSamples("beta", (0.0, 1.0), ("7", "8")),
+    ]
+    errored.update(
+        status="errors_left",
+        num_errors=1,
+        error_rate=1 / 6,
+        num_completions=6,
+        stop_reasons={"error": 1, "natural": 5},
+        error_samples=[
+            {"prompt_idx": 0, "sample_idx": 3, "agent": "alpha", "error": "GymError: server died"}
+        ],
+        metrics=aggregate_eval_metrics(prompts, [1, 2, 4]),
+    )
+    table = format_metric_table(errored)
+    errors_row = next(r for r in table.splitlines() if r.startswith("errors (not scored)")).split()
+    assert errors_row[-3:] == ["1", "1", "0"]  # all, alpha, beta
+    assert "1 error sample(s) left (16.7% of 6; more than eval.max_error_rate=0 allows" in table
+    assert "prompt 0 sample 3 (alpha): GymError: server died" in table
+    md = markdown_report(errored, "pass_at_k.png")
+    assert "- status: `errors_left`" in md and "| errors (not scored) | 1 | 1 | 0 |" in md
+    assert "- prompt 0 sample 3 (alpha): GymError: server died" in md
+    assert "error sample" not in format_metric_table(summary()) and "status: `ok`" in markdown_report(
+        summary(), "p"
+    )
 
 
 def test_markdown_and_png(tmp_path: Path) -> None:
@@ -108,5 +201,7 @@ def test_shipped_gym_rows_become_datums() -> None:
         "developer",
         "user",
     ]
-    with pytest.raises(ValueError, match=r"2 Gym row\(s\) lack responses_create_params or agent_ref.name: rows \[0, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"2 Gym row\(s\) lack responses_create_params or agent_ref.name: rows \[0, 1\]"
+    ):
         gym_datums([{"agent_ref": {}}, {"agent_ref": "x"}, rows[0]])
