@@ -274,6 +274,7 @@ def check_dataset(fingerprint: Path, dataset_path: str, digests: Sequence[str], 
     When `resuming` (completions are on disk), every row index both runs selected must hold the same
     content; otherwise ConfigError names the file and the rows that changed. A longer selection (more
     `num_prompts`) extends the record; a shorter one keeps the recorded tail for a later, longer resume.
+    A folder written before fingerprints existed (none recorded) is accepted and gets one.
     """
     recorded: list[str] = []
     if resuming and fingerprint.exists():
