@@ -1,4 +1,9 @@
-"""Group-relative advantages (GRPO): each completion's reward against a baseline from its prompt's group."""
+"""Group-relative advantages (GRPO): each completion's reward against a baseline from its prompt's group.
+
+The defaults are NeMo-RL's (`use_leave_one_out_baseline: true`, `normalize_rewards: true`): a sample's
+baseline is the mean of the OTHER valid samples of its group, and its advantage is divided by the std of
+those same other rewards, unless that std is 0 (then it is left as it is).
+"""
 
 from __future__ import annotations
 
@@ -8,22 +13,63 @@ from typing import Literal
 import torch
 
 Baseline = Literal["mean", "leave_one_out"]
+StdScope = Literal["baseline", "group"]
+
+
+def _others(r: torch.Tensor) -> torch.Tensor:
+    """[m, m-1]: row i holds the rewards of every sample but i, in order."""
+    m = r.numel()
+    keep = ~torch.eye(m, dtype=torch.bool)
+    return r.expand(m, m)[keep].view(m, m - 1)
+
+
+def _row_std(rows: torch.Tensor) -> torch.Tensor:
+    """Sample std (ddof=1) of each row; exactly 0 for a row of equal values or of fewer than two values."""
+    if rows.shape[-1] < 2:
+        return torch.zeros(rows.shape[0], dtype=rows.dtype)
+    equal = (rows == rows[:, :1]).all(dim=-1)
+    return torch.where(equal, torch.zeros_like(equal, dtype=rows.dtype), rows.std(dim=-1, correction=1))
+
+
+def _group_advantages(r: torch.Tensor, baseline: str, normalize_std: bool, std_scope: str, eps: float):
+    """Advantages of the valid rewards `r` of one group (float64, at least two of them, not all equal)."""
+    m = r.numel()
+    if baseline == "leave_one_out":
+        others = _others(r)
+        base = others.mean(dim=-1)
+        std = _row_std(others) if std_scope == "baseline" else _row_std(r[None]).expand(m)
+    else:
+        base = r.mean().expand(m)
+        std = _row_std(r[None]).expand(m)
+    adv = r - base
+    if normalize_std:
+        adv = torch.where(std > 0, adv / (std + eps), adv)
+    return adv
 
 
 def compute_group_advantages(
     rewards_per_group: Sequence[Sequence[float]],
-    baseline: Baseline = "mean",
+    baseline: Baseline = "leave_one_out",
     normalize_std: bool = True,
     eps: float = 1e-6,
     dtype: torch.dtype = torch.float32,
+    *,
+    std_scope: StdScope = "baseline",
+    valid_per_group: Sequence[Sequence[bool]] | None = None,
 ) -> list[torch.Tensor]:
     """One 1-D tensor of advantages per group, in the group's order (groups may differ in size).
 
-    - `baseline="mean"`: A_i = r_i - mean(group).
-    - `baseline="leave_one_out"`: A_i = r_i - mean(group without i) = n/(n-1) * (r_i - mean(group)).
-    - `normalize_std`: A_i /= (std(group) + eps), std = sample std (ddof=1) of the group's rewards.
-    - A group of one sample, or a group whose rewards are all equal (zero variance), gets advantages of
-      exactly 0: there is nothing to compare against, and no division by ~0 happens.
+    Only valid samples (`valid_per_group`, default all; the GRPO batch marks failed rollouts invalid)
+    enter a baseline or a std; an invalid sample's advantage is 0. With m valid samples in a group:
+
+    - `baseline="leave_one_out"` (default): A_i = r_i - mean(r_j, j != i).
+      `baseline="mean"`: A_i = r_i - mean(r).
+    - `normalize_std`: where s_i > 0, A_i = A_i / (s_i + eps); where s_i = 0, A_i stays unscaled.
+      `std_scope="baseline"` (default, NeMo-RL): s_i is the sample std (ddof=1) of the rewards the
+      baseline averages: the other m-1 (0 when fewer than two others) with leave_one_out, all m with
+      mean. `std_scope="group"`: s_i is the sample std of all m valid rewards, for every sample (so a
+      sample whose siblings all agree is scaled like the rest of its group).
+    - m < 2 (a group of one, or one valid sample) or all valid rewards equal: every advantage is exactly 0.
     - An empty group gives an empty tensor.
 
     Arithmetic runs in float64; the result is cast to `dtype`. `torch.cat` the list for a flat tensor in
@@ -31,24 +77,37 @@ def compute_group_advantages(
     """
     if baseline not in ("mean", "leave_one_out"):
         raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
+    if std_scope not in ("baseline", "group"):
+        raise ValueError(f"std_scope must be 'baseline' or 'group', got {std_scope!r}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
+    if valid_per_group is not None and len(valid_per_group) != len(rewards_per_group):
+        raise ValueError(f"{len(rewards_per_group)} reward groups but {len(valid_per_group)} valid-mask groups")
     out: list[torch.Tensor] = []
+    problems: list[str] = []
     for i, group in enumerate(rewards_per_group):
         r = torch.as_tensor(list(group), dtype=torch.float64)
         if r.ndim != 1:
-            raise ValueError(f"group {i}: rewards must be a flat sequence of numbers")
-        if not bool(torch.isfinite(r).all()):
-            raise ValueError(f"group {i}: rewards must be finite, got {r.tolist()}")
-        n = r.numel()
-        if n < 2 or bool((r == r[0]).all()):
-            out.append(torch.zeros(n, dtype=dtype))
+            problems.append(f"group {i}: rewards must be a flat sequence of numbers")
             continue
-        centered = r - r.mean()
-        adv = centered * (n / (n - 1)) if baseline == "leave_one_out" else centered
-        if normalize_std:
-            adv = adv / (r.std(correction=1) + eps)
+        valid = (
+            torch.ones(r.numel(), dtype=torch.bool)
+            if valid_per_group is None
+            else torch.as_tensor(list(valid_per_group[i]), dtype=torch.bool)
+        )
+        if valid.shape != r.shape:
+            problems.append(f"group {i}: {r.numel()} rewards but {valid.numel()} valid flags")
+            continue
+        if not bool(torch.isfinite(r[valid]).all()):
+            problems.append(f"group {i}: rewards must be finite, got {r.tolist()}")
+            continue
+        adv = torch.zeros(r.numel(), dtype=torch.float64)
+        rv = r[valid]
+        if rv.numel() >= 2 and not bool((rv == rv[0]).all()):
+            adv[valid] = _group_advantages(rv, baseline, normalize_std, std_scope, eps)
         out.append(adv.to(dtype))
+    if problems:
+        raise ValueError("; ".join(problems))
     return out
 
 

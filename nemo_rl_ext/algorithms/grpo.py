@@ -242,6 +242,7 @@ class GRPO:
                 records,
                 baseline=self.cfg.grpo.baseline,
                 normalize_std=self.cfg.grpo.normalize_std,
+                std_scope=self.cfg.grpo.std_scope,
                 overlong_filtering=self.cfg.grpo.overlong_filtering,
             )
             metrics.update(training_batch_metrics(batch, records))

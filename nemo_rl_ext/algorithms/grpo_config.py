@@ -36,8 +36,17 @@ class GRPOSettings(StrictModel):
     max_num_steps: int = Field(default=100, ge=1, description="Training steps of the whole run.")
     max_rollout_turns: int | None = Field(default=None, ge=1, description="Turn cap of multi-turn rollouts.")
     max_seq_len: int = Field(default=512, ge=2, description="Most tokens (prompt + every turn) per rollout.")
-    baseline: Literal["mean", "leave_one_out"] = Field(default="mean", description="Group reward baseline.")
-    normalize_std: bool = Field(default=True, description="Divide advantages by the group's reward std.")
+    baseline: Literal["mean", "leave_one_out"] = Field(
+        default="leave_one_out",
+        description="Group reward baseline: the mean of the other samples (NeMo-RL's default) or of all.",
+    )
+    normalize_std: bool = Field(
+        default=True, description="Divide advantages by a reward std (skipped where that std is 0)."
+    )
+    std_scope: Literal["baseline", "group"] = Field(
+        default="baseline",
+        description="Std of the rewards the baseline averages (NeMo-RL), or of the whole group for every sample.",
+    )
     overlong_filtering: bool = Field(default=False, description="Truncated rollouts get no loss.")
     dynamic_sampling: DynamicSamplingSettings = Field(default_factory=DynamicSamplingSettings)
     val_period: int = Field(default=0, ge=0, description="Validate every this many steps; 0 never.")
@@ -61,7 +70,13 @@ class LossSettings(StrictModel):
     clip_c: float | None = Field(default=None, description="Dual-clip constant (> 1); None disables.")
     normalization: Literal["token", "sequence"] = Field(default="token", description="Loss reduction.")
     kl_coef: float = Field(default=0.0, ge=0.0, description="KL penalty to the initial policy; 0 disables.")
-    kl_estimator: Literal["k1", "k3"] = Field(default="k3", description="Per-token KL estimator.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="Per-token KL estimator.")
+    kl_input_clamp_value: float | None = Field(
+        default=20.0, gt=0.0, description="Clamp log(ref/pi) to [-v, v] before the KL estimator; None: no."
+    )
+    kl_output_clamp_value: float | None = Field(
+        default=10.0, gt=0.0, description="Clamp the per-token KL to [-v, v]; None: no."
+    )
     importance_sampling_correction: bool = Field(
         default=True, description="Weight tokens by min(pi_trainer / pi_engine, cap) (engine/trainer mismatch)."
     )

@@ -31,8 +31,12 @@ class ClippedPGLossConfig:
     """token: sum over masked tokens / masked-token count; sequence: mean per sequence, then over sequences."""
     kl_coef: float = 0.0
     """Coefficient of the KL penalty to the reference policy (0 disables it in the loss)."""
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    """Per-token KL(pi || ref) estimator: k1 = log pi - log ref; k3 = exp(ref - pi) - (ref - pi) - 1."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL(pi || ref) estimator of x = log ref - log pi: k1 = -x; k2 = x^2 / 2; k3 = exp(x) - x - 1."""
+    kl_input_clamp_value: float | None = 20.0
+    """Clamp x = log ref - log pi to [-v, v] before the estimator (NeMo-RL's name and default); None: no clamp."""
+    kl_output_clamp_value: float | None = 10.0
+    """Clamp the per-token KL to [-v, v] (NeMo-RL's name and default); None: no clamp."""
     importance_sampling_correction: bool = True
     """Weight each token by min(exp(old - gen), cap), detached (engine vs trainer mismatch); needs gen logprobs."""
     importance_sampling_cap: float = 2.0
@@ -48,14 +52,46 @@ class ClippedPGLossConfig:
             problems.append(f"clip_c must be > 1 (or None), got {self.clip_c}")
         if self.normalization not in ("token", "sequence"):
             problems.append(f"normalization must be 'token' or 'sequence', got {self.normalization!r}")
-        if self.kl_estimator not in ("k1", "k3"):
-            problems.append(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            problems.append(f"kl_estimator must be 'k1', 'k2' or 'k3', got {self.kl_estimator!r}")
+        for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
+            value = getattr(self, name)
+            if value is not None and not value > 0.0:
+                problems.append(f"{name} must be > 0 (or None), got {value}")
         if not math.isfinite(self.kl_coef):
             problems.append(f"kl_coef must be finite, got {self.kl_coef}")
         if not self.importance_sampling_cap > 0.0:
             problems.append(f"importance_sampling_cap must be > 0, got {self.importance_sampling_cap}")
         if problems:
             raise ValueError("invalid ClippedPGLossConfig: " + "; ".join(problems))
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    estimator: str = "k3",
+    input_clamp_value: float | None = 20.0,
+    output_clamp_value: float | None = 10.0,
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from x = reference_logprobs - logprobs (Schulman's k1/k2/k3).
+
+    x is clamped to [-input_clamp_value, input_clamp_value] first and the estimate to
+    [-output_clamp_value, output_clamp_value] last (None skips a clamp), as NeMo-RL's `calculate_kl`.
+    """
+    x = reference_logprobs - logprobs
+    if input_clamp_value is not None:
+        x = x.clamp(-input_clamp_value, input_clamp_value)
+    if estimator == "k1":
+        kl = -x
+    elif estimator == "k2":
+        kl = x.square() / 2
+    elif estimator == "k3":
+        kl = torch.exp(x) - x - 1.0
+    else:
+        raise ValueError(f"KL estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+    if output_clamp_value is not None:
+        kl = kl.clamp(-output_clamp_value, output_clamp_value)
+    return kl
 
 
 def _normalize(per_token: torch.Tensor, valid: torch.Tensor, mode: str, count: float | None) -> torch.Tensor:
@@ -99,7 +135,8 @@ def clipped_pg_loss(
 
     Per valid token, with r = exp(logprobs - old) and w = min(exp(old - gen), cap) detached:
       pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), then for A < 0: pg = min(pg, -A * clip_c)
-      loss_token = w * (pg + kl_coef * kl)
+      kl = clamp(k(clamp(log ref - log pi, +-kl_input_clamp_value)), +-kl_output_clamp_value)  (k: the estimator)
+      loss_token = w * pg + kl_coef * kl      (the KL term is not importance-weighted, as in NeMo-RL)
     Reduction: `token` divides the masked sum by `global_normalization_count` if given (the masked-token
     count of the whole step, for gradient accumulation) else by this batch's masked-token count;
     `sequence` averages each sequence over its masked tokens, sums over sequences and divides by
@@ -107,7 +144,7 @@ def clipped_pg_loss(
     this batch's number of such sequences. Sequences without masked tokens contribute nothing.
 
     Metrics (floats over this batch's masked tokens; 0.0 when there are none): `loss`, `loss/pg`,
-    `loss/kl` (= loss - loss/pg), `kl/mean` (raw estimator, when a reference is given), `clip_fraction`
+    `loss/kl` (= loss - loss/pg), `kl/mean` (the clamped per-token KL before kl_coef, when a reference is given), `clip_fraction`
     (+ `/low`, `/high`), `dual_clip_fraction`, `policy_ratio/mean|max` (pi / pi_old),
     `importance_ratio/mean|max` (exp(old - gen), untruncated), `is_weight/mean`,
     `is_weight/truncated_fraction`, `num_tokens`, `num_sequences`.
@@ -162,14 +199,19 @@ def clipped_pg_loss(
 
     kl = None
     if reference_logprobs is not None:
-        log_ref_ratio = torch.where(valid, reference_logprobs.to(dtype).detach() - logprobs, zero)
-        kl = -log_ref_ratio if cfg.kl_estimator == "k1" else torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
+        kl = kl_penalty(
+            torch.where(valid, logprobs, zero),
+            torch.where(valid, reference_logprobs.to(dtype).detach(), zero),
+            cfg.kl_estimator,
+            cfg.kl_input_clamp_value,
+            cfg.kl_output_clamp_value,
+        )
 
     mode, count = cfg.normalization, global_normalization_count
     pg_loss = _normalize(is_weight * pg, valid, mode, count)
     kl_loss = None
-    if kl is not None and cfg.kl_coef != 0.0:
-        kl_loss = _normalize(is_weight * cfg.kl_coef * kl, valid, mode, count)
+    if kl is not None and cfg.kl_coef != 0.0:  # not importance-weighted: only the pg term is (as NeMo-RL)
+        kl_loss = _normalize(cfg.kl_coef * kl, valid, mode, count)
     loss = pg_loss + kl_loss if kl_loss is not None else pg_loss
 
     with torch.no_grad():

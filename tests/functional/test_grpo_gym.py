@@ -5,12 +5,14 @@ calling our policy server on the tiny model, Gym's rule-based server scores them
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
 
 from nemo_rl_ext.algorithms.grpo import GRPO
+from nemo_rl_ext.algorithms.grpo_batch import build_training_batch
 from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.algorithms.metrics_logger import read_metrics
 
@@ -18,8 +20,33 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.gym, pytest.mark.timeout(900)]
 
 
-def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path):
+def nemo_rl_advantages(rewards: list[float]) -> list[float]:
+    """NeMo-RL's GRPO advantages of one group (use_leave_one_out_baseline, normalize_rewards; all valid):
+    A_i = r_i - mean(r_j, j != i), divided by (std + 1e-6) where std = sample std (ddof 1) of the r_j,
+    j != i, is > 0 (0 with fewer than two others); a group of one gets 0."""
+    if len(rewards) < 2:
+        return [0.0] * len(rewards)
+    out = []
+    for i, r in enumerate(rewards):
+        others = rewards[:i] + rewards[i + 1 :]
+        std = statistics.stdev(others) if len(others) > 1 else 0.0
+        a = r - statistics.fmean(others)
+        out.append(a / (std + 1e-6) if std > 0 else a)
+    return out
+
+
+def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch):
+    from nemo_rl_ext.algorithms import grpo as grpo_module
     from nemo_rl_ext.models.tiny import build_tiny_model
+
+    batches = []  # (records, batch) of every step, as the trainer gets them
+
+    def recording_build_training_batch(records, **kwargs):
+        batch = build_training_batch(records, **kwargs)
+        batches.append((list(records), batch))
+        return batch
+
+    monkeypatch.setattr(grpo_module, "build_training_batch", recording_build_training_batch)
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0, initializer_range=0.05)
     # the shipped Gym rows, with an expected answer made of common characters so that the random tiny
@@ -71,3 +98,28 @@ def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path):
     assert step["agent/agent_alpha/num_samples"] == 4 and step["agent/agent_beta/num_samples"] == 3
     assert step["rollout/errors"] == 0
     assert 0.0 < step["rollout/reward/mean"] < 1.0 and step["rollout/reward/std"] > 0
+
+    # the batch of the step: two uneven groups (4 and 3 samples), in order, each with its advantages
+    # and loss masks as NeMo-RL computes them, worked out here from the groups' rewards and messages
+    ((records, batch),) = batches
+    assert [(r.agent_name, len(r.completions)) for r in records] == [("agent_alpha", 4), ("agent_beta", 3)]
+    assert batch.group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1]
+    start = 0
+    for record in records:
+        rewards = [c.reward for c in record.completions]
+        assert len(set(rewards)) > 1, rewards  # a group with signal
+        got = batch.advantages[start : start + len(rewards)].tolist()
+        assert got == pytest.approx(nemo_rl_advantages(rewards), abs=1e-5), rewards
+        for c, item in zip(record.completions, batch.items[start : start + len(rewards)], strict=True):
+            # 1 exactly on the tokens the engine generated (assistant turns with logprobs), 0 on the rest
+            expected_mask, expected_lp = [], []
+            for m in c.message_log:
+                generated = m.role == "assistant"
+                assert not generated or len(m.generation_logprobs) == len(m.token_ids)
+                expected_mask += [1.0 if generated else 0.0] * len(m.token_ids)
+                expected_lp += list(m.generation_logprobs) if generated else [0.0] * len(m.token_ids)
+            assert sum(expected_mask) > 0 and expected_mask[0] == 0.0
+            assert item.token_ids.tolist() == [t for m in c.message_log for t in m.token_ids]
+            assert item.loss_mask.tolist() == expected_mask
+            assert item.generation_logprobs.tolist() == pytest.approx(expected_lp, abs=1e-6)
+        start += len(rewards)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -40,7 +41,8 @@ class RecordingPolicy(GenerationInterface):
     def __init__(self, backend: HfGeneration) -> None:
         self.backend = backend
         self.tokenizer = backend.tokenizer
-        self.script: list[str] | None = None
+        self.script: list[str] | Callable[[str], list[str]] | None = None
+        """Texts by turn, or a function of the decoded prompt that gives them; None: the real backend."""
         self.calls: list[tuple[list[int], GenerationOutput]] = []
 
     @property
@@ -51,8 +53,10 @@ class RecordingPolicy(GenerationInterface):
         if self.script is None:
             out = await self.backend.generate_async(prompt_token_ids, config)
         else:
-            turn = self.tokenizer.decode(prompt_token_ids).count("<|im_start|>assistant") - 1
-            ids = self.tokenizer(self.script[min(turn, len(self.script) - 1)], add_special_tokens=False)["input_ids"]
+            prompt = self.tokenizer.decode(prompt_token_ids)
+            turn = prompt.count("<|im_start|>assistant") - 1
+            script = self.script(prompt) if callable(self.script) else self.script
+            ids = self.tokenizer(script[min(turn, len(script) - 1)], add_special_tokens=False)["input_ids"]
             out = GenerationOutput(tuple(ids), tuple(-0.25 - 0.01 * i for i in range(len(ids))), FinishReason.EOS)
         self.calls.append((list(prompt_token_ids), out))
         return out
@@ -69,6 +73,14 @@ def gym_rows() -> list[DatumSpec]:
         row = {**row, "agent_ref": {"name": agent}}
         datums.append(DatumSpec(idx=idx, message_log=(), task_name="nemo_gym", extra_env_info=row, agent_name=agent))
     return datums
+
+
+def earned_reward(completion: Completion) -> float:
+    """What Gym's example_single_tool_call verifier must give: 1.0 when the model called get_weather (the
+    agent then ran the tool: a tool message with the resources server's weather), else 0.0."""
+    ran = any(m.role == "tool" and "The weather in" in m.content and "is cold" in m.content
+              for m in completion.message_log)
+    return 1.0 if ran else 0.0
 
 
 def assert_generated_by_us(completion: Completion, calls: list[tuple[list[int], GenerationOutput]]) -> None:
@@ -129,34 +141,44 @@ async def test_real_gym_with_the_tiny_model(gym_manager):
         for c in record.completions:
             assert c.stop_reason is not StopReason.ERROR, c.error
             assert c.num_turns >= 1
-            assert c.reward == c.env_extras["gym_result"]["reward"]
+            assert c.reward == earned_reward(c), [m.content for m in c.message_log]
             assert_generated_by_us(c, policy.calls)
     assert metrics["rollout/errors"] == 0
 
 
 async def test_real_gym_two_turn_tool_rollouts(gym_manager):
     manager, policy = gym_manager
-    policy.script = [
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "sf"}}\n</tool_call><|im_end|>',
-        "It is cold in sf.<|im_end|>",
-    ]
+    tool_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "sf"}}\n</tool_call><|im_end|>'
+    # questions about sf get a get_weather call, then an answer; the others an answer without a tool call
+    policy.script = lambda prompt: (
+        [tool_call, "It is cold in sf.<|im_end|>"] if " sf" in prompt.rsplit("<|im_start|>user", 1)[-1]
+        else ["No idea.<|im_end|>"]
+    )
     policy.calls.clear()
     datums = gym_rows()
     records, metrics = await manager.run_rollouts(datums, progress=False)
     sizes = {d.agent: len(r.completions) for d, r in zip(datums, records, strict=True)}
     assert sizes == COUNTS
     assert {r.agent_name for r in records} == {"agent_alpha", "agent_beta"}
-    for record in records:
+    # rows 0-2 ask about sf, rows 3-4 not; rows alternate agent_alpha (3 samples) and agent_beta (1 sample)
+    calls_tool = [True, True, True, False, False]
+    for record, tool in zip(records, calls_tool, strict=True):
         for c in record.completions:
             assert c.stop_reason is StopReason.NATURAL, c.error
-            assert c.num_turns == 2
-            assert [m.role for m in c.message_log] == ["user", "assistant", "tool", "assistant"]
-            assert "cold" in c.message_log[2].content  # the resources server's tool output, as tokens
-            gym_reward = c.env_extras["gym_result"]["reward"]
-            assert c.reward == gym_reward == 1.0  # example_single_tool_call rewards a get_weather call
+            if tool:
+                assert c.num_turns == 2
+                assert [m.role for m in c.message_log] == ["user", "assistant", "tool", "assistant"]
+                assert "cold" in c.message_log[2].content  # the resources server's tool output, as tokens
+            else:
+                assert c.num_turns == 1 and [m.role for m in c.message_log] == ["user", "assistant"]
+            # example_single_tool_call rewards a get_weather call and nothing else
+            assert c.reward == (1.0 if tool else 0.0)
             assert_generated_by_us(c, policy.calls)
     assert metrics["agent/agent_alpha/num_samples"] == 3 * len([d for d in datums if d.agent == "agent_alpha"])
-    assert metrics["rollout/reward/mean"] == 1.0
+    # rewarded: rows 0, 2 (alpha, 3 each) and row 1 (beta, 1) = 7 of 3 + 1 + 3 + 1 + 3 = 11
+    assert metrics["rollout/reward/mean"] == pytest.approx(7 / 11)
+    assert metrics["agent/agent_alpha/reward/mean"] == pytest.approx(6 / 9)  # rows 0, 2 of 0, 2, 4
+    assert metrics["agent/agent_beta/reward/mean"] == pytest.approx(1 / 2)  # row 1 of 1, 3
 
 
 @pytest.mark.asyncio(loop_scope="module")

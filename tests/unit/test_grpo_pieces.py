@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,12 +100,70 @@ def test_training_batch_advantages_masks_and_metrics():
     batch = build_training_batch(records, baseline="mean", normalize_std=False)
     assert batch.advantages.tolist() == [0.5, -0.5, 0.0, 0.0]
     assert batch.group_ids.tolist() == [0, 0, 1, 1]
+    assert batch.valid.tolist() == [True] * 4
     assert batch.items[0].loss_mask.tolist() == [0, 0, 0, 1, 1]
     torch.testing.assert_close(batch.items[0].generation_logprobs[3:], torch.tensor([-0.1, -0.2]))
     metrics = training_batch_metrics(batch, records)
     assert metrics["batch/groups_with_variance"] == 1.0 and metrics["batch/num_samples"] == 4.0
     filtered = build_training_batch([group([1.0, 0.0], truncated=True)], overlong_filtering=True)
     assert all(float(x.loss_mask.sum()) == 0 for x in filtered.items)
+
+
+def with_errors(record: PromptGroupRecord, failed: set[int]) -> PromptGroupRecord:
+    """The record with completions `failed` turned into failed rollouts (reward 0, stop_reason error)."""
+    completions = tuple(
+        replace(c, reward=0.0, stop_reason=StopReason.ERROR, error="boom") if i in failed else c
+        for i, c in enumerate(record.completions)
+    )
+    return replace(record, completions=completions)
+
+
+def test_training_batch_defaults_are_nemo_rl_and_errors_are_left_out():
+    # uneven groups: 4 with one error, 3, 1, 2 with one error. NeMo-RL (leave-one-out, normalize_rewards):
+    #   A_i = (r_i - mean(others)) / (std(others, ddof=1) + 1e-6), undivided where std(others) = 0,
+    #   0 for a group with fewer than two valid samples; the failed rollout is in no baseline and no std.
+    records = [
+        with_errors(group([1.0, 0.0, 0.0, 0.0]), {3}),  # valid (1, 0, 0)
+        group([0.2, 0.9, 0.5]),
+        group([0.7]),
+        with_errors(group([1.0, 1.0]), {1}),  # one valid sample left
+    ]
+    batch = build_training_batch(records)
+    eps = 1e-6
+    expected = [
+        1.0, -0.5 / (0.5**0.5 + eps), -0.5 / (0.5**0.5 + eps), 0.0,  # others of 1: (0, 0), std 0
+        -0.5 / (0.08**0.5 + eps), 0.55 / (0.045**0.5 + eps), -0.05 / (0.245**0.5 + eps),
+        0.0,
+        0.0, 0.0,
+    ]
+    assert batch.advantages.tolist() == pytest.approx(expected, abs=1e-6)
+    assert batch.group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 3, 3]
+    assert batch.valid.tolist() == [True, True, True, False, True, True, True, True, True, False]
+    # failed rollouts get no loss and count in no normalization: their loss mask is all zero
+    assert [float(x.loss_mask.sum()) for x in batch.items] == [2, 2, 2, 0, 2, 2, 2, 2, 2, 0]
+    assert [has_reward_variance(r) for r in records] == [True, True, False, False]
+    metrics = training_batch_metrics(batch, records)
+    assert metrics["batch/excluded_samples"] == 2.0 and metrics["batch/groups_with_variance"] == 2.0
+    # the previous rule is still there by name: the whole group's std for every sample
+    old = build_training_batch(records[:1], std_scope="group")
+    s = (1 / 3) ** 0.5  # sample std of (1, 0, 0)
+    assert old.advantages.tolist() == pytest.approx([1 / (s + eps), -0.5 / (s + eps), -0.5 / (s + eps), 0.0])
+
+
+def test_config_defaults_are_nemo_rl_ones():
+    cfg = GRPOConfig.model_validate({"data": {"train_path": "x.jsonl"}})
+    assert (cfg.grpo.baseline, cfg.grpo.normalize_std, cfg.grpo.std_scope) == ("leave_one_out", True, "baseline")
+    assert (cfg.loss.kl_input_clamp_value, cfg.loss.kl_output_clamp_value) == (20.0, 10.0)
+    loss = cfg.loss.model_copy(update={"kl_input_clamp_value": None, "kl_estimator": "k2"}).to_loss_config()
+    assert loss.kl_input_clamp_value is None and loss.kl_estimator == "k2"
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            None,
+            ["data.train_path=x", "grpo.std_scope=batch", "loss.kl_input_clamp_value=0", "loss.kl_output_clamp_value=-1"],
+            GRPOConfig,
+        )
+    for needle in ("std_scope", "kl_input_clamp_value", "kl_output_clamp_value"):
+        assert needle in str(err.value), needle
 
 
 # ---- per-step seeds -------------------------------------------------------------------------------

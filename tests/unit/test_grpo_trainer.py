@@ -114,6 +114,31 @@ def test_micro_batches_accumulate_to_the_full_batch_update(tiny_model_and_tokeni
             torch.testing.assert_close(g[key], full_g[key], atol=1e-5 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_failed_rollouts_are_not_in_the_loss_denominator(tiny_model_and_tokenizer, normalization):
+    # a failed rollout reaches the trainer with an all-zero loss mask (build_loss_mask): the update must be
+    # exactly the update without it, i.e. its tokens are neither trained nor counted in the normalization
+    model, tokenizer = tiny_model_and_tokenizer
+    items = sample(model, tokenizer, 1.0, n=4)
+    failed = CompletionTensors(items[2].token_ids, torch.zeros_like(items[2].loss_mask), items[2].generation_logprobs)
+    loss = ClippedPGLossConfig(importance_sampling_correction=False, normalization=normalization)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    updates, metrics = [], []
+    for batch, adv in (([items[0], items[1], failed, items[3]], [1.0, -1.0, 0.0, 0.5]),
+                       ([items[0], items[1], items[3]], [1.0, -1.0, 0.5])):
+        trainer = make_trainer(copy.deepcopy(model), loss=loss, micro_batch_size=2, max_grad_norm=None)
+        trainer.optimizer = torch.optim.SGD(trainer.parameters, lr=1.0)  # weight change = -gradient
+        metrics.append(trainer.train_step(batch, torch.tensor(adv)))
+        updates.append({k: start[k] - v for k, v in trainer.state_dict().items()})
+    with_failed, without = metrics
+    assert with_failed["num_tokens"] == without["num_tokens"] == sum(float(items[i].loss_mask.sum()) for i in (0, 1, 3))
+    assert with_failed["num_sequences"] == without["num_sequences"] == 3.0
+    assert with_failed["loss"] == pytest.approx(without["loss"], abs=1e-6)
+    scale = max(float(g.abs().max()) for g in updates[1].values())
+    for key in updates[1]:
+        torch.testing.assert_close(updates[0][key], updates[1][key], atol=1e-5 * scale, rtol=0)
+
+
 def test_grad_clipping_and_metrics(tiny_model_and_tokenizer):
     model, tokenizer = tiny_model_and_tokenizer
     items = sample(model, tokenizer, 1.0, n=4)

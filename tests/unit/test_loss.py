@@ -12,6 +12,7 @@ from nemo_rl_ext.algorithms.loss import (
     build_loss_mask,
     clipped_pg_loss,
     completion_to_tensors,
+    kl_penalty,
     pad_completion_tensors,
 )
 from nemo_rl_ext.experience.records import Completion, Message, StopReason
@@ -98,6 +99,8 @@ def test_dual_clip() -> None:
     [
         # k1 = log pi - log ref = log .5 - log .25 = log 2
         ("k1", math.log(2)),
+        # k2 = (ref - pi)^2 / 2 = (log 2)^2 / 2
+        ("k2", math.log(2) ** 2 / 2),
         # k3 = exp(ref - pi) - (ref - pi) - 1 = .5 - log .5 - 1 = log 2 - .5
         ("k3", math.log(2) - 0.5),
     ],
@@ -116,9 +119,78 @@ def test_kl_estimators(estimator: str, expected: float) -> None:
     assert m["loss"] == pytest.approx(m["loss/pg"] + m["loss/kl"])
 
 
+def test_kl_term_is_not_importance_weighted() -> None:
+    # NeMo-RL's ClippedPGLossFn (token-level loss, use_on_policy_kl_approximation off):
+    #   loss = masked_mean(w * clip_loss, mask) + beta * masked_mean(kl, mask),  w = exp(prev - gen) truncated
+    # so the truncated IS weight multiplies only the policy-gradient term.
+    cfg = ClippedPGLossConfig(kl_coef=0.1, kl_estimator="k1", importance_sampling_cap=2.0)
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    old = logprobs.detach()  # ratio 1: clip_loss = -A
+    gen = old - torch.tensor([[math.log(1.5), math.log(4.0)]], dtype=torch.float64)  # w = 1.5, min(4, 2) = 2
+    ref = torch.tensor([[math.log(0.25), math.log(0.125)]], dtype=torch.float64)  # k1 = log 2, log 4
+    loss, m = clipped_pg_loss(
+        logprobs, old, torch.tensor([1.0]), torch.ones(1, 2), cfg, generation_logprobs=gen, reference_logprobs=ref
+    )
+    expected_pg = (1.5 * -1.0 + 2.0 * -1.0) / 2
+    expected_kl = 0.1 * (math.log(2) + math.log(4)) / 2
+    assert m["loss/pg"] == pytest.approx(expected_pg)
+    assert m["loss/kl"] == pytest.approx(expected_kl)  # was 0.1 * (1.5 log 2 + 2 log 4) / 2 before
+    assert loss.item() == pytest.approx(expected_pg + expected_kl)
+    loss.backward()
+    # d/d logp: pg = -w * A * r (r = exp(logp - old)) -> -w / 2 per token; k1 = logp - ref -> +0.1 / 2
+    assert logprobs.grad[0].tolist() == pytest.approx([-1.5 / 2 + 0.05, -2.0 / 2 + 0.05])
+
+
+@pytest.mark.parametrize(
+    ("estimator", "x", "clamps", "expected"),
+    [
+        # NeMo-RL calculate_kl: x = log ref - log pi; x = clamp(x, -in, in); k1 = -x, k2 = x^2 / 2,
+        # k3 = exp(x) - 1 - x; kl = clamp(kl, -out, out)
+        ("k3", -30.0, (None, None), math.exp(-30.0) - 1 + 30.0),
+        ("k3", -30.0, (20.0, None), math.exp(-20.0) - 1 + 20.0),
+        ("k3", -30.0, (20.0, 10.0), 10.0),  # NeMo-RL's defaults
+        ("k3", 1.0, (20.0, 10.0), math.e - 2.0),  # inside both clamps: untouched
+        ("k1", 30.0, (None, None), -30.0),
+        ("k1", 30.0, (20.0, None), -20.0),
+        ("k1", 30.0, (20.0, 10.0), -10.0),  # the output clamp is two-sided
+        ("k2", -3.0, (None, None), 4.5),
+        ("k2", -3.0, (2.0, None), 2.0),
+        ("k2", -3.0, (None, 4.0), 4.0),
+    ],
+)
+def test_kl_input_and_output_clamps(estimator: str, x: float, clamps: tuple, expected: float) -> None:
+    in_clamp, out_clamp = clamps
+    pi = torch.tensor([[-1.0]], dtype=torch.float64)
+    assert kl_penalty(pi, pi + x, estimator, in_clamp, out_clamp).item() == pytest.approx(expected)
+    cfg = ClippedPGLossConfig(
+        kl_coef=0.5,
+        kl_estimator=estimator,
+        kl_input_clamp_value=in_clamp,
+        kl_output_clamp_value=out_clamp,
+        importance_sampling_correction=False,
+    )
+    lp = pi.clone().requires_grad_()
+    loss, m = clipped_pg_loss(lp, pi, torch.zeros(1), torch.ones(1, 1), cfg, reference_logprobs=pi + x)
+    assert m["kl/mean"] == pytest.approx(expected) and loss.item() == pytest.approx(0.5 * expected)
+    loss.backward()
+    clamped = (in_clamp is not None and abs(x) > in_clamp) or (out_clamp is not None and abs(expected) == out_clamp)
+    assert (lp.grad.item() == 0.0) == clamped  # a clamped KL passes no gradient
+
+
+def test_kl_clamp_defaults_are_nemo_rl_ones() -> None:
+    cfg = ClippedPGLossConfig()
+    assert (cfg.kl_input_clamp_value, cfg.kl_output_clamp_value) == (20.0, 10.0)
+    pi = torch.zeros(1, 1)
+    _, m = clipped_pg_loss(
+        pi, pi, torch.zeros(1), torch.ones(1, 1), ClippedPGLossConfig(kl_coef=1.0, importance_sampling_correction=False),
+        reference_logprobs=pi - 50.0,
+    )
+    assert m["kl/mean"] == pytest.approx(10.0)  # exp(-20) - 1 + 20 = 19.0..., clamped to 10
+
+
 def test_kl_is_zero_when_policy_equals_reference() -> None:
     lp = torch.log(torch.tensor([[0.3, 0.6]]))
-    for estimator in ("k1", "k3"):
+    for estimator in ("k1", "k2", "k3"):
         cfg = ClippedPGLossConfig(kl_coef=1.0, kl_estimator=estimator, importance_sampling_correction=False)
         _, m = clipped_pg_loss(lp, lp, torch.zeros(1), torch.ones(1, 2), cfg, reference_logprobs=lp)
         assert m["kl/mean"] == 0.0
@@ -256,7 +328,10 @@ def test_invalid_config_and_shapes() -> None:
         ClippedPGLossConfig(clip_low=1.0, clip_c=0.5)
     assert "clip_c" in str(err.value)  # every problem at once
     with pytest.raises(ValueError, match="kl_estimator"):
-        ClippedPGLossConfig(kl_estimator="k2")  # type: ignore[arg-type]
+        ClippedPGLossConfig(kl_estimator="k4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kl_input_clamp_value") as err:
+        ClippedPGLossConfig(kl_input_clamp_value=0.0, kl_output_clamp_value=-1.0)
+    assert "kl_output_clamp_value" in str(err.value)
     with pytest.raises(ValueError, match="normalization"):
         ClippedPGLossConfig(normalization="batch")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="reference_logprobs"):
