@@ -161,21 +161,26 @@ def metrics_by_hand(lines: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> di
     every k-subset (enumerated), of the credit of the most frequent answer (an answer's credit: the
     fraction of its samples that are correct; a tie of t answers gives each 1/t; no answer at all: 0);
     mean@k = mean reward. Then means over the prompts with n >= k, overall and per agent, with
-    stderr = sample std / sqrt(number of prompts) (0 for one prompt).
+    stderr = sample std / sqrt(number of prompts) (0 for one prompt). Error lines are not samples: they
+    only count in num_errors, and a prompt they leave with fewer than k samples counts in num_prompts_short@k.
     """
     prompts: dict[int, list[Mapping[str, Any]]] = {}
     for x in lines:
         prompts.setdefault(x["prompt_idx"], []).append(x)
     per_prompt = []
-    for samples in prompts.values():
+    for all_samples in prompts.values():
+        samples = [x for x in all_samples if x["stop_reason"] != "error"]
+        errors = len(all_samples) - len(samples)
         rewards = [x["reward"] for x in samples]
         answers = [None if x["stop_reason"] == "error" or x["answer"] is None else str(x["answer"]) for x in samples]
         correct = [r >= 1.0 for r in rewards]
         n, c = len(samples), sum(correct)
         credit = {a: statistics.mean(ok for b, ok in zip(answers, correct, strict=True) if b == a) for a in set(answers)}
-        values = {"mean_reward": statistics.mean(rewards)}
+        values = {"mean_reward": statistics.mean(rewards), "errors": errors}
         for k in ks:
             if k > n:
+                if k <= n + errors:
+                    values[f"short@{k}"] = 1
                 continue
             scores = []
             for subset in itertools.combinations(range(n), k):
@@ -186,19 +191,21 @@ def metrics_by_hand(lines: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> di
             values[f"pass@{k}"] = 1 - math.comb(n - c, k) / math.comb(n, k)
             values[f"maj@{k}"] = statistics.mean(scores)
             values[f"mean@{k}"] = statistics.mean(rewards)
-        per_prompt.append((samples[0]["agent"], n, values))
+        per_prompt.append((all_samples[0]["agent"], n, values))
 
     def aggregate(rows: list[tuple[str, int, dict[str, float]]], prefix: str) -> dict[str, float]:
         def mean_and_stderr(xs: list[float]) -> tuple[float, float]:
             return statistics.mean(xs), (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0)
 
         out = {f"{prefix}num_prompts": len(rows), f"{prefix}num_samples": sum(n for _, n, _ in rows)}
+        out[f"{prefix}num_errors"] = sum(v["errors"] for _, _, v in rows)
         out[f"{prefix}mean_reward"], out[f"{prefix}mean_reward/stderr"] = mean_and_stderr(
             [v["mean_reward"] for _, _, v in rows]
         )
         for k in ks:
             eligible = [v for _, n, v in rows if n >= k]
             out[f"{prefix}num_prompts@{k}"] = len(eligible)
+            out[f"{prefix}num_prompts_short@{k}"] = sum(f"short@{k}" in v for _, _, v in rows)
             for name in ("pass", "maj", "mean") if eligible else ():
                 key = f"{name}@{k}"
                 out[f"{prefix}{key}"], out[f"{prefix}{key}/stderr"] = mean_and_stderr([v[key] for v in eligible])
