@@ -3,7 +3,10 @@
 Requests are validated here into typed models; every value the server cannot honour is refused with an
 `ApiError` (HTTP 400) that names the field and the value, never silently ignored. vLLM's extensions that
 NeMo Gym sends (`return_tokens_as_token_ids`, `top_k`, `prompt_token_ids` / `generation_token_ids` on
-assistant messages, ...) are part of the models.
+assistant messages, ...) are part of the models. Every sampling field is bounded here (a seed torch cannot
+take, a stop list of a million strings, ...), so that no value reaches a batch that would fail it; a
+request's own chat template is refused unless the server trusts request templates (as vLLM's
+`--trust-request-chat-template`).
 """
 
 from __future__ import annotations
@@ -11,14 +14,34 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig
+from nemo_rl_ext.models.generation.interfaces import MAX_TOP_K, SEED_LIMIT, GenerationConfig
 
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 """Content part types whose `text` the server reads; any other part type is refused."""
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 """Token fields of an assistant message (NeMo-RL's vLLM extension); never shown to the chat template."""
+MAX_JSON_DEPTH = 100
+"""Most nested JSON arrays/objects a body, or a tool call's `arguments` string, may hold."""
+MAX_STOP_STRINGS = 64
+"""Most stop strings a request may give (each is looked for after every generated token)."""
+MAX_STOP_STRING_CHARS = 512
+"""Longest stop string accepted."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most stop token ids a request may give."""
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest token id accepted in `stop_token_ids` (ids are int32 in vLLM)."""
+MIN_POSITIVE_TEMPERATURE = 1e-6
+"""Smallest temperature above 0 accepted; below it logits / T overflows float32 (0 means greedy)."""
 
 
 class ApiError(Exception):
@@ -33,9 +56,13 @@ class ApiError(Exception):
     @property
     def error_type(self) -> str:
         """The error's `type`, as vLLM names it."""
-        return {400: "BadRequestError", 404: "NotFoundError", 504: "TimeoutError"}.get(
-            self.status_code, "InternalServerError"
-        )
+        return {
+            400: "BadRequestError",
+            401: "AuthenticationError",
+            404: "NotFoundError",
+            413: "RequestTooLargeError",
+            504: "TimeoutError",
+        }.get(self.status_code, "InternalServerError")
 
     def body(self) -> dict[str, Any]:
         """The JSON body: `{"error": {message, type, param, code}}` (what the `openai` client parses)."""
@@ -54,10 +81,45 @@ def validation_api_error(err: ValidationError) -> ApiError:
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<body>"
-        got = f" (got {e['input']!r})" if "input" in e and e["type"] != "missing" else ""
+        got = f" (got {_short_repr(e['input'])})" if "input" in e and e["type"] != "missing" else ""
         lines.append(f"{path}: {e['msg']}{got}")
     first = err.errors()[0]["loc"] if err.errors() else ()
     return ApiError("invalid request: " + "; ".join(lines), param=".".join(str(p) for p in first) or None)
+
+
+def exceeds_depth(value: Any, limit: int) -> bool:
+    """True when `value` (parsed JSON) nests more than `limit` arrays/objects deep; iterative, stops early."""
+    level, depth = [value], 0
+    while True:
+        level = [v for v in level if isinstance(v, dict | list)]
+        if not level:
+            return False
+        depth += 1
+        if depth > limit:
+            return True
+        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)]
+
+
+def too_deep_message(what: str) -> str:
+    """The error for JSON nested deeper than `MAX_JSON_DEPTH`."""
+    return f"{what} nests JSON arrays/objects more than {MAX_JSON_DEPTH} levels deep (the most accepted)"
+
+
+def loads_bounded(text: str, what: str) -> Any:
+    """`json.loads(text)`, with a ValueError naming `what` if it nests deeper than `MAX_JSON_DEPTH`."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(too_deep_message(what)) from None
+    if exceeds_depth(value, MAX_JSON_DEPTH):
+        raise ValueError(too_deep_message(what))
+    return value
+
+
+def _short_repr(value: Any, limit: int = 200) -> str:
+    """repr(value), cut to `limit` characters (a refused value may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class _Lenient(BaseModel):
@@ -78,6 +140,16 @@ class FunctionCall(_Lenient):
 
     name: str
     arguments: str | dict[str, Any] = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _not_too_deep(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        if isinstance(value, str):
+            try:
+                loads_bounded(value, "the arguments string")
+            except json.JSONDecodeError:
+                pass  # not JSON: the template gets the string as it is
+        return value
 
 
 class ToolCallIn(_Lenient):
@@ -161,7 +233,7 @@ def _call_for_template(call: ToolCallIn) -> dict[str, Any]:
     arguments: Any = call.function.arguments
     if isinstance(arguments, str):
         try:
-            decoded = json.loads(arguments) if arguments.strip() else {}
+            decoded = loads_bounded(arguments, "the arguments string") if arguments.strip() else {}
         except json.JSONDecodeError:
             decoded = None
         if isinstance(decoded, dict):
@@ -206,12 +278,28 @@ class PromptParams(_Lenient):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
     @model_validator(mode="after")
     def _generation_prompt_or_continuation(self) -> PromptParams:
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         return self
+
+    def check_chat_template(self, trusted: bool) -> None:
+        """Refuse (400) a chat template sent with the request unless the server trusts request templates."""
+        if trusted:
+            return
+        for field, value in (
+            ("chat_template", self.chat_template),
+            ("chat_template_kwargs.chat_template", (self.chat_template_kwargs or {}).get("chat_template")),
+        ):
+            if value is not None:
+                raise ApiError(
+                    f"{field}: a chat template sent with the request is refused (templates run loops on "
+                    "the server); start the server with --trust-request-chat-template to allow it",
+                    param=field,
+                )
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """Tools as the chat template receives them; None when there are none."""
@@ -236,16 +324,18 @@ class TokenizePromptRequest(_Lenient):
 class ChatCompletionRequest(PromptParams):
     """`POST /v1/chat/completions`: the OpenAI fields plus the vLLM extensions NeMo Gym and NeMo-RL use."""
 
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, description="vLLM extension; -1 or 0 mean no top-k filter.")
+    top_k: int | None = Field(
+        default=None, le=MAX_TOP_K, description="vLLM extension; -1 or 0 mean no top-k filter."
+    )
     min_p: float = 0.0
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=128)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False
@@ -267,11 +357,40 @@ class ChatCompletionRequest(PromptParams):
             raise ValueError("top_k must be -1 or 0 (no filter) or a positive integer")
         return value
 
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_POSITIVE_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_POSITIVE_TEMPERATURE}")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if value == "" or (isinstance(value, list) and "" in value):
+        strings = [value] if isinstance(value, str) else value or []
+        if "" in strings:
             raise ValueError("stop strings must not be empty")
+        long = [i for i, s in enumerate(strings) if len(s) > MAX_STOP_STRING_CHARS]
+        if long:
+            raise ValueError(
+                f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters (positions {long})"
+            )
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        bad = [t for t in value or () if not 0 <= t <= MAX_TOKEN_ID]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]: {bad[:10]}")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_of_every_choice_fits(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)  # n is validated first (declared before seed)
+        if value is not None and value + n - 1 >= SEED_LIMIT:
+            raise ValueError(f"choice i uses seed + i, so seed + n - 1 = {value + n - 1} must be below 2**63")
         return value
 
     def check_supported(self) -> None:

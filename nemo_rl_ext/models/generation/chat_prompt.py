@@ -48,8 +48,14 @@ def continued_message_index(params: PromptParams) -> int | None:
     return None
 
 
-def build_chat_prompt(tokenizer: PreTrainedTokenizerBase, params: PromptParams) -> ChatPrompt:
-    """The prompt ids of `params` (see the module docstring); raises ApiError (400) if it can't be built."""
+def build_chat_prompt(
+    tokenizer: PreTrainedTokenizerBase, params: PromptParams, *, trust_request_chat_template: bool = False
+) -> ChatPrompt:
+    """The prompt ids of `params` (see the module docstring); raises ApiError (400) if it can't be built.
+
+    A chat template sent with the request is refused unless `trust_request_chat_template`.
+    """
+    params.check_chat_template(trust_request_chat_template)
     messages = [m.for_template() for m in params.messages]
     k = continued_message_index(params)
     if k is None:
@@ -75,6 +81,10 @@ def build_chat_prompt(tokenizer: PreTrainedTokenizerBase, params: PromptParams) 
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], params: PromptParams) -> str:
+    """The template's text; a request's own `chat_template` is used only if the caller checked it first."""
+    kwargs = dict(params.chat_template_kwargs or {})
+    if params.chat_template is not None:
+        kwargs["chat_template"] = params.chat_template
     try:
         return tokenizer.apply_chat_template(
             messages,
@@ -82,7 +92,7 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], params: Pr
             add_generation_prompt=params.add_generation_prompt,
             continue_final_message=params.continue_final_message,
             tokenize=False,
-            **(params.chat_template_kwargs or {}),
+            **kwargs,
         )
     except ApiError:
         raise

@@ -4,6 +4,10 @@ FACTS.md measured transformers' continuous batching at ~25x slower than one padd
 cores, without logprobs; so this backend runs its own batched decode loop: every request that arrives
 while a batch runs joins the next one, each row keeps its own sampling parameters and seeded generator,
 finished rows leave the batch (their KV cache rows are dropped), and one forward pass serves all rows.
+
+One request never fails another: a row that fails alone (its sampler cannot be built, its logits cannot
+be sampled, its stop check raises) gets its own error and leaves the batch while the others go on, and
+a cancelled `generate_async` call (a client that went away) leaves at the next decode step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class _Request:
     prompt_ids: list[int]
     config: GenerationConfig
     future: asyncio.Future
+    cancelled: bool = False
+    """Set on the caller's loop when the caller stopped waiting; the decode loop then drops the row."""
 
 
 @dataclass
@@ -55,6 +61,16 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
     matched: str | int | None = None
+    error: Exception | None = None
+    """Why this row (and only this row) failed; set rows leave the batch."""
+
+    def output(self) -> GenerationOutput | Exception | None:
+        """The row's result: its output, its error, or None if it was cancelled."""
+        if self.error is not None:
+            return self.error
+        if self.finish is None:
+            return None
+        return GenerationOutput(tuple(self.output_ids), tuple(self.logprobs), self.finish, self.matched)
 
 
 class HfGeneration(GenerationInterface):
@@ -87,6 +103,12 @@ class HfGeneration(GenerationInterface):
         """Model forward passes run so far (prefill and decode steps): a measure of batching."""
         self.num_batches = 0
         """Batches run so far."""
+        self.num_generated_tokens = 0
+        """Tokens generated so far, over all rows (cancelled and failed rows included)."""
+        self.num_cancelled = 0
+        """Requests whose caller cancelled them before they finished (they left the queue or the batch)."""
+        self.num_row_failures = 0
+        """Requests that failed alone inside a batch (the rest of their batch went on)."""
 
     @classmethod
     def from_pretrained(
@@ -108,9 +130,13 @@ class HfGeneration(GenerationInterface):
         prompt = [int(t) for t in prompt_token_ids]
         check_prompt(prompt, self._max_model_len, self._vocab_size)
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._queue_for(loop).put_nowait(_Request(prompt, config, future))
-        return await future
+        request = _Request(prompt, config, loop.create_future())
+        self._queue_for(loop).put_nowait(request)
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            request.cancelled = True  # read by the decode loop, which drops the row at its next step
+            raise
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load new weights in place, between batches (never during one)."""
@@ -149,7 +175,9 @@ class HfGeneration(GenerationInterface):
             await asyncio.sleep(self.batch_wait_s)  # let requests made in the same tick join
             while len(batch) < self.max_batch_size and not queue.empty():
                 batch.append(queue.get_nowait())
-            batch = [r for r in batch if not r.future.done()]
+            waiting = [r for r in batch if not r.future.done()]  # a done future here was cancelled
+            self.num_cancelled += len(batch) - len(waiting)
+            batch = waiting
             if not batch:
                 continue
             try:
@@ -161,7 +189,13 @@ class HfGeneration(GenerationInterface):
                         r.future.set_exception(exc)
                 continue
             for r, out in zip(batch, outputs, strict=True):
-                if not r.future.done():
+                if r.future.done():
+                    continue
+                if out is None:
+                    r.future.cancel()
+                elif isinstance(out, Exception):
+                    r.future.set_exception(out)
+                else:
                     r.future.set_result(out)
 
     # ---- the decode loop (runs in the executor thread) -----------------------------------------
@@ -169,55 +203,124 @@ class HfGeneration(GenerationInterface):
     def _new_row(self, request: _Request) -> _Row:
         room = self._max_model_len - len(request.prompt_ids)
         cfg = request.config
-        generator = None
-        if not cfg.greedy:
-            generator = torch.Generator(device=self.model.device)
-            if cfg.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(cfg.seed)
-        if room < cfg.max_new_tokens:
-            return _Row(request, room, FinishReason.MAX_MODEL_LEN, generator)
-        return _Row(request, cfg.max_new_tokens, FinishReason.MAX_NEW_TOKENS, generator)
+        budget, reason = (
+            (room, FinishReason.MAX_MODEL_LEN)
+            if room < cfg.max_new_tokens
+            else (cfg.max_new_tokens, FinishReason.MAX_NEW_TOKENS)
+        )
+        try:
+            generator = None
+            if not cfg.greedy:
+                generator = torch.Generator(device=self.model.device)
+                if cfg.seed is None:
+                    generator.seed()
+                else:
+                    generator.manual_seed(cfg.seed)
+        except Exception as exc:  # e.g. a seed torch cannot take: this request fails, not its batch
+            row = _Row(request, budget, reason, None)
+            self._fail(row, "creating its sampler", exc)
+            return row
+        return _Row(request, budget, reason, generator)
 
     @torch.inference_mode()
-    def _run_batch(self, requests: list[_Request]) -> list[GenerationOutput]:
+    def _run_batch(self, requests: list[_Request]) -> list[GenerationOutput | Exception | None]:
+        """Decode one batch; per request its output, the error it failed with alone, or None if cancelled."""
         self.num_batches += 1
         rows = [self._new_row(r) for r in requests]
+        active = self._still_running(rows, range(len(rows)))  # batch position -> row index
+        if not active:
+            return [row.output() for row in rows]
         device = self.model.device
-        width = max(len(r.prompt_ids) for r in requests)
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(requests):
-            input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            attention_mask[i, width - len(r.prompt_ids) :] = 1
+        prompts = [rows[i].request.prompt_ids for i in active]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(active), width), self._pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(active), width), dtype=torch.long)
+        for pos, prompt in enumerate(prompts):
+            input_ids[pos, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[pos, width - len(prompt) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        active = list(range(len(rows)))  # batch position -> row index
         while True:
             logits = self._forward(input_ids, attention_mask, position_ids, cache)
-            tokens, logprobs = select_tokens(
-                logits,
-                [rows[i].request.config for i in active],
-                [rows[i].generator for i in active],
-            )
+            tokens, logprobs = self._select(logits, [rows[i] for i in active])
             for pos, i in enumerate(active):
-                self._append(rows[i], int(tokens[pos]), float(logprobs[pos]))
-            keep = [pos for pos, i in enumerate(active) if rows[i].finish is None]
-            if not keep:
+                if rows[i].error is None:
+                    self._append(rows[i], int(tokens[pos]), float(logprobs[pos]))
+            running = self._still_running(rows, active)
+            if not running:
                 break
-            if len(keep) < len(active):
+            if len(running) < len(active):
+                still = set(running)
+                keep = [pos for pos, i in enumerate(active) if i in still]
                 index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
                 attention_mask, position_ids, tokens = attention_mask[index], position_ids[index], tokens[index]
-                active = [active[pos] for pos in keep]
+                active = running
             input_ids = tokens[:, None]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
             position_ids = position_ids[:, -1:] + 1
-        return [
-            GenerationOutput(tuple(r.output_ids), tuple(r.logprobs), r.finish, r.matched) for r in rows
-        ]
+        return [row.output() for row in rows]
+
+    def _still_running(self, rows: list[_Row], indices: Sequence[int]) -> list[int]:
+        """The rows of `indices` that go on decoding; counts the ones whose caller cancelled them."""
+        running = []
+        for i in indices:
+            row = rows[i]
+            if row.request.cancelled:
+                self.num_cancelled += 1
+            elif row.finish is None and row.error is None:
+                running.append(i)
+        return running
+
+    def _select(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row; a row that cannot be sampled gets an error and the others draw as without it.
+
+        Each sampler's state is saved first: if the batch's draw raises, the rows that fail alone (tried
+        on copies of their samplers) are marked failed, and the rest draw again, together, from the saved
+        states, which is the draw they would have made in a batch without the failed rows.
+        """
+        configs = [row.request.config for row in rows]
+        generators = [row.generator for row in rows]
+        states = [None if g is None else g.get_state() for g in generators]
+        try:
+            return select_tokens(logits, configs, generators)
+        except Exception:
+            logger.warning("sampling a batch of %d failed; looking for the rows that fail alone", len(rows))
+        ok = []
+        for pos, (row, generator, state) in enumerate(zip(rows, generators, states, strict=True)):
+            trial = None
+            if generator is not None:
+                trial = torch.Generator(device=generator.device)
+                trial.set_state(state)
+            try:
+                select_tokens(logits[pos : pos + 1], [configs[pos]], [trial])
+                ok.append(pos)
+            except Exception as exc:
+                self._fail(row, "sampling its next token", exc)
+        for generator, state in zip(generators, states, strict=True):
+            if generator is not None:
+                generator.set_state(state)
+        tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+        logprobs = torch.zeros(len(rows), dtype=torch.float32, device=logits.device)
+        if ok:
+            index = torch.tensor(ok, device=logits.device)
+            picked, picked_logprobs = select_tokens(
+                logits[index], [configs[p] for p in ok], [generators[p] for p in ok]
+            )
+            tokens[index], logprobs[index] = picked, picked_logprobs
+        return tokens, logprobs
+
+    def _fail(self, row: _Row, stage: str, exc: Exception) -> None:
+        """Mark one row failed (it leaves the batch; its caller gets the error) and log why."""
+        cfg = row.request.config
+        row.error = RuntimeError(
+            f"generation failed while {stage} (temperature={cfg.temperature}, top_p={cfg.top_p}, "
+            f"top_k={cfg.top_k}, seed={cfg.seed}): {type(exc).__name__}: {exc}"
+        )
+        row.error.__cause__ = exc
+        self.num_row_failures += 1
+        logger.warning("one request of a batch failed alone: %s", row.error)
 
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         self.num_forward_passes += 1
@@ -232,9 +335,16 @@ class HfGeneration(GenerationInterface):
         return out.logits[:, -1, :]
 
     def _append(self, row: _Row, token: int, logprob: float) -> None:
-        """Add a generated token to a row and decide whether the row is finished."""
+        """Add a generated token to a row and decide whether the row is finished (or failed alone)."""
         row.output_ids.append(token)
         row.logprobs.append(logprob)
+        self.num_generated_tokens += 1
+        try:
+            self._check_finished(row, token)
+        except Exception as exc:
+            self._fail(row, "checking its stop conditions", exc)
+
+    def _check_finished(self, row: _Row, token: int) -> None:
         cfg = row.request.config
         if token in cfg.stop_token_ids:
             row.finish, row.matched = FinishReason.STOP_TOKEN, token

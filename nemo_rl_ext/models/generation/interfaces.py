@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+SEED_LIMIT = 2**63
+"""Seeds are in [0, SEED_LIMIT): what torch's and vLLM's generators accept (a signed 64-bit integer)."""
+MAX_TOP_K = 2**31 - 1
+"""Largest top_k accepted (vLLM keeps top_k in int32 tensors); any k at or above the vocabulary means all."""
+
 
 class GenerationConfig(BaseModel):
     """Sampling parameters of one request; validated on construction (every bad field in one error)."""
@@ -16,17 +21,21 @@ class GenerationConfig(BaseModel):
 
     max_new_tokens: int = Field(default=256, ge=1, description="Most tokens to generate for this request.")
     temperature: float = Field(
-        default=1.0, ge=0.0, description="Softmax temperature; 0 means greedy decoding."
+        default=1.0, ge=0.0, allow_inf_nan=False, description="Softmax temperature; 0 means greedy."
     )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, in (0, 1].")
-    top_k: int | None = Field(default=None, ge=1, description="Sample among the k likeliest tokens; None = all.")
+    top_k: int | None = Field(
+        default=None, ge=1, le=MAX_TOP_K, description="Sample among the k likeliest tokens; None = all."
+    )
     stop_strings: tuple[str, ...] = Field(
         default=(), description="Generation ends once the generated text contains one of these."
     )
     stop_token_ids: tuple[int, ...] = Field(
         default=(), description="Generation ends after one of these ids (kept in the output)."
     )
-    seed: int | None = Field(default=None, description="Seed of this request's sampler; None = unseeded.")
+    seed: int | None = Field(
+        default=None, ge=0, lt=SEED_LIMIT, description="Seed of this request's sampler; None = unseeded."
+    )
 
     @field_validator("stop_strings")
     @classmethod
@@ -91,7 +100,11 @@ class GenerationInterface(abc.ABC):
 
     @abc.abstractmethod
     async def generate_async(self, prompt_token_ids: list[int], config: GenerationConfig) -> GenerationOutput:
-        """Generate a continuation of `prompt_token_ids`; raises ValueError on bad input."""
+        """Generate a continuation of `prompt_token_ids`; raises ValueError on bad input.
+
+        Cancelling the call stops its generation (a batching backend drops the request from its batch at
+        the next decode step), and one request's failure never fails the others it is batched with.
+        """
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -15,6 +15,13 @@ Requests are served concurrently (each awaits `generate_async`), so a batching b
 Refused requests get a 400 whose message names the field and value; unexpected failures a 500 with the
 message. In process: `with PolicyServer(generation, tokenizer) as srv: OpenAI(base_url=srv.base_url)`.
 From the shell: `python -m nemo_rl_ext.models.generation.policy_server --model tiny --port 8000`.
+
+One request never harms another: sampling fields are bounded before anything is batched; parsing,
+chat-template rendering and tokenization run in worker threads, never on the event loop; bodies over
+`max_request_bytes` get a 413 and JSON nested too deep a 400; a client that disconnects has its
+generation cancelled (a batching backend drops its row at the next decode step). With an `api_key`
+(`--api-key`, or `NEMO_RL_EXT_API_KEY` for the CLI) every route but `/health` wants
+`Authorization: Bearer <key>` (401 otherwise). It binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import signal
 import time
 import uuid
@@ -32,7 +40,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
@@ -50,6 +58,14 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
 )
+from nemo_rl_ext.models.generation.request_guards import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ClientDisconnected,
+    cancel_on_disconnect,
+    check_api_key,
+    parse_json_object,
+    read_body,
+)
 from nemo_rl_ext.models.tool_calls import parse_tool_calls
 from nemo_rl_ext.serving import ThreadedServer, bind_socket, url_host
 
@@ -57,6 +73,8 @@ logger = logging.getLogger(__name__)
 
 MIN_LOGPROB = -9999.0
 """Stand-in for a -inf logprob (JSON has no infinity); vLLM uses the same value."""
+API_KEY_ENV = "NEMO_RL_EXT_API_KEY"
+"""Environment variable the CLI reads its `--api-key` default from (in-process servers never read it)."""
 
 
 class PolicyService:
@@ -70,12 +88,14 @@ class PolicyService:
         served_model_name: str = "policy",
         default_config: GenerationConfig | None = None,
         request_timeout_s: float | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.generation = generation
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.default_config = default_config
         self.request_timeout_s = request_timeout_s
+        self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
 
     @property
@@ -84,10 +104,13 @@ class PolicyService:
         return self.generation.max_model_len
 
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`/tokenize`: chat form (`messages`) → the completion's prompt ids; prompt form → plain ids."""
+        """`/tokenize`: chat form (`messages`) → the completion's prompt ids; prompt form → plain ids.
+
+        Blocking (template rendering, tokenization): the HTTP route runs it in a worker thread.
+        """
         if "messages" in body:
             request = _parse(TokenizeRequest, body)
-            ids = build_chat_prompt(self.tokenizer, request).token_ids
+            ids = self._prompt(request).token_ids
         elif "prompt" in body:
             request = _parse(TokenizePromptRequest, body)
             ids = list(
@@ -99,10 +122,27 @@ class PolicyService:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
     async def chat_completion(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`/v1/chat/completions`: build the prompt, generate `n` choices concurrently, shape the answer."""
+        """`/v1/chat/completions`: build the prompt, generate `n` choices concurrently, shape the answer.
+
+        The prompt is built and the answer shaped in worker threads, so a huge or slow request never
+        holds up the event loop (and the other requests and `/health` behind it).
+        """
+        request, prompt, configs = await asyncio.to_thread(self._prepare, body)
+        outputs = await self._generate(prompt.token_ids, configs)
+        return await asyncio.to_thread(self._answer, request, prompt, outputs)
+
+    def _prompt(self, request: TokenizeRequest | ChatCompletionRequest) -> ChatPrompt:
+        return build_chat_prompt(
+            self.tokenizer, request, trust_request_chat_template=self.trust_request_chat_template
+        )
+
+    def _prepare(
+        self, body: dict[str, Any]
+    ) -> tuple[ChatCompletionRequest, ChatPrompt, list[GenerationConfig]]:
+        """Validate a completion request, build its prompt and one generation config per choice."""
         request = _parse(ChatCompletionRequest, body)
         request.check_supported()
-        prompt = build_chat_prompt(self.tokenizer, request)
+        prompt = self._prompt(request)
         required = request.required_prefix_token_ids
         if required is not None and prompt.token_ids[: len(required)] != required:
             raise ApiError(
@@ -112,7 +152,12 @@ class PolicyService:
                 param="required_prefix_token_ids",
             )
         configs = request.generation_configs(len(prompt.token_ids), self.max_model_len, self.default_config)
-        outputs = await self._generate(prompt.token_ids, configs)
+        return request, prompt, configs
+
+    def _answer(
+        self, request: ChatCompletionRequest, prompt: ChatPrompt, outputs: list[GenerationOutput]
+    ) -> dict[str, Any]:
+        """The chat.completion object of finished generations."""
         choices = [self._choice(i, out, prompt, request) for i, out in enumerate(outputs)]
         completion_tokens = sum(len(o.output_ids) for o in outputs)
         response: dict[str, Any] = {
@@ -147,16 +192,22 @@ class PolicyService:
     async def _generate(
         self, prompt_ids: list[int], configs: list[GenerationConfig]
     ) -> list[GenerationOutput]:
-        calls = asyncio.gather(*(self.generation.generate_async(list(prompt_ids), c) for c in configs))
+        """Every choice's generation; when one fails, or time runs out, the others are cancelled."""
+        tasks = [
+            asyncio.ensure_future(self.generation.generate_async(list(prompt_ids), c)) for c in configs
+        ]
         try:
-            return await asyncio.wait_for(calls, self.request_timeout_s)
+            return await asyncio.wait_for(asyncio.gather(*tasks), self.request_timeout_s)
         except TimeoutError:
             raise ApiError(
                 f"generation did not finish within request_timeout_s={self.request_timeout_s}",
                 status_code=504,
             ) from None
         except ValueError as exc:  # the backend's "bad input" (e.g. ids outside the vocabulary)
-            raise ApiError(f"the backend refused the prompt: {exc}") from exc
+            raise ApiError(f"the backend refused the request: {exc}") from exc
+        finally:
+            for task in tasks:
+                task.cancel()  # no-op for finished ones
 
     def _choice(
         self, index: int, out: GenerationOutput, prompt: ChatPrompt, request: ChatCompletionRequest
@@ -253,11 +304,17 @@ def create_app(
     served_model_name: str = "policy",
     default_config: GenerationConfig | None = None,
     request_timeout_s: float | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `generation` (see the module docstring for the routes).
 
     `default_config` fills in sampling fields a request leaves out; without it, an absent max_tokens means
     "up to max_model_len" as in vLLM. `request_timeout_s` bounds one request's generation (504 after it).
+    `api_key`: when set, every route but `/health` wants `Authorization: Bearer <api_key>`.
+    `max_request_bytes`: larger bodies get a 413. `trust_request_chat_template`: accept a `chat_template`
+    sent with a request (top level or in `chat_template_kwargs`); refused with a 400 otherwise.
     """
     service = PolicyService(
         generation,
@@ -265,17 +322,20 @@ def create_app(
         served_model_name=served_model_name,
         default_config=default_config,
         request_timeout_s=request_timeout_s,
+        trust_request_chat_template=trust_request_chat_template,
     )
     app = FastAPI(title="nemo_rl_ext policy server")
     app.state.service = service
 
-    async def answer(request: Request, handler) -> JSONResponse:
+    async def answer(request: Request, handler) -> Response:
         try:
-            body = await _json_object(request)
-            result = handler(body)
-            if asyncio.iscoroutine(result):
-                result = await result
-            return JSONResponse(result)
+            check_api_key(request, api_key)
+            raw = await read_body(request, max_request_bytes)
+            body = await asyncio.to_thread(parse_json_object, raw)
+            return JSONResponse(await cancel_on_disconnect(request, handler(body)))
+        except ClientDisconnected:
+            logger.info("%s %s: the client went away; its work was cancelled", request.method, request.url.path)
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         except ApiError as err:
             logger.info("%s %s -> %d: %s", request.method, request.url.path, err.status_code, err.message)
             return JSONResponse(err.body(), status_code=err.status_code)
@@ -289,28 +349,23 @@ def create_app(
         return await answer(request, service.chat_completion)
 
     @app.post("/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:
-        return await answer(request, service.tokenize)
+    async def tokenize(request: Request) -> Response:
+        return await answer(request, lambda body: asyncio.to_thread(service.tokenize, body))
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return service.models()
+    async def models(request: Request) -> Response:
+        try:
+            check_api_key(request, api_key)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status_code)
+        return JSONResponse(service.models())
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        """Liveness, open without the API key (load balancers and startup probes call it)."""
         return {"status": "ok"}
 
     return app
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError as exc:
-        raise ApiError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 class PolicyServer(ThreadedServer):
@@ -329,6 +384,9 @@ class PolicyServer(ThreadedServer):
         served_model_name: str = "policy",
         default_config: GenerationConfig | None = None,
         request_timeout_s: float | None = None,
+        api_key: str | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        trust_request_chat_template: bool = False,
         startup_timeout_s: float = 30.0,
         log_level: str = "warning",
     ) -> None:
@@ -339,6 +397,9 @@ class PolicyServer(ThreadedServer):
             served_model_name=served_model_name,
             default_config=default_config,
             request_timeout_s=request_timeout_s,
+            api_key=api_key,
+            max_request_bytes=max_request_bytes,
+            trust_request_chat_template=trust_request_chat_template,
         )
         super().__init__(
             app,
@@ -370,6 +431,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer <key>' on every route but /health (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="larger bodies get a 413"
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template sent with a request (refused by default: templates run loops)",
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -397,15 +471,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     generation = build_generation(cfg)
     name = args.served_model_name or args.model
-    app = create_app(generation, tokenizer, served_model_name=name)
+    app = create_app(
+        generation,
+        tokenizer,
+        served_model_name=name,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
+    )
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]
     logger.info(
-        "policy server for %s (max_model_len=%d) listening on http://%s:%d/v1",
+        "policy server for %s (max_model_len=%d) listening on http://%s:%d/v1 (%s)",
         path,
         generation.max_model_len,
         url_host(args.host),
         port,
+        "API key required" if args.api_key else "no API key",
     )
     # uvicorn re-raises the SIGTERM it caught once it has stopped; with the default handler that kills
     # the process before `finally` runs, orphaning a vLLM engine's processes. Unwind instead.

@@ -239,10 +239,14 @@ class VllmGeneration(GenerationInterface):
     async def _generate(self, prompt: list[int], params):
         final = None
         request_id = f"nemo-rl-{uuid.uuid4().hex}"
-        async for output in self._engine.generate(
-            self._TokensPrompt(prompt_token_ids=prompt), params, request_id
-        ):
-            final = output
+        try:
+            async for output in self._engine.generate(
+                self._TokensPrompt(prompt_token_ids=prompt), params, request_id
+            ):
+                final = output
+        except asyncio.CancelledError:
+            await self._engine.abort(request_id)  # the caller went away: free the request's slot now
+            raise
         if final is None:
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
         return final
