@@ -4,6 +4,9 @@
     python examples/run_grpo.py --config ... resume=true        # continue from the latest checkpoint
 
 Prints one line per step (reward, loss, grad norm, timings); metrics go to <output_dir>/metrics.jsonl.
+A resume refuses a changed config (except the keys of grpo_config.RESUME_MAY_CHANGE, e.g.
+grpo.max_num_steps) and skips a damaged checkpoint for the previous whole one. User errors (config, input
+files, resume) print one message and exit 2.
 """
 
 from __future__ import annotations

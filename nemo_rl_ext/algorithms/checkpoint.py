@@ -217,16 +217,19 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 def resumable_checkpoint(root: str | Path) -> Checkpoint | None:
     """The newest checkpoint under `root` that is whole; None when there is none at all.
 
-    A damaged one is skipped with a warning naming the damaged file; when every checkpoint is damaged,
-    a CheckpointError lists them (starting over would silently discard the run).
+    Damaged ones are skipped with one warning naming each damaged file; when every checkpoint is damaged,
+    a CheckpointError lists them instead (starting over would silently discard the run).
     """
     damaged: list[str] = []
     for path in reversed(list_checkpoints(root)):
         try:
-            return load_checkpoint(path)
+            checkpoint = load_checkpoint(path)
         except CheckpointError as err:
-            logger.warning("%s; falling back to the previous checkpoint", err)
             damaged.append(str(err))
+            continue
+        if damaged:
+            logger.warning("%s; resuming from the previous whole checkpoint, %s", "; ".join(damaged), path)
+        return checkpoint
     if damaged:
         raise CheckpointError(f"no usable checkpoint in {root}:\n  - " + "\n  - ".join(damaged))
     return None

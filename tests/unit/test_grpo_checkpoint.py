@@ -165,6 +165,7 @@ def test_no_whole_checkpoint_is_a_clean_error(two_checkpoints, caplog):
     assert text.startswith(f"no usable checkpoint in {two_checkpoints}"), text
     assert str(checkpoint_dir(two_checkpoints, 2) / "optimizer.pt") in text
     assert str(checkpoint_dir(two_checkpoints, 1) / "rng.pt") in text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the error is the one message
     # a damaged marker is damage too, named as such
     (checkpoint_dir(two_checkpoints, 1) / MARKER_FILE).write_text("{")
     with pytest.raises(CheckpointError, match=f"{MARKER_FILE} is damaged"):
