@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from nemo_rl_ext.config import ConfigError, load_config
-from nemo_rl_ext.evals.config import EvalConfig
+from nemo_rl_ext.evals.config import EvalConfig, check_inputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,21 +29,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config (examples/configs/evals/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. eval.num_prompts=8")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before and after the flags
     try:
         cfg = load_config(args.config, args.overrides, EvalConfig)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        check_inputs(cfg)  # missing files and counts: found before the model loads
 
-    from nemo_rl_ext.evals.driver import run_eval
-    from nemo_rl_ext.evals.report import format_metric_table
+        from nemo_rl_ext.evals.driver import run_eval
 
-    try:
         result = run_eval(cfg, progress=not args.no_progress)
-    except ConfigError as err:
+    except ConfigError as err:  # a user error (config, inputs, resume): its message alone, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+    from nemo_rl_ext.evals.report import format_metric_table
+
     print(
         f"\n{result.groups_generated} group(s) rolled out, {result.completions_written} completion(s) written, "
         f"{result.skipped_completions} already on disk; {result.wall_time_s:.1f} s"

@@ -4,6 +4,9 @@
     python examples/run_grpo.py --config ... resume=true        # continue from the latest checkpoint
 
 Prints one line per step (reward, loss, grad norm, timings); metrics go to <output_dir>/metrics.jsonl.
+A resume refuses a changed config (except the keys of grpo_config.RESUME_MAY_CHANGE, e.g.
+grpo.max_num_steps) and skips a damaged checkpoint for the previous whole one. User errors (config, input
+files, resume) print one message and exit 2.
 """
 
 from __future__ import annotations
@@ -24,19 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config (see examples/configs/grpo_*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before and after the flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     transformers.utils.logging.disable_progress_bar()  # per-load weight bars would bury the step lines
+    start = time.perf_counter()
     try:
         cfg = load_config(args.config, args.overrides, GRPOConfig)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        with GRPO(cfg) as grpo:  # checks inputs, checkpoint and resume config before any model loads
+            first_step = grpo.step
+            history = grpo.run()
+    except ConfigError as exc:  # a user error (config, inputs, resume): its message alone, no traceback
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    start = time.perf_counter()
-    with GRPO(cfg) as grpo:
-        first_step = grpo.step
-        history = grpo.run()
     rewards = [h["rollout/reward/mean"] for h in history]
     print(f"\n{len(history)} step(s) in {time.perf_counter() - start:.1f} s; outputs in {cfg.output_dir}")
     if rewards:

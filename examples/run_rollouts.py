@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
-from nemo_rl_ext.config import PolicyConfig
+from nemo_rl_ext.config import ConfigError, PolicyConfig
 from nemo_rl_ext.datasets import SHIPPED_ARITHMETIC, load_jsonl, qa_datums
 from nemo_rl_ext.environments import create_environment
 from nemo_rl_ext.environments.calculator import CALCULATOR_SYSTEM_PROMPT
@@ -64,4 +65,8 @@ if __name__ == "__main__":
     parser.add_argument("--num-generations", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    asyncio.run(main(parser.parse_args()))
+    try:
+        asyncio.run(main(parser.parse_args()))
+    except ConfigError as err:  # e.g. --model names no model folder: the message alone, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -6,15 +6,22 @@ Layout of `<root>/step_<NNNNNNNN>/`:
     optimizer.pt     the optimizer's state_dict
     rng.pt           python, numpy and torch (CPU and CUDA) RNG states
     state.json       {"step": int, "data": {...}, "extra": {...}}
+    complete.json    the completeness marker, written last: every other file's size and sha256
 
-Everything is written into a hidden temporary sibling folder that is renamed into place last, so a
-checkpoint folder either exists complete or not at all; a run killed mid-save leaves only a `.tmp` folder,
-which `latest_checkpoint` ignores and the next save removes.
+Everything is written (and fsynced) into a hidden temporary sibling folder, the marker last, and the
+folder is renamed into place, so a run killed mid-save leaves only a `.tmp` folder, which the next save
+removes. A `step_*` folder without the marker (a crash mid-write on a filesystem without atomic renames, a
+partial copy) is not a checkpoint. Loading checks every file against the marker, so a truncated or
+overwritten file, or a missing one, is a `CheckpointError` naming it; `resumable_checkpoint` then falls
+back to the newest checkpoint that is whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import random
 import re
 import shutil
@@ -26,8 +33,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_rl_ext.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "state.json"
+MARKER_FILE = "complete.json"
+"""Written last: {"step": int, "files": {relative path: {"bytes": int, "sha256": str}}}."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that can't be used (a damaged or missing file); the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -115,10 +132,19 @@ def save_checkpoint(
         torch.save(get_rng_state(), tmp / "rng.pt")
         state = {"step": int(step), "data": data_state, "extra": extra or {}}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        files = {}
+        for file in sorted(f for f in tmp.rglob("*") if f.is_file()):
+            _fsync(file)
+            files[file.relative_to(tmp).as_posix()] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        (tmp / MARKER_FILE).write_text(json.dumps({"step": int(step), "files": files}, indent=2))
+        _fsync(tmp / MARKER_FILE)
         tmp.chmod(0o755)
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # replacing a checkpoint of the same step: move the old one aside first
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-old", dir=root))
+            final.rename(old / final.name)
+            shutil.rmtree(old, ignore_errors=True)
         tmp.rename(final)
+        _fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -128,26 +154,82 @@ def save_checkpoint(
     return final
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoint folders under `root`, oldest first."""
+    """Checkpoint folders under `root` whose completeness marker exists, oldest first (not yet verified)."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found) if (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found) if (p / MARKER_FILE).is_file()]
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
+    """The newest checkpoint under `root` with its completeness marker, or None."""
     found = list_checkpoints(root)
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Read a checkpoint folder's metadata (the model, optimizer and RNG are read on demand)."""
+def verify_checkpoint(path: str | Path) -> None:
+    """Check every file of a checkpoint against its marker; raise CheckpointError naming the first bad one."""
     path = Path(path)
-    state_file = path / STATE_FILE
-    if not state_file.is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint: it has no {STATE_FILE}")
-    state = json.loads(state_file.read_text())
+    marker = path / MARKER_FILE
+    if not marker.is_file():
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint: it has no {MARKER_FILE} (a save that never finished)"
+        )
+    try:
+        files = json.loads(marker.read_text())["files"]
+        expected = {str(name): (int(f["bytes"]), str(f["sha256"])) for name, f in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{marker} is damaged: {type(exc).__name__}: {exc}") from None
+    for name, (size, digest) in expected.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file} is damaged: {file.stat().st_size} bytes, {size} when saved")
+        if _sha256(file) != digest:
+            raise CheckpointError(f"{file} is damaged: its contents changed since the save (sha256 differs)")
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Verify a checkpoint folder and read its metadata (the model, optimizer and RNG are read on demand)."""
+    path = Path(path)
+    verify_checkpoint(path)
+    state = json.loads((path / STATE_FILE).read_text())
     return Checkpoint(path=path, step=int(state["step"]), data_state=state["data"], extra=state.get("extra", {}))
+
+
+def resumable_checkpoint(root: str | Path) -> Checkpoint | None:
+    """The newest checkpoint under `root` that is whole; None when there is none at all.
+
+    Damaged ones are skipped with one warning naming each damaged file; when every checkpoint is damaged,
+    a CheckpointError lists them instead (starting over would silently discard the run).
+    """
+    damaged: list[str] = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            checkpoint = load_checkpoint(path)
+        except CheckpointError as err:
+            damaged.append(str(err))
+            continue
+        if damaged:
+            logger.warning("%s; resuming from the previous whole checkpoint, %s", "; ".join(damaged), path)
+        return checkpoint
+    if damaged:
+        raise CheckpointError(f"no usable checkpoint in {root}:\n  - " + "\n  - ".join(damaged))
+    return None

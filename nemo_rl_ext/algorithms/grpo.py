@@ -32,18 +32,24 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl_ext.algorithms.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from nemo_rl_ext.algorithms.checkpoint import (
+    Checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    resumable_checkpoint,
+    save_checkpoint,
+)
 from nemo_rl_ext.algorithms.grpo_batch import (
     build_training_batch,
     has_reward_variance,
     training_batch_metrics,
 )
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+from nemo_rl_ext.algorithms.grpo_config import RESUME_MAY_CHANGE, GRPOConfig, input_problems
 from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
-from nemo_rl_ext.config import dump_config
+from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
 from nemo_rl_ext.datasets import gym_datums, load_jsonl, qa_datums
 from nemo_rl_ext.environments import create_environment
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
@@ -111,6 +117,8 @@ class GRPO:
 
     `task_to_env` replaces the configured environment (native mode); `train_datums` / `val_datums`
     replace the data files (e.g. Gym rows). With `cfg.resume`, everything comes back from a checkpoint.
+    User errors (missing files, a resume with a changed config, no usable checkpoint) raise `ConfigError`
+    before any model is loaded.
     """
 
     def __init__(
@@ -124,6 +132,10 @@ class GRPO:
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
+        raise_problems(
+            input_problems(cfg, train=train_datums is None, val=val_datums is None, env=task_to_env is None),
+            "the GRPO run's inputs",
+        )
         checkpoint = self._checkpoint_to_resume()
         seed_everything(cfg.grpo.seed)
         dtype = getattr(torch, cfg.policy.dtype)
@@ -183,20 +195,29 @@ class GRPO:
 
     # ---- set-up helpers -------------------------------------------------------------------------
 
-    def _checkpoint_to_resume(self):
+    def _checkpoint_to_resume(self) -> Checkpoint | None:
+        """The verified checkpoint to resume (falling back past damaged ones), after checking its config."""
         resume = self.cfg.resume
         if resume is False:
             if latest_checkpoint(self.checkpoint_root) is not None:
-                raise FileExistsError(
+                raise ConfigError(
                     f"{self.output_dir} already holds checkpoints: set resume=true to continue that run, "
                     "or choose another output_dir"
                 )
             return None
-        path = latest_checkpoint(self.checkpoint_root) if resume is True else Path(resume)
-        if path is None:
+        checkpoint = resumable_checkpoint(self.checkpoint_root) if resume is True else load_checkpoint(resume)
+        if checkpoint is None:
             logger.warning("resume=true but %s holds no checkpoint: starting from step 0", self.checkpoint_root)
             return None
-        return load_checkpoint(path)
+        saved = checkpoint.extra.get("config")
+        changes = config_changes(saved, self.cfg.model_dump(mode="json"), RESUME_MAY_CHANGE) if saved else []
+        if changes:
+            raise ConfigError(
+                f"{checkpoint.path} was saved by a run with a different config; resuming would mix two runs. "
+                "Changed keys:\n  - " + "\n  - ".join(changes) + "\nRestore these values or use another "
+                f"output_dir. Keys that may change on resume: {', '.join(RESUME_MAY_CHANGE)}"
+            )
+        return checkpoint
 
     def _validation_manager(self) -> RolloutManager:
         count = self.cfg.validation.num_generations_per_prompt

@@ -1,20 +1,52 @@
 """The GRPO config schema: one typed section per concept, every problem reported in one `ConfigError`.
 
     cfg = load_config("examples/configs/grpo_smollm2.yaml", ["grpo.max_num_steps=3"], GRPOConfig)
+
+Field problems (types, ranges, unknown keys) and the cross-field rules of `GRPOConfig.rule_problems` are
+reported together. `input_problems` then checks what would otherwise fail only once the model is loaded
+(the model folder, the data files and their agents' counts, the environment name), and a resumed run
+refuses a config that differs from its checkpoint's outside `RESUME_MAY_CHANGE`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
-from nemo_rl_ext.config import PolicyConfig, StrictModel
+from nemo_rl_ext.config import INVALID, CheckedConfig, PolicyConfig, RuleProblem, StrictModel, raw_field
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.generation_counts import GenerationCounts
 from nemo_rl_ext.gym.config import GymConfig
+from nemo_rl_ext.models.generation.interfaces import GenerationConfig
+
+RESUME_MAY_CHANGE: tuple[str, ...] = (
+    "grpo.max_num_steps",
+    "grpo.save_period",
+    "keep_last_checkpoints",
+    "grpo.val_period",
+    "grpo.val_at_start",
+    "validation",
+    "data.val_path",
+    "logger",
+    "output_dir",
+    "resume",
+    "policy.max_batch_size",
+    "rollouts.gym.head_server_url",
+    "rollouts.gym.agent_urls",
+    "rollouts.gym.policy_host",
+    "rollouts.gym.policy_port",
+    "rollouts.gym.launch.head_server_port",
+    "rollouts.gym.launch.startup_timeout_s",
+    "rollouts.gym.launch.work_dir",
+)
+"""Keys (and sections: `logger` means `logger.*`) that may differ between a run and its resumption: how
+long to train, when to checkpoint and validate and on what, where logs and outputs go, the hf batch size,
+and where the Gym servers listen. None of them changes a training step's rollouts or update. Any other
+change is refused, listing the changed keys."""
 
 
 class DynamicSamplingSettings(StrictModel):
@@ -56,10 +88,11 @@ class GRPOSettings(StrictModel):
     )
     seed: int = Field(default=42, description="Seed of data order, torch, and rollouts when generation.seed is unset.")
 
-    @model_validator(mode="after")
-    def _counts_parse(self) -> GRPOSettings:
-        GenerationCounts.parse(self.num_generations_per_prompt)  # ValueError -> one config problem
-        return self
+    @field_validator("num_generations_per_prompt", mode="before")
+    @classmethod
+    def _valid_counts(cls, value: Any) -> Any:
+        GenerationCounts.parse(value)  # every bad entry in one ValueError -> one config problem
+        return value
 
 
 class LossSettings(StrictModel):
@@ -139,7 +172,9 @@ class ValidationSettings(StrictModel):
     num_generations_per_prompt: int | None = Field(
         default=None, ge=1, description="Samples per prompt; None: the training setting (same manager)."
     )
-    ks: tuple[int, ...] = Field(default=(1,), description="k values of pass@k, maj@k and mean@k.")
+    ks: tuple[Annotated[int, Field(ge=1)], ...] = Field(
+        default=(1,), description="k values of pass@k, maj@k and mean@k."
+    )
 
 
 class LoggerSettings(StrictModel):
@@ -150,8 +185,8 @@ class LoggerSettings(StrictModel):
     print_steps: bool = Field(default=True, description="Print one summary line per step.")
 
 
-class GRPOConfig(StrictModel):
-    """A whole GRPO run."""
+class GRPOConfig(CheckedConfig):
+    """A whole GRPO run (resuming may change only the keys of `RESUME_MAY_CHANGE`)."""
 
     grpo: GRPOSettings = Field(default_factory=GRPOSettings)
     loss: LossSettings = Field(default_factory=LossSettings)
@@ -168,22 +203,69 @@ class GRPOConfig(StrictModel):
     )
     keep_last_checkpoints: int | None = Field(default=2, ge=1, description="Delete older ones; None keeps all.")
 
-    @model_validator(mode="after")
-    def _consistent(self) -> GRPOConfig:
-        problems = []
-        if self.policy.generation.temperature == 0.0:
-            problems.append("policy.generation.temperature must be > 0: GRPO compares sampled completions")
-        if self.grpo.max_seq_len > self.policy.max_model_len:
+    @classmethod
+    def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:
+        """Sampling isn't greedy, a rollout fits the model, `rollouts.gym` is set exactly in nemo_gym mode."""
+
+        def section(name: str) -> Mapping[str, Any]:
+            value = data.get(name)
+            return value if isinstance(value, Mapping) else {}
+
+        policy, grpo, rollouts = section("policy"), section("grpo"), section("rollouts")
+        temperature = raw_field(GenerationConfig, policy.get("generation"), "temperature")
+        max_model_len = raw_field(PolicyConfig, policy, "max_model_len")
+        max_seq_len = raw_field(GRPOSettings, grpo, "max_seq_len")
+        mode = raw_field(RolloutSettings, rollouts, "mode")
+        gym = rollouts.get("gym")
+        problems: list[RuleProblem] = []
+        if temperature is not INVALID and temperature == 0.0:
             problems.append(
-                f"grpo.max_seq_len ({self.grpo.max_seq_len}) exceeds policy.max_model_len "
-                f"({self.policy.max_model_len})"
+                (
+                    ("policy", "generation", "temperature"),
+                    "must be > 0: GRPO compares sampled completions",
+                    temperature,
+                )
             )
-        if self.rollouts.mode == "nemo_gym" and self.rollouts.gym is None:
-            problems.append("rollouts.gym is required with rollouts.mode=nemo_gym")
-        if self.rollouts.mode == "native" and self.rollouts.gym is not None:
-            problems.append("rollouts.gym is only used with rollouts.mode=nemo_gym")
-        if any(k < 1 for k in self.validation.ks):
-            problems.append(f"validation.ks must all be >= 1, got {list(self.validation.ks)}")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+        if INVALID not in (max_seq_len, max_model_len) and max_seq_len > max_model_len:
+            problems.append(
+                (("grpo", "max_seq_len"), f"exceeds policy.max_model_len ({max_model_len})", max_seq_len)
+            )
+        if mode == "nemo_gym" and gym is None:
+            problems.append((("rollouts", "gym"), "is required with rollouts.mode=nemo_gym", None))
+        if mode == "native" and gym is not None:
+            problems.append((("rollouts", "gym"), "is only used with rollouts.mode=nemo_gym", gym))
+        return problems
+
+
+def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True, env: bool = True) -> list[str]:
+    """What a run of `cfg` would stop on once its model is loaded, found without loading it: the model folder,
+    the training (`train`) and validation (`val`) files and their agents' counts, and (`env`, native mode) the
+    environment name. Switch a check off when the run is given that input directly."""
+    from nemo_rl_ext.environments import available_environments
+    from nemo_rl_ext.experience.input_checks import dataset_problems
+
+    problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
+    native = cfg.rollouts.mode == "native"
+    if env and native and cfg.env.name not in available_environments():
+        known = ", ".join(available_environments())
+        problems.append(f"env.name: unknown environment {cfg.env.name!r}; known: {known}")
+    common = dict(
+        gym_rows=not native,
+        task_name=cfg.env.name,
+        required=(cfg.data.question_key, cfg.data.answer_key),
+    )
+    if train:
+        problems += dataset_problems(
+            "data.train_path", cfg.data.train_path, counts=cfg.grpo.num_generations_per_prompt,
+            counts_key="grpo.num_generations_per_prompt", **common,
+        )
+    if val and (cfg.grpo.val_period > 0 or cfg.grpo.val_at_start) and cfg.data.val_path is not None:
+        val_counts = cfg.validation.num_generations_per_prompt
+        problems += dataset_problems(
+            "data.val_path", cfg.data.val_path, limit=cfg.validation.num_prompts,
+            counts=val_counts if val_counts is not None else cfg.grpo.num_generations_per_prompt,
+            counts_key="validation.num_generations_per_prompt" if val_counts is not None
+            else "grpo.num_generations_per_prompt",
+            **common,
+        )
+    return problems

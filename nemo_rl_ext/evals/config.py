@@ -17,19 +17,19 @@ collected into one `ValidationError`, so one run of the CLI lists everything tha
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    Field,
-    TypeAdapter,
-    ValidationError,
-    field_validator,
-    model_validator,
+from pydantic import Field, field_validator
+
+from nemo_rl_ext.config import (
+    INVALID,
+    CheckedConfig,
+    PolicyConfig,
+    RuleProblem,
+    StrictModel,
+    raise_problems,
+    raw_field,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError
-
-from nemo_rl_ext.config import PolicyConfig, StrictModel
 from nemo_rl_ext.experience.generation_counts import DEFAULT_KEY, GenerationCounts
 from nemo_rl_ext.gym.config import GymConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
@@ -150,7 +150,7 @@ class EvalSettings(StrictModel):
         return self.environment or DEFAULT_ENVIRONMENTS.get(self.rollout_mode)
 
 
-class EvalConfig(StrictModel):
+class EvalConfig(CheckedConfig):
     """A whole eval run: `eval` settings, the `policy` that generates, the `gym` section (nemo_gym)."""
 
     eval: EvalSettings
@@ -159,35 +159,35 @@ class EvalConfig(StrictModel):
         default=None, description="nemo_gym mode: where the Gym agents are (passed as the manager's gym_config)."
     )
 
-    @model_validator(mode="wrap")
     @classmethod
-    def _every_problem(cls, data: Any, handler: Any) -> EvalConfig:
-        """Run field validation and the cross-field rules, and raise one error holding all problems."""
-        field_error: ValidationError | None = None
-        model = None
-        try:
-            model = handler(data)
-        except ValidationError as err:
-            field_error = err
-        raw = data.model_dump() if isinstance(data, BaseModel) else data
-        problems = rule_problems(raw if isinstance(raw, Mapping) else {})
-        if not problems:
-            if field_error is not None:
-                raise field_error
-            return model
-        details: list[InitErrorDetails] = []
-        if field_error is not None:
-            for e in field_error.errors():
-                details.append(
-                    InitErrorDetails(
-                        type=PydanticCustomError(e["type"], e["msg"]), loc=e["loc"], input=e["input"]
-                    )
-                )
-        for loc, message, value in problems:
-            details.append(
-                InitErrorDetails(type=PydanticCustomError("eval_rule", message), loc=loc, input=value)
-            )
-        raise ValidationError.from_exception_data(cls.__name__, details)
+    def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:
+        """The cross-field rules of the module docstring."""
+        return rule_problems(data)
+
+
+def input_problems(cfg: EvalConfig) -> list[str]:
+    """What a run of `cfg` would stop on once its model is loaded, found without loading it: a missing model
+    folder, a missing or unreadable dataset, rows whose agent has no count in `num_tests_per_prompt`."""
+    from nemo_rl_ext.experience.input_checks import dataset_problems
+
+    ev = cfg.eval
+    problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
+    problems += dataset_problems(
+        "eval.dataset_path",
+        ev.dataset_path,
+        gym_rows=ev.rollout_mode == "nemo_gym",
+        task_name=ev.resolved_environment,
+        required=("question", "answer"),
+        counts=ev.num_tests_per_prompt,
+        counts_key="eval.num_tests_per_prompt",
+        limit=ev.num_prompts,
+    )
+    return problems
+
+
+def check_inputs(cfg: EvalConfig) -> None:
+    """Raise one ConfigError listing every `input_problems` of `cfg` (the CLI calls it before loading)."""
+    raise_problems(input_problems(cfg), "the eval's inputs")
 
 
 def max_sample_count(value: int | Mapping[str, int]) -> int:
@@ -199,26 +199,8 @@ def max_sample_count(value: int | Mapping[str, int]) -> int:
 
 # ---- the cross-field rules, on the raw data (so they run even when other fields are invalid) ----------
 
-_INVALID = object()
 
-
-def _field(model: type[BaseModel], section: Any, name: str) -> Any:
-    """Field `name` of a raw section validated on its own: its default when absent, _INVALID when bad."""
-    info = model.model_fields[name]
-    if section is None:
-        section = {}
-    if not isinstance(section, Mapping):
-        return _INVALID
-    if name not in section:
-        return info.get_default(call_default_factory=True)
-    annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
-    try:
-        return TypeAdapter(annotation).validate_python(section[name])
-    except ValidationError:
-        return _INVALID
-
-
-def rule_problems(data: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str, Any]]:
+def rule_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
     """Every broken cross-field rule as (key path, message, offending value); fields that don't validate
     on their own are skipped here (their own error reports them)."""
     ev = data.get("eval")
@@ -226,18 +208,18 @@ def rule_problems(data: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str, A
     gen = policy.get("generation") if isinstance(policy, Mapping) else None
 
     def e(name: str) -> Any:
-        return _field(EvalSettings, ev, name)
+        return raw_field(EvalSettings, ev, name)
 
     def g(name: str) -> Any:
-        return _field(GenerationConfig, gen, name)
+        return raw_field(GenerationConfig, gen, name)
 
     def raw(section: Any, name: str, parsed: Any) -> Any:
         """The value as written (for the message), else the parsed default."""
         return section[name] if isinstance(section, Mapping) and name in section else parsed
 
     mode, turns, counts, ks = e("rollout_mode"), e("max_rollout_turns"), e("num_tests_per_prompt"), e("ks")
-    problems: list[tuple[tuple[str, ...], str, Any]] = []
-    if mode == "single_turn" and turns is not _INVALID and turns is not None and turns > 1:
+    problems: list[RuleProblem] = []
+    if mode == "single_turn" and turns is not INVALID and turns is not None and turns > 1:
         problems.append(
             (
                 ("eval", "max_rollout_turns"),
@@ -259,7 +241,7 @@ def rule_problems(data: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str, A
         problems.append((("gym",), f"is only used in nemo_gym mode, not {mode}", data.get("gym")))
     if mode == "nemo_gym":
         gym_owned = "in nemo_gym mode the Gym agents own the turn loop"
-        if turns is not _INVALID and turns is not None:
+        if turns is not INVALID and turns is not None:
             problems.append(
                 (
                     ("eval", "max_rollout_turns"),
@@ -273,7 +255,7 @@ def rule_problems(data: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str, A
             ("stop_token_ids", "stops are set by the Gym agents, not by the eval config"),
         ):
             value = g(name)
-            if value is not _INVALID and value:
+            if value is not INVALID and value:
                 problems.append(
                     (
                         ("policy", "generation", name),
@@ -283,7 +265,7 @@ def rule_problems(data: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str, A
                 )
         for name in ("environment", "system_prompt"):
             value = e(name)
-            if value is not _INVALID and value is not None:
+            if value is not INVALID and value is not None:
                 problems.append(
                     (
                         ("eval", name),
@@ -293,7 +275,7 @@ def rule_problems(data: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str, A
                     )
                 )
     try:
-        parsed = GenerationCounts.parse(counts) if counts is not _INVALID else None
+        parsed = GenerationCounts.parse(counts) if counts is not INVALID else None
     except ValueError:
         parsed = None
     if parsed is not None:
@@ -301,7 +283,7 @@ def rule_problems(data: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str, A
         if parsed.default is not None and parsed.default > 1:
             many[DEFAULT_KEY] = parsed.default
         temperature = g("temperature")
-        if many and temperature is not _INVALID and temperature <= 0:
+        if many and temperature is not INVALID and temperature <= 0:
             what = (
                 f"num_tests_per_prompt={counts}"
                 if isinstance(counts, int)
@@ -319,7 +301,7 @@ def rule_problems(data: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str, A
                 )
             )
         largest = max_sample_count(counts)
-        if ks is not _INVALID and ks:
+        if ks is not INVALID and ks:
             too_big = [k for k in ks if k > largest]
             if too_big:
                 problems.append(

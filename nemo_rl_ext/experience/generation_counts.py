@@ -6,11 +6,13 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from nemo_rl_ext.config import ConfigError
+
 DEFAULT_KEY = "_default"
 
 
-class GenerationCountError(ValueError):
-    """A generation-count setting or a dataset that doesn't fit it."""
+class GenerationCountError(ConfigError):
+    """A generation-count setting or a dataset that doesn't fit it (a user error: the CLIs print it alone)."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_rl_ext.config import PolicyConfig
+from nemo_rl_ext.config import ConfigError, PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
 
@@ -27,12 +27,10 @@ def resolve_model_path(cfg: PolicyConfig) -> Path:
         if not (folder / "config.json").exists():
             build_tiny_model(folder, seed=cfg.seed)
         return folder
-    path = Path(cfg.model_name).expanduser()
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"policy.model_name={cfg.model_name!r} is neither 'smollm2', 'tiny' nor a model folder with config.json"
-        )
-    return path
+    problem = cfg.model_folder_problem()
+    if problem is not None:
+        raise ConfigError(problem)
+    return Path(cfg.model_name).expanduser()
 
 
 def build_generation(cfg: PolicyConfig, model=None, tokenizer=None) -> GenerationInterface:

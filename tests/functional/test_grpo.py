@@ -14,6 +14,7 @@ reward/mean of steps 1-5 = 0.111 0.110 0.117 0.121 0.110 (mean 0.114); steps 26-
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -24,11 +25,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nemo_rl_ext.algorithms.checkpoint import latest_checkpoint, load_checkpoint
+from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
 from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+from nemo_rl_ext.algorithms.grpo_config import RESUME_MAY_CHANGE, GRPOConfig
 from nemo_rl_ext.algorithms.metrics_logger import read_metrics
-from nemo_rl_ext.config import load_config
+from nemo_rl_ext.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = ("apple", "river", "blue", "seven", "cat", "hello", "tree", "water")
@@ -139,7 +140,7 @@ def test_killed_run_resumes_with_the_same_next_step(config_file: Path, tmp_path:
     resume_from = latest_checkpoint(killed / "checkpoints")
     k = load_checkpoint(resume_from).step  # 2, or 4 if the process outran the kill
     assert k in (2, 4)
-    with pytest.raises(FileExistsError, match="resume=true"):  # a fresh start would mix two runs
+    with pytest.raises(ConfigError, match="resume=true"):  # a fresh start would mix two runs
         GRPO(load_config(config_file, [f"output_dir={killed}"], GRPOConfig))
     resumed = run(config_file, f"output_dir={killed}", "resume=true", f"grpo.max_num_steps={k + 1}", *short)
 
@@ -154,6 +155,45 @@ def test_killed_run_resumes_with_the_same_next_step(config_file: Path, tmp_path:
     # and the steps before the kill, computed by the killed process, match the uninterrupted run too
     for before, after in zip(uninterrupted[:k], resumed[:k], strict=True):
         assert after["rollout/reward/mean"] == before["rollout/reward/mean"]
+
+
+@pytest.mark.timeout(90)
+def test_resume_refuses_a_changed_config_and_skips_a_damaged_checkpoint(
+    config_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    small = ("grpo.num_generations_per_prompt=4", "grpo.save_period=1", "keep_last_checkpoints=null")
+    run(config_file, f"output_dir={tmp_path}", "grpo.max_num_steps=2", *small)
+
+    # training keys differ: refused before any model loads, every changed key listed
+    changed = ("optimizer.lr=0.001", "grpo.num_prompts_per_step=2", "env.kwargs.mode=exact")
+    resume = (f"output_dir={tmp_path}", "resume=true", *small)
+    with pytest.raises(ConfigError) as err:
+        GRPO(load_config(config_file, [*resume, *changed], GRPOConfig))
+    text = str(err.value)
+    newest = checkpoint_dir(tmp_path / "checkpoints", 2)
+    assert text.startswith(f"{newest} was saved by a run with a different config"), text
+    listed = [line.strip() for line in text.splitlines() if line.startswith("  - ")]
+    assert listed == [
+        "- env.kwargs.mode: 'similarity' -> 'exact'",
+        "- grpo.num_prompts_per_step: 4 -> 2",
+        "- optimizer.lr: 0.003 -> 0.001",
+    ]
+    assert "grpo.max_num_steps" in text  # the message names the keys that may change
+
+    # the newest checkpoint's weights are damaged: one warning naming the file, and the run resumes at
+    # step 1 with keys of RESUME_MAY_CHANGE changed (more steps, no progress bar, another checkpoint period)
+    damaged = newest / "policy" / "model.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    allowed = ("grpo.max_num_steps=3", "logger.progress=true", "grpo.save_period=3", "validation.ks=[1, 2]")
+    assert {"grpo.max_num_steps", "logger", "grpo.save_period", "validation"} <= set(RESUME_MAY_CHANGE)
+    with caplog.at_level(logging.WARNING, logger="nemo_rl_ext.algorithms.checkpoint"):
+        with GRPO(load_config(config_file, [*resume, *allowed], GRPOConfig)) as grpo:
+            assert grpo.step == 1
+            grpo.run()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"{damaged} is damaged"), warnings
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert load_checkpoint(latest_checkpoint(tmp_path / "checkpoints")).step == 3
 
 
 @pytest.mark.timeout(60)

@@ -49,20 +49,35 @@ def group(rewards, truncated=False) -> PromptGroupRecord:
 # ---- config ---------------------------------------------------------------------------------------
 
 
-def test_config_reports_every_problem_at_once(tmp_path):
+def test_config_reports_field_errors_and_cross_field_rules_together():
     bad = [
-        "data.train_path=x.jsonl", "grpo.num_generations_per_prompt.a=0", "loss.clip_low=1.5",
-        "optimizer.lr=-1", "env.typo=1",
+        "data.train_path=x.jsonl", "grpo.num_generations_per_prompt={a: 0, b: x}", "loss.clip_low=1.5",
+        "optimizer.lr=-1", "env.typo=1", "validation.ks=[0, 2]",
+        # cross-field rules, reported in the same error although fields above are invalid
+        "policy.generation.temperature=0", "grpo.max_seq_len=4096", "rollouts.mode=nemo_gym",
     ]
     with pytest.raises(ConfigError) as err:
         load_config(None, bad, GRPOConfig)
     text = str(err.value)
-    for needle in ("num_generations_per_prompt", "clip_low", "lr", "typo"):
+    assert text.startswith("config: 8 problem(s)"), text
+    for needle in (
+        "grpo.num_generations_per_prompt: Value error, num_generations_per_prompt values must be integers >= 1; "
+        "bad entries: {'a': 0, 'b': 'x'}",
+        "loss: Value error, invalid ClippedPGLossConfig: clip_low must be in [0, 1), got 1.5",
+        "optimizer.lr: Input should be greater than 0 (got -1)",
+        "env.typo: Extra inputs are not permitted",
+        "validation.ks.0: Input should be greater than or equal to 1 (got 0)",
+        "policy.generation.temperature: must be > 0: GRPO compares sampled completions (got 0.0)",
+        "grpo.max_seq_len: exceeds policy.max_model_len (1024) (got 4096)",
+        "rollouts.gym: is required with rollouts.mode=nemo_gym",
+    ):
         assert needle in text, needle
-    # the cross-section checks run once every section is valid on its own
-    with pytest.raises(ConfigError, match="temperature must be > 0") as err:
-        load_config(None, ["data.train_path=x", "policy.generation.temperature=0", "grpo.max_seq_len=4096"], GRPOConfig)
-    assert "max_model_len" in str(err.value)
+    # a valid config with only a rule broken reports just that rule
+    with pytest.raises(ConfigError) as err:
+        gym = ["rollouts.gym={head_server_url: 'http://127.0.0.1:9'}", "rollouts.gym.policy_port=9"]
+        load_config(None, ["data.train_path=x", *gym], GRPOConfig)
+    text = str(err.value)
+    assert text.startswith("config: 1 problem(s)") and "rollouts.gym: is only used with" in text, text
 
 
 def test_shipped_config_loads():
