@@ -162,12 +162,28 @@ def check_abandoned_requests_are_cancelled(server: PolicyServer, backend: HfGene
     assert abandoned_tokens < n * long_tokens // 4, abandoned_tokens
 
 
-async def test_a_generation_past_its_deadline_is_cancelled_too(serve, backend) -> None:
-    server = serve(request_timeout_s=0.5)
-    cancelled = backend.num_cancelled
-    answer = post(server, CHAT, {"messages": QUESTION, "max_tokens": 3000, "temperature": 1.0, "seed": 3})
-    assert error_of(answer, 504)["message"].startswith("generation did not finish")
-    await asyncio.to_thread(wait_until, lambda: backend.num_cancelled == cancelled + 1, 30, "cancelled")
+class SlowStepHfGeneration(HfGeneration):
+    """The hf backend with every forward pass slowed by `step_s`: a generation outlasts a deadline whatever
+    the machine's speed (seed 3 samples well over 100 tokens before EOS)."""
+
+    step_s = 0.02
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.step_s)
+        return super()._forward(*args, **kwargs)
+
+
+async def test_a_generation_past_its_deadline_is_cancelled_too(tiny_model_and_tokenizer) -> None:
+    model, tokenizer = tiny_model_and_tokenizer
+    slow = SlowStepHfGeneration(model, tokenizer, max_model_len=4096)
+    try:
+        with PolicyServer(slow, tokenizer, request_timeout_s=0.5) as server:
+            answer = post(server, CHAT, {"messages": QUESTION, "max_tokens": 3000, "temperature": 1.0, "seed": 3})
+            assert error_of(answer, 504)["message"].startswith("generation did not finish")
+            await asyncio.to_thread(wait_until, lambda: slow.num_cancelled == 1, 30, "cancelled")
+            assert slow.num_generated_tokens < 3000
+    finally:
+        slow.shutdown()
 
 
 # ---- 3. slow and huge requests never hold up the event loop; oversized bodies get a 413 ----------------
