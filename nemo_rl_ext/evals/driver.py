@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from nemo_rl_ext.config import dump_config
 from nemo_rl_ext.evals.config import EvalConfig
-from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics
+from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, vote_key
 from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, check_resumable, completion_line, dumps
 from nemo_rl_ext.experience.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.experience.rollout_manager import RolloutManager, batch_metrics
@@ -256,7 +256,7 @@ def summarize(
                 agent_name=group[0]["agent"],
                 rewards=tuple(float(x["reward"]) for x in group),
                 answers=tuple(
-                    None if x["stop_reason"] == "error" or x["answer"] is None else str(x["answer"])
+                    None if x["stop_reason"] == "error" else vote_key(x["answer"], x.get("env_extras"))
                     for x in group
                 ),
             )
