@@ -22,7 +22,9 @@ import logging
 import multiprocessing
 import multiprocessing.util  # registers its exit hook (which joins child processes) before ours
 import os
+import select
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -40,9 +42,35 @@ DEFAULT_GRADING_WORKERS = max(4, min(os.cpu_count() or 1, 16))
 _WORKER_MODULE = "nemo_rl_ext.environments.math_grading"
 
 
-def _warm_up() -> None:
-    """Worker initializer: grade one answer so that sympy's lazy imports are done before the first deadline."""
+def _init_worker(caller_pid: int) -> None:
+    """Worker initializer: exit when the calling process dies (even by SIGKILL, which skips every exit hook),
+    and grade one answer so that sympy's lazy imports are done before the first deadline."""
+    threading.Thread(target=_exit_with, args=(caller_pid,), name="grading-watchdog", daemon=True).start()
     grade_answer("\\boxed{\\frac{1}{2}}", "0.5")
+
+
+def _exit_with(pid: int) -> None:
+    """Wait for process `pid` to end, then end this one (a busy worker would otherwise run on, orphaned)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3: poll
+        pidfd = None
+    if pidfd is not None:
+        select.select([pidfd], [], [])  # readable once `pid` has exited
+    else:
+        while _exists(pid):
+            time.sleep(1.0)
+    os._exit(1)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class GradingPool:
@@ -67,7 +95,9 @@ class GradingPool:
             if self._pool is None or self._pid != os.getpid():
                 context = multiprocessing.get_context("forkserver")
                 context.set_forkserver_preload(["__main__", _WORKER_MODULE])
-                self._pool = ProcessPool(max_workers=self.workers, initializer=_warm_up, context=context)
+                self._pool = ProcessPool(
+                    max_workers=self.workers, initializer=_init_worker, initargs=(os.getpid(),), context=context
+                )
                 self._pid = os.getpid()
                 if not self._stops_at_exit:  # before multiprocessing's hook, which would wait on idle workers
                     atexit.register(self.shutdown)

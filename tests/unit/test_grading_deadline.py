@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -108,10 +109,71 @@ def test_hostile_answers_time_out_while_thirty_ordinary_ones_score(tmp_path: Pat
     # the hostile answers ran side by side: about one deadline, not one per hostile answer
     assert deadline <= report["wall"] < 2 * deadline, report["wall"]
     assert exit_s < 5.0, f"the process took {exit_s:.1f}s to exit"
-    give_up = time.monotonic() + 10.0  # the forkserver exits once it sees its parent gone
-    while (left := [pid for pid in report["pids"] if running(pid)]) and time.monotonic() < give_up:
-        time.sleep(0.1)
+    left = wait_until_gone(report["pids"], 10.0)  # the forkserver exits once its clients are gone
     assert not left, f"processes left running after exit: {left}"
+
+
+KILLED_CHILD = r"""
+import asyncio, sys
+from nemo_rl_ext.environments.grading_pool import GradingPool
+
+async def main():
+    pool = GradingPool(workers=2)
+    await pool.grade(["\boxed{1}"], ["1"], 30.0)
+    busy = asyncio.ensure_future(pool.grade(sys.argv[1:], ["1"] * len(sys.argv[1:]), 600.0))
+    await asyncio.sleep(1.0)
+    print("busy", flush=True)
+    await busy
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_busy_with_hostile_answers_die_with_a_killed_caller(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_CHILD)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), HOSTILE[0], HOSTILE[2]],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "busy"
+        pids = descendants(proc.pid)
+        assert len(pids) >= 3, pids  # the forkserver and two workers (and multiprocessing's resource tracker)
+    finally:
+        proc.kill()  # SIGKILL: no exit hook of the caller runs
+        proc.wait()
+    left = wait_until_gone(pids, 10.0)
+    assert not left, f"processes left running after the caller was killed: {left}"
+
+
+def descendants(root: int) -> list[int]:
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        todo += children
+    return found
+
+
+def wait_until_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids still running after `timeout_s`; those are then killed, so a failing test leaves nothing."""
+    give_up = time.monotonic() + timeout_s
+    while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < give_up:
+        time.sleep(0.1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def running(pid: int) -> bool:
