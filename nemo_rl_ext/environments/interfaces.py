@@ -60,12 +60,12 @@ class EnvironmentInterface(abc.ABC):
     async def vote_keys(self, answers: Sequence[str | None]) -> list[str | None]:
         """The maj@k vote key of each answer: answers with equal keys are one vote; None casts no vote.
 
-        Where keys are computed: an environment that grades an answer puts its key in
-        `EnvironmentReturn.extras[i]["vote_key"]` (the built-in ones do, with this method's normalization),
-        so the key is computed once, when the answer is graded, and travels in the completion's `env_extras`
-        (and the eval's completions.jsonl) to maj@k; an answer without a stored key is keyed with
-        `default_vote_key`. This default is `default_vote_key`; override it where answers have a looser
-        equivalence (math: math-verify; string_match: its own normalization).
+        Keys are computed when an answer is graded: an environment puts each graded answer's key in
+        `EnvironmentReturn.extras[i]["vote_key"]` (the built-in ones with this method's normalization), the
+        rollout copies it into the completion's `env_extras`, the eval writes it to completions.jsonl and
+        maj@k votes on it (`evals.metrics.vote_key`), so a resumed eval never grades again. An answer with no
+        stored key votes with `default_vote_key`, which is also this default. Override it where answers
+        have a looser equivalence (math: math-verify; string_match: its strip / case settings).
         """
         return [default_vote_key(a) for a in answers]
 
