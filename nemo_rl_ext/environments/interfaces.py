@@ -36,12 +36,14 @@ class EnvironmentReturn:
     """True when the rollout is over."""
     answers: Sequence[str | None]
     """The answer extracted from each rollout, if any."""
+    extras: Sequence[Mapping[str, Any]] | None = None
+    """Per-rollout facts for the completion's `env_extras` (e.g. `vote_key`, `grading`); None: nothing."""
 
     def __post_init__(self) -> None:
-        sizes = {
-            name: len(getattr(self, name))
-            for name in ("observations", "metadata", "next_stop_strings", "rewards", "terminateds", "answers")
-        }
+        names = ("observations", "metadata", "next_stop_strings", "rewards", "terminateds", "answers")
+        sizes = {name: len(getattr(self, name)) for name in names}
+        if self.extras is not None:
+            sizes["extras"] = len(self.extras)
         if len(set(sizes.values())) > 1:
             raise ValueError(f"EnvironmentReturn fields have different lengths: {sizes}")
 
@@ -55,5 +57,24 @@ class EnvironmentInterface(abc.ABC):
     ) -> EnvironmentReturn:
         """Advance every rollout by one environment step."""
 
+    async def vote_keys(self, answers: Sequence[str | None]) -> list[str | None]:
+        """The maj@k vote key of each answer: answers with equal keys are one vote; None casts no vote.
+
+        Keys are computed when an answer is graded: an environment puts each graded answer's key in
+        `EnvironmentReturn.extras[i]["vote_key"]` (the built-in ones with this method's normalization), the
+        rollout copies it into the completion's `env_extras`, the eval writes it to completions.jsonl and
+        maj@k votes on it (`evals.metrics.vote_key`), so a resumed eval never grades again. An answer with no
+        stored key votes with `default_vote_key`, which is also this default. Override it where answers
+        have a looser equivalence (math: math-verify; string_match: its strip / case settings).
+        """
+        return [default_vote_key(a) for a in answers]
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release resources; optional."""
+
+
+def default_vote_key(answer: Any) -> str | None:
+    """The vote key of an answer that no environment keyed: its text with runs of whitespace collapsed."""
+    if answer is None:
+        return None
+    return " ".join(str(answer).split())

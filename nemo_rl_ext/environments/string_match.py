@@ -49,7 +49,9 @@ class StringMatchEnvironment(EnvironmentInterface):
     """Scores the last assistant message against `metadata[i]["ground_truth"]` with `match_reward`.
 
     `strip` trims whitespace of both sides first; `case_sensitive=False` compares lower-cased text.
-    The answer reported is the (trimmed) response. Always terminates after one turn.
+    The answer reported is the (trimmed) response, and its maj@k vote key (`extras[i]["vote_key"]`) is the
+    response as compared, so responses that differ only in what `strip` / `case_sensitive` ignore share a vote.
+    Always terminates after one turn.
     """
 
     def __init__(self, mode: MatchMode = "similarity", strip: bool = True, case_sensitive: bool = True) -> None:
@@ -78,4 +80,9 @@ class StringMatchEnvironment(EnvironmentInterface):
             rewards=[match_reward(r, t, self.mode) for r, t in zip(responses, targets, strict=True)],
             terminateds=[True] * n,
             answers=responses,
+            extras=[{"vote_key": r} for r in responses],
         )
+
+    async def vote_keys(self, answers: Sequence[str | None]) -> list[str | None]:
+        """The answer as this environment compares it (trimmed / lower-cased as configured)."""
+        return [None if a is None else self._normalize(a) for a in answers]

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nemo_rl_ext.environments.calculator import CalculatorError, evaluate_expression, format_number
+from nemo_rl_ext.environments.grading_pool import DEFAULT_GRADING_TIMEOUT_S, DEFAULT_GRADING_WORKERS
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
-from nemo_rl_ext.environments.math_env import grade_answers, ground_truth_of, last_assistant_content
+from nemo_rl_ext.environments.math_env import (
+    MathGrader,
+    grade_extras,
+    ground_truth_of,
+    last_assistant_content,
+)
 from nemo_rl_ext.environments.registry import register_environment
 from nemo_rl_ext.experience.records import Message
-from nemo_rl_ext.models.tool_calls import ToolCall, parse_tool_calls
+from nemo_rl_ext.models.tool_calls import MAX_TOOL_CALL_CHARS, MAX_TOOL_CALL_DEPTH, ToolCall, parse_tool_calls
 
 CALCULATOR_TOOL_NAME = "calculator"
 """The one tool this environment offers."""
@@ -24,7 +29,21 @@ class ToolCalculatorEnvironment(EnvironmentInterface):
 
     Per-rollout metadata carries the input metadata plus running counts `tool_calls` (calls attempted,
     malformed ones included) and `tool_errors` (calls whose result is an error). The rollout loop caps turns.
+    A call longer than `max_tool_call_chars` or nested deeper than `max_tool_call_depth` is malformed: its
+    error goes back to the model like any other. Final answers are graded like `math` (same deadline,
+    `extras` with `vote_key` and `grading`).
     """
+
+    def __init__(
+        self,
+        grading_timeout_s: float = DEFAULT_GRADING_TIMEOUT_S,
+        grading_workers: int = DEFAULT_GRADING_WORKERS,
+        max_tool_call_chars: int = MAX_TOOL_CALL_CHARS,
+        max_tool_call_depth: int = MAX_TOOL_CALL_DEPTH,
+    ) -> None:
+        self.grader = MathGrader(grading_timeout_s, grading_workers)
+        self.max_tool_call_chars = max_tool_call_chars
+        self.max_tool_call_depth = max_tool_call_depth
 
     async def step(
         self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Mapping[str, Any] | None]
@@ -37,12 +56,15 @@ class ToolCalculatorEnvironment(EnvironmentInterface):
         new_metadata: list[dict[str, Any]] = []
         rewards, terminateds = [0.0] * n, [False] * n
         answers: list[str | None] = [None] * n
+        extras: list[dict[str, Any]] = [{} for _ in range(n)]
         finals: list[int] = []
         for i, (log, meta) in enumerate(zip(message_logs, metadata, strict=True)):
             state = dict(meta or {})
             state.setdefault("tool_calls", 0)
             state.setdefault("tool_errors", 0)
-            parsed = parse_tool_calls(last_assistant_content(log) or "")
+            parsed = parse_tool_calls(
+                last_assistant_content(log) or "", self.max_tool_call_chars, self.max_tool_call_depth
+            )
             if parsed.calls or parsed.errors:
                 results = [_run_call(call) for call in parsed.calls] + [f"error: {e}" for e in parsed.errors]
                 state["tool_calls"] += len(results)
@@ -52,13 +74,12 @@ class ToolCalculatorEnvironment(EnvironmentInterface):
                 finals.append(i)
             new_metadata.append(state)
         if finals:
-            grades = await asyncio.to_thread(
-                grade_answers,
-                [last_assistant_content(message_logs[i]) or "" for i in finals],
-                [truths[i] for i in finals],
+            grades = await self.grader.grade(
+                [last_assistant_content(message_logs[i]) or "" for i in finals], [truths[i] for i in finals]
             )
             for i, grade in zip(finals, grades, strict=True):
                 rewards[i], terminateds[i], answers[i] = grade.reward, True, grade.answer
+                extras[i] = grade_extras(grade)
         return EnvironmentReturn(
             observations=observations,
             metadata=new_metadata,
@@ -66,7 +87,12 @@ class ToolCalculatorEnvironment(EnvironmentInterface):
             rewards=rewards,
             terminateds=terminateds,
             answers=answers,
+            extras=extras,
         )
+
+    async def vote_keys(self, answers: Sequence[str | None]) -> list[str | None]:
+        """Final answers are math answers: math-verify equivalence, as in `math`."""
+        return await self.grader.vote_keys(answers)
 
 
 def _run_call(call: ToolCall) -> str:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from nemo_rl_ext.config import dump_config
 from nemo_rl_ext.evals.config import EvalConfig
-from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics
+from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, vote_key
 from nemo_rl_ext.evals.store import (
     CompletionStore,
     EvalPaths,
@@ -314,7 +314,9 @@ def summarize(
             PromptSamples(
                 agent_name=group[0]["agent"],
                 rewards=tuple(float(x["reward"]) for x in scored),
-                answers=tuple(None if x["answer"] is None else str(x["answer"]) for x in scored),
+                answers=tuple(
+                    None if x["answer"] is None else vote_key(x["answer"], x.get("env_extras")) for x in scored
+                ),
                 num_errors=len(group) - len(scored),
             )
         )

@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from nemo_rl_ext.environments.interfaces import default_vote_key
 from nemo_rl_ext.experience.records import PromptGroupRecord, StopReason
 
 
@@ -101,8 +103,22 @@ def _capped_count_table(multiplicities: Sequence[int], cap: int, budget: int) ->
     return table
 
 
+def vote_key(answer: Any, env_extras: Mapping[str, Any] | None = None) -> str | None:
+    """The maj@k vote of a sample: the `vote_key` its environment stored in `env_extras` when it graded the
+    answer (math: spellings math-verify finds equivalent share one, see `EnvironmentInterface.vote_keys`),
+    else `default_vote_key(answer)` (Gym rows, environments without keys, files written before keys
+    existed); None (no answer) casts no vote."""
+    if answer is None:
+        return None
+    stored = (env_extras or {}).get("vote_key")
+    return str(stored) if stored is not None else default_vote_key(answer)
+
+
 def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> float:
     """Expected majority-vote accuracy of k samples, exact over all C(n, k) k-subsets.
+
+    `answers` are vote keys (`vote_key`): samples with equal keys vote for the same answer, so pass keys,
+    not raw answer strings (`21`, `21.` and `"21"` are one math answer and one key).
 
     Definition. For one k-subset: ignore samples whose answer is None; if none is left the score is 0.
     Otherwise the modes are the answers drawn most often; the score is the mean credit of the modes (a tie
@@ -159,7 +175,7 @@ class PromptSamples:
     rewards: tuple[float, ...]
     """Reward of each sample."""
     answers: tuple[str | None, ...]
-    """Extracted answer of each sample (None: no answer), used by maj@k."""
+    """Vote key of each sample's answer (`vote_key`; None: no answer), used by maj@k."""
     num_errors: int = 0
     """Samples that failed with an infrastructure error: not in `rewards`/`answers`, only counted."""
 
@@ -173,11 +189,13 @@ class PromptSamples:
 
 
 def prompt_samples_from_record(record: PromptGroupRecord, answer_key: str = "answer") -> PromptSamples:
-    """Build PromptSamples from a record: answers come from `completion.env_extras[answer_key]` (str()-ed,
-    None when missing); errored completions are not samples, only counted in `num_errors`."""
+    """Build PromptSamples from a record: each answer (`completion.env_extras[answer_key]`) votes with its
+    `vote_key` (the environment's key from `env_extras["vote_key"]`, else the answer's text; None when
+    missing); errored completions are not samples, only counted in `num_errors`."""
     scored = [c for c in record.completions if c.stop_reason != StopReason.ERROR]
     answers = tuple(
-        None if c.env_extras.get(answer_key) is None else str(c.env_extras[answer_key]) for c in scored
+        None if c.env_extras.get(answer_key) is None else vote_key(c.env_extras[answer_key], c.env_extras)
+        for c in scored
     )
     return PromptSamples(
         agent_name=record.agent_name,

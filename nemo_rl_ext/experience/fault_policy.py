@@ -27,7 +27,9 @@ class FaultPolicy(BaseModel):
         description="record: the rollout becomes an error completion and the others carry on; raise: fail fast.",
     )
     generation_timeout_s: float | None = Field(default=None, gt=0, description="Limit per generation call.")
-    env_step_timeout_s: float | None = Field(default=None, gt=0, description="Limit per environment step.")
+    env_step_timeout_s: float | None = Field(
+        default=300.0, gt=0, description="Limit per environment step; past it the rollout fails (None: no limit)."
+    )
     generation_retries: int = Field(default=2, ge=0, description="Extra attempts for a failed generation.")
     retry_backoff_s: float = Field(default=0.5, ge=0, description="First retry delay; doubles each retry.")
 

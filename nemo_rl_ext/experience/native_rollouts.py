@@ -133,6 +133,8 @@ class AsyncRolloutImpl:
             state.answer = step.answers[0] if step.answers[0] is not None else state.answer
             state.stop_strings = step.next_stop_strings[0]
             state.extras["env_metadata"] = state.env_metadata
+            if step.extras is not None:  # e.g. the answer's maj@k vote key and its grading status
+                state.extras.update(step.extras[0])
             if step.terminateds[0]:
                 if output.truncated:
                     return state.finish(StopReason.TRUNCATED, truncated=True)

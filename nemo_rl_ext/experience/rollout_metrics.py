@@ -69,6 +69,7 @@ def rollout_metrics(
         "rollout/natural_termination_rate": _mean([r is StopReason.NATURAL for r in reasons]),
         "rollout/max_turns_rate": _mean([r is StopReason.MAX_TURNS for r in reasons]),
         "rollout/errors": float(sum(r is StopReason.ERROR for r in reasons)),
+        "rollout/grading_timeouts": float(sum(c.env_extras.get("grading") == "timeout" for c in completions)),
         "rollout/wall_time_s": float(wall_time_s),
     }
     by_agent: dict[str, list[Completion]] = {}

@@ -15,9 +15,14 @@ TOOL_CALL_OPEN = "<tool_call>"
 """Tag that opens a tool call."""
 TOOL_CALL_CLOSE = "</tool_call>"
 """Tag that closes a tool call."""
+MAX_TOOL_CALL_CHARS = 32_768
+"""Longest tool call body accepted (characters); a longer one is a malformed call (an error message)."""
+MAX_TOOL_CALL_DEPTH = 64
+"""Deepest JSON nesting accepted in a call or its string `arguments` (deeper JSON would exhaust the stack)."""
 
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]', re.DOTALL)  # a string (maybe unclosed) or a bracket
 
 
 @dataclass(frozen=True)
@@ -43,11 +48,14 @@ class ParsedToolCalls(NamedTuple):
     """One message per malformed call, in text order."""
 
 
-def parse_tool_calls(text: str) -> ParsedToolCalls:
+def parse_tool_calls(
+    text: str, max_chars: int = MAX_TOOL_CALL_CHARS, max_depth: int = MAX_TOOL_CALL_DEPTH
+) -> ParsedToolCalls:
     """Find the `<tool_call>` blocks in `text`; malformed blocks become error messages, never exceptions.
 
     A trailing `<tool_call>` without its closing tag (generation stopped at `</tool_call>`, which engines
-    usually leave out of the output) is parsed like a closed one.
+    usually leave out of the output) is parsed like a closed one. A block longer than `max_chars` or whose
+    JSON nests deeper than `max_depth` is malformed (hostile input: it must not exhaust memory or the stack).
     """
     calls: list[ToolCall] = []
     errors: list[str] = []
@@ -59,7 +67,7 @@ def parse_tool_calls(text: str) -> ParsedToolCalls:
         blocks.append((tail_start, len(text), text[tail_start + len(TOOL_CALL_OPEN) :]))
     for number, (start, end, body) in enumerate(blocks, start=1):
         raw = text[start:end]
-        call, error = _parse_block(body, raw)
+        call, error = _parse_block(body, raw, max_chars, max_depth)
         kept.append(text[position:start])
         if call is not None:
             calls.append(call)
@@ -72,18 +80,19 @@ def parse_tool_calls(text: str) -> ParsedToolCalls:
     return ParsedToolCalls("".join(kept).strip(), calls, errors)
 
 
-def _parse_block(body: str, raw: str) -> tuple[ToolCall | None, str]:
+def _parse_block(body: str, raw: str, max_chars: int, max_depth: int) -> tuple[ToolCall | None, str]:
     """One block's body → (call, "") or (None, why it is malformed)."""
     body = body.strip()
+    if len(body) > max_chars:
+        return None, f"tool call is {len(body)} characters long, more than the {max_chars} allowed"
     fenced = _FENCE.match(body)
     if fenced:
         body = fenced.group(1)
     if not body:
         return None, "empty tool call"
-    try:
-        payload = json.loads(body)
-    except json.JSONDecodeError as e:
-        return None, f"invalid JSON: {e}"
+    payload, error = _bounded_json(body, max_depth)
+    if error:
+        return None, error
     if not isinstance(payload, dict):
         return None, f"expected a JSON object, got {type(payload).__name__}"
     name = payload.get("name")
@@ -91,10 +100,27 @@ def _parse_block(body: str, raw: str) -> tuple[ToolCall | None, str]:
         return None, "missing or non-string 'name'"
     arguments = payload.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            return None, f"'arguments' of {name!r} is a string but not valid JSON: {e}"
+        arguments, error = _bounded_json(arguments, max_depth) if arguments.strip() else ({}, "")
+        if error:
+            return None, f"'arguments' of {name!r} is a string but not valid JSON: {error}"
     if not isinstance(arguments, dict):
         return None, f"'arguments' of {name!r} must be an object, got {type(arguments).__name__}"
     return ToolCall(name=name, arguments=arguments, raw=raw), ""
+
+
+def _bounded_json(text: str, max_depth: int) -> tuple[Any, str]:
+    """json.loads(text) → (value, ""), or (None, why not) when it is invalid or nests deeper than `max_depth`."""
+    depth = deepest = 0
+    for token in _JSON_TOKEN.findall(text):  # one linear pass; brackets inside strings do not count
+        if token[0] == '"':
+            continue
+        depth = depth + 1 if token in "[{" else depth - 1
+        deepest = max(deepest, depth)
+    if deepest > max_depth:
+        return None, f"JSON nested {deepest} levels deep, more than the {max_depth} allowed"
+    try:
+        return json.loads(text), ""
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON: {e}"
+    except RecursionError:  # the count above missed a nesting (it cannot, but the stack must survive)
+        return None, f"JSON nested more than {max_depth} levels deep"

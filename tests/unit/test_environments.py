@@ -277,3 +277,97 @@ def test_registry_refuses_name_clashes_and_non_environments() -> None:
         register_environment("not_an_env")(object)  # type: ignore[arg-type]
     assert "not_an_env" not in available_environments()
     assert isinstance(create_environment("math"), MathEnvironment)
+
+
+# --- maj@k vote keys ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spellings",
+    [
+        ["0.5", "1/2", "\\frac{1}{2}", "\\frac{2}{4}", "\\dfrac12"],
+        ["21", "21.", '"21"', "21.0", "$21$", " 21 "],
+        ["2\\sqrt{2}", "\\sqrt{8}"],
+        ["x = 3", "3"],
+        ["x+1", "1 + x"],
+    ],
+)
+async def test_math_vote_keys_group_equivalent_spellings(spellings: list[str]) -> None:
+    keys = await MathEnvironment().vote_keys(spellings)
+    assert len(set(keys)) == 1 and keys[0] is not None, dict(zip(spellings, keys, strict=True))
+
+
+async def test_math_vote_keys_keep_different_answers_apart() -> None:
+    answers = ["21", "22", "1/2", "1/3", "0.333333", "x+1", "x+2", None]
+    keys = await MathEnvironment().vote_keys(answers)
+    assert keys[-1] is None
+    assert len(set(keys[:-1])) == len(answers) - 1, keys
+
+
+async def test_math_environment_stores_the_vote_key_with_the_grade() -> None:
+    env = MathEnvironment()
+    texts = ["\\boxed{0.5}", "so it is \\boxed{\\frac{1}{2}}", "The answer is 1/2.", "\\boxed{0.25}", "\\boxed{1/4}"]
+    result = await env.step([(*PROMPT, msg("assistant", t)) for t in texts], [{"ground_truth": "\\frac12"}] * 5)
+    assert list(result.rewards) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    keys = [e["vote_key"] for e in result.extras]
+    assert keys[0] == keys[1] == keys[2] and keys[3] == keys[4] and keys[0] != keys[3]
+    assert [e["grading"] for e in result.extras] == ["ok"] * 5
+
+
+async def test_string_match_and_tool_environments_key_their_answers() -> None:
+    string_env = create_environment("string_match", mode="exact", case_sensitive=False)
+    logs = [(*PROMPT, msg("assistant", t)) for t in ("Paris", " paris ", "PARIS!")]
+    result = await string_env.step(logs, [{"ground_truth": "paris"}] * 3)
+    assert [e["vote_key"] for e in result.extras] == ["paris", "paris", "paris!"]
+    assert await string_env.vote_keys(["Paris ", None]) == ["paris", None]
+
+    tool_env = ToolCalculatorEnvironment()
+    logs = [(*PROMPT, msg("assistant", call("6*7"))), (*PROMPT, msg("assistant", "\\boxed{42.}"))]
+    result = await tool_env.step(logs, [{"ground_truth": "42"}] * 2)
+    assert result.extras[0] == {} and result.extras[1] == {"vote_key": "42", "grading": "ok"}
+    assert await tool_env.vote_keys(["42.", "\\frac{84}{2}"]) == ["42", "42"]
+
+
+async def test_the_default_vote_key_collapses_whitespace() -> None:
+    class Plain(EnvironmentInterface):
+        async def step(self, message_logs: Sequence, metadata: Sequence) -> EnvironmentReturn:
+            raise NotImplementedError
+
+    assert await Plain().vote_keys([" a  b ", "a b", None]) == ["a b", "a b", None]
+
+
+# --- hostile tool calls ------------------------------------------------------------------------------
+
+
+async def test_hostile_tool_calls_are_tool_errors_and_the_rollout_goes_on() -> None:
+    env = ToolCalculatorEnvironment()
+    deep = '<tool_call>{"name": "calculator", "arguments": ' + "[" * 100_000 + "}</tool_call>"
+    deep_in_size = '<tool_call>{"name": "calculator", "arguments": ' + "[" * 10_000 + "}</tool_call>"
+    deep_string = '<tool_call>{"name": "calculator", "arguments": "' + "[" * 10_000 + '"}</tool_call>'
+    huge = call("1+1").replace('"1+1"', '"1+1", "pad": "' + "x" * 1_000_000 + '"')
+    texts = (deep, deep_in_size, deep_string, huge)
+    logs = [(*PROMPT, msg("assistant", text)) for text in texts]
+    result = await env.step(logs, [{"ground_truth": "2"}] * len(texts))
+    assert [o.role for o in result.observations] == ["tool"] * len(texts)
+    contents = [o.content for o in result.observations]
+    assert all(c.startswith("error: tool call 1") for c in contents), [c[:100] for c in contents]
+    assert "characters long" in contents[0] and "characters long" in contents[3]
+    assert "nested 10001 levels deep, more than the 64 allowed" in contents[1]
+    assert "nested 10000 levels deep, more than the 64 allowed" in contents[2]
+    assert all(len(c) < 500 for c in contents)  # the error names the problem, it does not echo the call
+    assert list(result.terminateds) == [False] * len(texts) and list(result.rewards) == [0.0] * len(texts)
+    assert all(m["tool_calls"] == 1 and m["tool_errors"] == 1 for m in result.metadata)
+
+
+async def test_tool_call_limits_are_environment_settings() -> None:
+    env = create_environment("tool_calculator", max_tool_call_chars=70, max_tool_call_depth=2)
+    logs = [
+        (*PROMPT, msg("assistant", call("1 + 2 + 3 + 4 + 5 + 6 + 7 + 8"))),
+        (*PROMPT, msg("assistant", '<tool_call>{"name": "calculator", "arguments": {"e": [1]}}</tool_call>')),
+        (*PROMPT, msg("assistant", call("2*3"))),
+    ]
+    result = await env.step(logs, [{"ground_truth": "1"}] * 3)
+    contents = [o.content for o in result.observations]
+    assert "more than the 70 allowed" in contents[0]
+    assert "nested 3 levels deep, more than the 2 allowed" in contents[1]
+    assert contents[2] == "6"

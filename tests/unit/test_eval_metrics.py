@@ -19,6 +19,7 @@ from nemo_rl_ext.evals.metrics import (
     pass_at_k,
     pass_at_k_rewards,
     prompt_samples_from_record,
+    vote_key,
 )
 from nemo_rl_ext.experience.records import Completion, Message, PromptGroupRecord, StopReason
 
@@ -304,3 +305,108 @@ def test_error_samples_are_counted_not_scored() -> None:
     assert all(isinstance(v, float) and math.isfinite(v) for v in m.values())
     with pytest.raises(ValueError, match="num_errors"):
         PromptSamples("a", (1.0,), ("1",), num_errors=-1)
+
+
+# ---- maj@k votes on answers (vote keys), not on strings ------------------------------------------------
+
+
+def record_of(samples: list[tuple[float, object, dict]]) -> PromptGroupRecord:
+    """A record whose completions have these (reward, answer, extra env_extras)."""
+    prompt = (Message("user", "q", (1, 2)),)
+    completions = tuple(
+        Completion(
+            (*prompt, Message("assistant", "a", (3,), (-0.1,))),
+            reward, False, StopReason.NATURAL, 1, "math", {"answer": answer, **extras},
+        )
+        for reward, answer, extras in samples
+    )
+    return PromptGroupRecord(0, prompt, {}, "math", completions, {})
+
+
+def test_stored_vote_keys_make_spellings_one_vote() -> None:
+    # "21", 21 and "21." are one answer (key "21"); 20 is a wrong answer with two votes
+    record = record_of([
+        (1.0, "21", {"vote_key": "21"}),
+        (1.0, 21, {"vote_key": "21"}),
+        (1.0, "21.", {"vote_key": "21"}),
+        (0.0, "20", {"vote_key": "20"}),
+        (0.0, "20", {"vote_key": "20"}),
+    ])
+    samples = prompt_samples_from_record(record)
+    assert samples.answers == ("21", "21", "21", "20", "20")
+    correct = [r >= 1.0 for r in samples.rewards]
+    assert maj_at_k(samples.answers, correct, 5) == 1.0  # 3 votes beat 2 (as strings: 20 won with 2 of 5)
+    for k in range(1, 6):
+        assert maj_at_k(samples.answers, correct, k) == pytest.approx(
+            brute_maj_at_k(["21", "21", "21", "20", "20"], correct, k)
+        )
+
+
+async def test_math_environment_keys_feed_maj_at_k() -> None:
+    from nemo_rl_ext.environments import MathEnvironment
+
+    texts = ["\\boxed{0.5}", "\\boxed{1/2}", "\\boxed{\\frac{1}{2}}", "\\boxed{3}", "\\boxed{3.}"]
+    prompt = (Message("user", "q", ()),)
+    step = await MathEnvironment().step(
+        [(*prompt, Message("assistant", t, ())) for t in texts], [{"ground_truth": "1/2"}] * len(texts)
+    )
+    record = record_of(
+        [(r, a, dict(e)) for r, a, e in zip(step.rewards, step.answers, step.extras, strict=True)]
+    )
+    samples = prompt_samples_from_record(record)
+    assert len(set(samples.answers[:3])) == 1 and len(set(samples.answers[3:])) == 1
+    assert samples.answers[0] != samples.answers[3]
+    correct = [True, True, True, False, False]
+    assert maj_at_k(samples.answers, correct, 5) == 1.0  # 1/2 has three votes, 3 has two
+
+
+def test_tied_answers_still_share_the_credit() -> None:
+    # 0.5 and 1/2 are one correct answer with two votes; 3 and "3." one wrong answer with two votes
+    keys = ["1/2", "1/2", "3", "3"]
+    record = record_of([
+        (1.0, "0.5", {"vote_key": "1/2"}),
+        (1.0, "\\frac{1}{2}", {"vote_key": "1/2"}),
+        (0.0, "3", {"vote_key": "3"}),
+        (0.0, "3.", {"vote_key": "3"}),
+    ])
+    samples = prompt_samples_from_record(record)
+    assert samples.answers == tuple(keys)
+    correct = [True, True, False, False]
+    assert maj_at_k(samples.answers, correct, 4) == 0.5  # a 2-2 tie: the correct answer gets half
+    # k=2: {1/2,1/2} -> 1, {3,3} -> 0, the 4 mixed pairs tie -> 1/2 each: (1 + 0 + 4 * 0.5) / 6
+    assert maj_at_k(samples.answers, correct, 2) == pytest.approx(0.5)
+    assert maj_at_k(samples.answers, correct, 3) == pytest.approx(brute_maj_at_k(keys, correct, 3))
+
+
+def test_vote_key_of_a_sample() -> None:
+    assert vote_key("21.", {"vote_key": "21"}) == "21"
+    assert vote_key(21, {}) == "21"
+    assert vote_key("  a   b ", None) == "a b"  # no stored key (Gym rows, older files): whitespace-normalized
+    assert vote_key(None, {"vote_key": "21"}) is None  # no answer, no vote
+
+
+def test_the_eval_summary_votes_with_the_keys_written_to_completions_jsonl(tmp_path) -> None:
+    from nemo_rl_ext.config import load_config
+    from nemo_rl_ext.evals.config import EvalConfig
+    from nemo_rl_ext.evals.driver import summarize
+    from nemo_rl_ext.evals.store import CompletionStore, completion_line
+    from nemo_rl_ext.experience.records import DatumSpec
+
+    record = record_of([
+        (1.0, "21", {"vote_key": "21", "grading": "ok"}),
+        (1.0, '"21"', {"vote_key": "21", "grading": "ok"}),
+        (1.0, "21.", {"vote_key": "21", "grading": "ok"}),
+        (0.0, "20", {"vote_key": "20", "grading": "ok"}),
+        (0.0, "20", {"vote_key": "20", "grading": "ok"}),
+    ])
+    path = tmp_path / "completions.jsonl"
+    CompletionStore(path).append(completion_line(record, i, c, False) for i, c in enumerate(record.completions))
+    cfg = load_config(
+        None,
+        ["eval.dataset_path=d.jsonl", f"eval.save_path={tmp_path}", "eval.num_tests_per_prompt=5",
+         "policy.generation.temperature=0.7"],
+        EvalConfig,
+    )
+    datum = DatumSpec(idx=0, message_log=record.prompt, task_name="math")
+    summary = summarize(cfg, [datum], {0: 5}, CompletionStore(path))  # read back, as a resumed run does
+    assert summary["metrics"]["maj@5"] == 1.0  # as strings, "20" would win 2 votes to 1

@@ -6,7 +6,12 @@ import dataclasses
 
 import pytest
 
-from nemo_rl_ext.models.tool_calls import ToolCall, parse_tool_calls
+from nemo_rl_ext.models.tool_calls import (
+    MAX_TOOL_CALL_CHARS,
+    MAX_TOOL_CALL_DEPTH,
+    ToolCall,
+    parse_tool_calls,
+)
 
 
 def test_single_call_is_parsed_and_removed_from_content() -> None:
@@ -103,3 +108,35 @@ def test_tool_call_is_frozen() -> None:
     call = ToolCall(name="f", arguments={}, raw="")
     with pytest.raises(dataclasses.FrozenInstanceError):
         call.name = "g"  # type: ignore[misc]
+
+
+# ---- hostile calls: bounded size and depth, an error entry and never an exception ----------------------
+
+HOSTILE_BODIES = {
+    "100k-deep arguments": '{"name": "calculator", "arguments": ' + "[" * 100_000 + "}",
+    "deep arguments within the size limit": '{"name": "calculator", "arguments": ' + "[" * 10_000 + "}",
+    "deep JSON-string arguments": '{"name": "calculator", "arguments": "' + "[" * 10_000 + '"}',
+    "deep, balanced": '{"name": "f", "arguments": {"x": ' + "[" * 5_000 + "]" * 5_000 + "}}",
+    "oversized": '{"name": "calculator", "arguments": {"expression": "1+1", "pad": "'
+    + "x" * (MAX_TOOL_CALL_CHARS + 1) + '"}}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_BODIES))
+def test_hostile_calls_are_errors_not_exceptions(name: str) -> None:
+    _, calls, errors = parse_tool_calls(f"<tool_call>{HOSTILE_BODIES[name]}</tool_call>")
+    assert calls == [] and len(errors) == 1, errors
+    assert "nested" in errors[0] or "characters long" in errors[0], errors[0]
+
+
+def test_limits_are_parameters_with_named_defaults() -> None:
+    nested = '{"name": "f", "arguments": {"x": [[[1]]]}}'  # depth 5
+    assert parse_tool_calls(f"<tool_call>{nested}</tool_call>", max_depth=5).calls[0].name == "f"
+    errors = parse_tool_calls(f"<tool_call>{nested}</tool_call>", max_depth=4).errors
+    assert errors and "nested 5 levels deep, more than the 4 allowed" in errors[0]
+    errors = parse_tool_calls(f"<tool_call>{nested}</tool_call>", max_chars=20).errors
+    assert errors and f"{len(nested)} characters long, more than the 20 allowed" in errors[0]
+    # brackets inside strings are not nesting; an ordinary call is far inside both limits
+    text = '<tool_call>{"name": "f", "arguments": {"s": "' + "[" * 100 + '"}}</tool_call>'
+    assert parse_tool_calls(text).calls[0].arguments == {"s": "[" * 100}
+    assert MAX_TOOL_CALL_DEPTH >= 16 and MAX_TOOL_CALL_CHARS >= 4096

@@ -1,0 +1,89 @@
+"""Every consumer (the eval, GRPO, the examples) rolls out under a FaultPolicy with a finite env step limit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from nemo_rl_ext.algorithms.grpo import build_rollout_manager
+from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+from nemo_rl_ext.config import load_config
+from nemo_rl_ext.environments import create_environment
+from nemo_rl_ext.evals.config import EvalConfig
+from nemo_rl_ext.evals.driver import build_rollout_setup
+from nemo_rl_ext.experience.fault_policy import FaultPolicy
+from nemo_rl_ext.experience.rollout_manager import RolloutManager
+
+REPO = Path(__file__).resolve().parents[2]
+EVAL_CONFIGS = REPO / "examples" / "configs" / "evals"
+
+
+class NoGeneration:
+    """Stands in for a backend: the builders only read its tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = 4096
+
+    async def generate_async(self, prompt_token_ids, config):
+        raise AssertionError("nothing is generated here")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def assert_finite_env_step_limit(manager: RolloutManager) -> None:
+    limit = manager.fault_policy.env_step_timeout_s
+    assert limit is not None and math.isfinite(limit) and limit > 0, limit
+
+
+def test_the_default_fault_policy_limits_environment_steps() -> None:
+    limit = FaultPolicy().env_step_timeout_s
+    assert limit is not None and math.isfinite(limit)
+
+
+@pytest.mark.parametrize("name", ["eval.yaml", "tool_eval.yaml", "nemo_gym_eval.yaml"])
+def test_eval_managers_limit_environment_steps(tiny_model_and_tokenizer, monkeypatch, name: str) -> None:
+    _, tok = tiny_model_and_tokenizer
+    monkeypatch.chdir(REPO)  # the shipped configs name their datasets relative to the repository
+    cfg = load_config(EVAL_CONFIGS / name, [], EvalConfig)
+    _, manager = build_rollout_setup(cfg, NoGeneration(tok))
+    assert_finite_env_step_limit(manager)
+
+
+def test_grpo_manager_limits_environment_steps(tiny_model_and_tokenizer) -> None:
+    _, tok = tiny_model_and_tokenizer
+    cfg = load_config(REPO / "examples" / "configs" / "grpo_smollm2.yaml", [], GRPOConfig)
+    task_to_env = {cfg.env.name: create_environment(cfg.env.name, **cfg.env.kwargs)}
+    manager = build_rollout_manager(cfg, tok, NoGeneration(tok), task_to_env, cfg.grpo.num_generations_per_prompt)
+    assert_finite_env_step_limit(manager)
+
+
+def test_run_rollouts_example_limits_environment_steps(tiny_model_and_tokenizer, monkeypatch) -> None:
+    _, tok = tiny_model_and_tokenizer
+    spec = importlib.util.spec_from_file_location("run_rollouts_example", REPO / "examples" / "run_rollouts.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    built: list[RolloutManager] = []
+
+    class Stop(Exception):
+        pass
+
+    class Recording(RolloutManager):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+            raise Stop  # the manager is what this test checks; nothing needs to run
+
+    monkeypatch.setattr(example, "build_generation", lambda cfg: NoGeneration(tok))
+    monkeypatch.setattr(example, "RolloutManager", Recording)
+    args = argparse.Namespace(model="tiny", num_prompts=1, num_generations=1, max_turns=1, max_new_tokens=4)
+    with pytest.raises(Stop):
+        asyncio.run(example.main(args))
+    assert len(built) == 1
+    assert_finite_env_step_limit(built[0])
