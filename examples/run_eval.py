@@ -15,6 +15,7 @@ import sys
 
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
+from nemo_rl_ext.lifecycle import stop_on_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,4 +52,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with stop_on_signals():  # SIGTERM: an orderly stop (Gym servers, policy server), resumable outputs
+        sys.exit(main())
