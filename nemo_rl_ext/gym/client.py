@@ -152,8 +152,7 @@ class GymClient:
             return await post
         watch = asyncio.ensure_future(self.health.wait_down(self.health.closure(agent)))
         try:
-            async with self.health.watching():
-                await asyncio.wait({post, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({post, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in (post, watch):
                 task.cancel()
@@ -167,6 +166,12 @@ class GymClient:
             raise ValueError(f"{label}: missing 'responses_create_params' (keys: {sorted(row)})")
         agent = agent_name_of(row)
         url = f"{await self.url_for(agent)}/run"
+        if self.health is None:
+            return await self._attempts(row, agent, url, label)
+        async with self.health.watching():  # the servers are probed while any row is pending
+            return await self._attempts(row, agent, url, label)
+
+    async def _attempts(self, row: Mapping[str, Any], agent: str, url: str, label: str) -> dict[str, Any]:
         delay = self.retry_backoff_s
         last: str = ""
         for attempt in range(1, self.max_attempts + 1):
