@@ -20,6 +20,7 @@ import sys
 
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig, check_inputs
+from nemo_rl_ext.lifecycle import stop_on_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,4 +63,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with stop_on_signals():  # SIGTERM: an orderly stop (Gym servers, policy server), resumable outputs
+        sys.exit(main())

@@ -21,6 +21,7 @@ import transformers
 from nemo_rl_ext.algorithms.grpo import GRPO
 from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.config import ConfigError, load_config
+from nemo_rl_ext.lifecycle import stop_on_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,4 +49,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with stop_on_signals(resume_hint="Re-run with resume=true to continue from the latest checkpoint."):
+        sys.exit(main())

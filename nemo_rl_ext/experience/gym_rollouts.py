@@ -11,6 +11,7 @@ import asyncio
 import copy
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -75,6 +76,8 @@ class AsyncNemoGymRolloutImpl:
         self._server = None
         self._launcher = None
         self._start_lock = asyncio.Lock()
+        self._life_lock = threading.Lock()  # start-up runs in a worker thread that a shutdown may overtake
+        self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -82,6 +85,7 @@ class AsyncNemoGymRolloutImpl:
         """The Gym client, starting the policy server (and Gym, with `gym.launch`) on first use."""
         async with self._start_lock:
             if self._client is None:
+                self._closed = False
                 agent_urls = dict(self.gym.agent_urls)
                 if self.gym.launch is not None:
                     agent_urls = await asyncio.to_thread(self._start_servers)
@@ -90,10 +94,14 @@ class AsyncNemoGymRolloutImpl:
                 self._client = GymClient(
                     head_server_url=self.gym.head_server_url,
                     agent_urls=agent_urls or None,
+                    servers=self._launcher.servers if self._launcher is not None else None,
                     max_concurrency=self.gym.max_concurrency,
                     row_timeout_s=self.gym.row_timeout_s,
                     max_attempts=self.gym.max_attempts,
                     retry_backoff_s=self.gym.retry_backoff_s,
+                    health_interval_s=self.gym.health_check_interval_s,
+                    health_timeout_s=self.gym.health_check_timeout_s,
+                    health_failures=self.gym.health_check_failures,
                 )
             return self._client
 
@@ -101,33 +109,48 @@ class AsyncNemoGymRolloutImpl:
         from nemo_rl_ext.gym.launcher import GymLauncher
 
         self.start_policy_server()
-        self._launcher = GymLauncher(self.gym.launch, policy_base_url=self._server.base_url,
-                                     policy_model_name=self.gym.policy_model_name)
-        return self._launcher.start()
+        with self._life_lock:
+            if self._closed:
+                raise RuntimeError("NeMo Gym rollouts were shut down during start-up")
+            self._launcher = launcher = GymLauncher(self.gym.launch, policy_base_url=self._server.base_url,
+                                                    policy_model_name=self.gym.policy_model_name)
+        return launcher.start()  # a shutdown from now on makes it stop and raise
 
     def start_policy_server(self) -> str:
         """Serve `policy_generation` over the OpenAI-compatible API; returns its base URL."""
         from nemo_rl_ext.models.generation.policy_server import PolicyServer
 
-        if self._server is None:
-            self._server = PolicyServer(
+        with self._life_lock:
+            server = self._server
+        if server is None:
+            server = PolicyServer(
                 self.policy, self.tokenizer, host=self.gym.policy_host, port=self.gym.policy_port,
                 served_model_name=self.gym.policy_model_name,
             )
-            self._server.start()
-        return self._server.base_url
+            server.start()
+            with self._life_lock:
+                closed = self._closed
+                if not closed:
+                    self._server = server
+            if closed:  # shut down while it was starting
+                server.stop()
+                raise RuntimeError("NeMo Gym rollouts were shut down during start-up")
+        return server.base_url
 
     async def shutdown(self) -> None:
-        """Stop what this implementation started (Gym first, then the policy server)."""
+        """Stop what this implementation started (Gym first, then the policy server), even mid-start-up."""
+        with self._life_lock:
+            self._closed = True
+            launcher, self._launcher = self._launcher, None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-        if self._launcher is not None:
-            await asyncio.to_thread(self._launcher.stop)
-            self._launcher = None
-        if self._server is not None:
-            await asyncio.to_thread(self._server.stop)
-            self._server = None
+        if launcher is not None:
+            await asyncio.to_thread(launcher.stop)
+        with self._life_lock:
+            server, self._server = self._server, None
+        if server is not None:
+            await asyncio.to_thread(server.stop)
 
     # ---- rollouts -------------------------------------------------------------------------------
 

@@ -3,6 +3,9 @@
 Agents are found through the head server (`GET /server_instances` lists every server instance with
 its URL) or given directly as name -> URL. Every row is bounded by a timeout and retried
 with backoff; a row that fails every attempt raises `GymRowError` naming the row and the server.
+While rows are pending, a `HealthMonitor` probes the servers they depend on; a row whose agent,
+resources or model server is down fails at once with `GymServerDownError` naming that server, and is
+not retried against it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+import yaml
+
+from nemo_rl_ext.gym.health import GymServer, HealthMonitor, servers_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +31,10 @@ class GymError(RuntimeError):
 
 class GymRowError(GymError):
     """A row failed on every attempt."""
+
+
+class GymServerDownError(GymError):
+    """A server the row depends on is down; the row was not (or no longer) retried."""
 
 
 def agent_urls_from_server_instances(instances: list[Mapping[str, Any]]) -> dict[str, str]:
@@ -45,18 +55,26 @@ def agent_name_of(row: Mapping[str, Any]) -> str:
 
 
 class GymClient:
-    """Sends rows to Gym agent servers with a concurrency limit, per-row timeout and retries."""
+    """Sends rows to Gym agent servers with a concurrency limit, per-row timeout, retries and health checks."""
 
     def __init__(
         self,
         *,
         head_server_url: str | None = None,
         agent_urls: Mapping[str, str] | None = None,
+        servers: Mapping[str, GymServer] | None = None,
         max_concurrency: int = 64,
         row_timeout_s: float = 600.0,
         max_attempts: int = 3,
         retry_backoff_s: float = 1.0,
+        health_interval_s: float | None = 1.0,
+        health_timeout_s: float = 5.0,
+        health_failures: int = 3,
     ) -> None:
+        """`servers`: every Gym server with what it calls (from the launcher); agents alone are probed without it.
+
+        `health_interval_s`: seconds between health probes while rows are pending (None: no probes).
+        """
         if not head_server_url and not agent_urls:
             raise ValueError("GymClient needs head_server_url or agent_urls")
         self.head_server_url = head_server_url.rstrip("/") if head_server_url else None
@@ -67,6 +85,16 @@ class GymClient:
         self._semaphore = asyncio.Semaphore(max_concurrency)
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(row_timeout_s, connect=10.0), limits=limits)
+        self.health: HealthMonitor | None = None
+        if health_interval_s is not None:
+            self.health = HealthMonitor(servers or {}, interval_s=health_interval_s, timeout_s=health_timeout_s,
+                                        failures=health_failures)
+            self._know_agents()
+
+    def _know_agents(self) -> None:
+        if self.health is not None:
+            for name, url in self._agent_urls.items():
+                self.health.add(GymServer(name, AGENT_SERVER_TYPE, url))
 
     async def agent_urls(self) -> dict[str, str]:
         """Agent name -> URL, discovered from the head server on first use."""
@@ -81,7 +109,24 @@ class GymClient:
             self._agent_urls = agent_urls_from_server_instances(instances)
             if not self._agent_urls:
                 raise GymError(f"Gym head server {self.head_server_url} lists no agent servers")
+            if self.health is not None:
+                for server in (await self._discover_servers(instances)).values():
+                    self.health.add(server)
+            self._know_agents()
         return dict(self._agent_urls)
+
+    async def _discover_servers(self, instances: list[Mapping[str, Any]]) -> dict[str, GymServer]:
+        """Every server of the head server's config, with what each calls (empty if the config is unreadable)."""
+        urls = {i["config_path"]: i["url"] for i in instances if i.get("config_path") and i.get("url")}
+        try:
+            response = await self._http.get(f"{self.head_server_url}/global_config_dict_yaml", timeout=30.0)
+            response.raise_for_status()
+            cfg = yaml.safe_load(response.json())  # a JSON string holding YAML
+        except (httpx.HTTPError, ValueError, yaml.YAMLError) as exc:
+            logger.warning("Gym head server %s: no config to learn server dependencies from (%r); "
+                           "only the agents are health-checked", self.head_server_url, exc)
+            return {}
+        return servers_from_config(cfg, urls) if isinstance(cfg, Mapping) else {}
 
     async def url_for(self, agent: str) -> str:
         urls = await self.agent_urls()
@@ -89,18 +134,52 @@ class GymClient:
             raise GymError(f"unknown Gym agent {agent!r}; known agents: {sorted(urls)}")
         return urls[agent]
 
+    async def _down(self, agent: str, label: str) -> None:
+        """Raise GymServerDownError when a server the agent depends on is down (probing it once more first)."""
+        if self.health is None:
+            return
+        names = self.health.closure(agent)
+        if self.health.down_reason(names) is not None:
+            await self.health.probe_now(names)  # it may be back
+            reason = self.health.down_reason(names)
+            if reason is not None:
+                raise GymServerDownError(f"{label} (agent {agent!r}): {reason}; not retried")
+
+    async def _post(self, url: str, row: Mapping[str, Any], agent: str, label: str) -> httpx.Response:
+        """POST the row, bounded by the row timeout and abandoned as soon as a server it needs is down."""
+        post = asyncio.ensure_future(asyncio.wait_for(self._http.post(url, json=dict(row)), self.row_timeout_s))
+        if self.health is None:
+            return await post
+        watch = asyncio.ensure_future(self.health.wait_down(self.health.closure(agent)))
+        try:
+            await asyncio.wait({post, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (post, watch):
+                task.cancel()
+        if post.done() and not post.cancelled():
+            return post.result()
+        raise GymServerDownError(f"{label} (agent {agent!r}): {watch.result()}; not retried")
+
     async def run(self, row: Mapping[str, Any], label: str = "row") -> dict[str, Any]:
         """POST one row to its agent's `/run` and return the result, retrying failures."""
         if "responses_create_params" not in row:
             raise ValueError(f"{label}: missing 'responses_create_params' (keys: {sorted(row)})")
         agent = agent_name_of(row)
         url = f"{await self.url_for(agent)}/run"
+        if self.health is None:
+            return await self._attempts(row, agent, url, label)
+        async with self.health.watching():  # the servers are probed while any row is pending
+            return await self._attempts(row, agent, url, label)
+
+    async def _attempts(self, row: Mapping[str, Any], agent: str, url: str, label: str) -> dict[str, Any]:
         delay = self.retry_backoff_s
         last: str = ""
         for attempt in range(1, self.max_attempts + 1):
+            await self._down(agent, label)
             async with self._semaphore:
+                await self._down(agent, label)
                 try:
-                    response = await asyncio.wait_for(self._http.post(url, json=dict(row)), self.row_timeout_s)
+                    response = await self._post(url, row, agent, label)
                 except (httpx.HTTPError, TimeoutError) as exc:
                     last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 else:
@@ -114,6 +193,7 @@ class GymClient:
                                self.max_attempts, delay)
                 await asyncio.sleep(delay)
                 delay *= 2
+        await self._down(agent, label)  # say which server is down rather than the last symptom
         raise GymRowError(f"{label} (agent {agent!r}) failed at {url} after {attempt} attempt(s): {last}")
 
     async def aggregate_metrics(self, agent: str, results: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -125,4 +205,6 @@ class GymClient:
         return response.json()
 
     async def aclose(self) -> None:
+        if self.health is not None:
+            await self.health.aclose()
         await self._http.aclose()

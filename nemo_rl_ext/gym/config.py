@@ -45,6 +45,15 @@ class GymConfig(StrictModel):
     row_timeout_s: float = Field(default=600.0, gt=0, description="Limit for one /run request.")
     max_attempts: int = Field(default=3, ge=1, description="Attempts per row before it becomes an error.")
     retry_backoff_s: float = Field(default=1.0, ge=0, description="First retry delay; doubles each retry.")
+    health_check_interval_s: float | None = Field(
+        default=1.0, gt=0,
+        description="While rows are pending, probe the Gym servers they depend on this often; None: never.",
+    )
+    health_check_timeout_s: float = Field(default=5.0, gt=0, description="Deadline of one health probe.")
+    health_check_failures: int = Field(
+        default=3, ge=1,
+        description="Consecutive failed probes after which a server is down and the rows that need it fail.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> GymConfig:

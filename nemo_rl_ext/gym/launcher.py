@@ -6,7 +6,13 @@ Two modes (docs/nemo_gym.md has the measurements behind them):
 - `ng_run`: Gym's own launcher (`ng_run`, alias of `gym env start`) with a head server; it also starts
   a Ray cluster, which listens on every interface, and takes ~40 s. Stopped with SIGTERM, then SIGKILL
   of its process group (Ray's agents ignore SIGTERM).
-Either way the launcher returns agent name -> URL, and `stop()` leaves no process behind.
+Either way the launcher returns agent name -> URL, and `stop()` leaves no process behind. `servers`
+then lists every server with the servers it calls and its process, for the client's health checks.
+
+If our process dies without calling `stop()` (SIGKILL, a crash, a second SIGTERM), a watchdog process
+(`watchdog.py`, one per launch) notices that its stdin pipe closed and stops every process group the
+launcher started: SIGTERM, then SIGKILL 3 s later. A `stop()` called while `start()` is still waiting
+for the servers (a signal during start-up) makes `start()` raise at once instead of waiting them out.
 """
 
 from __future__ import annotations
@@ -17,17 +23,23 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 from nemo_rl_ext.gym.config import GymLaunchConfig
+from nemo_rl_ext.gym.health import GymServer, servers_from_config
+from nemo_rl_ext.lifecycle import on_force_stop
 
 logger = logging.getLogger(__name__)
 
 RESOLVER = Path(__file__).with_name("resolve_gym_config.py")
+WATCHDOG = Path(__file__).with_name("watchdog.py")
 DIRECT_TYPES = ("resources_servers", "responses_api_agents", "responses_api_models")
 _LOG_TAIL_CHARS = 3000
 
@@ -52,6 +64,23 @@ class GymLauncher:
         self._logs: dict[str, Path] = {}
         self.work_dir: Path | None = None
         self._ray_tmp: Path | None = None
+        self._servers: dict[str, GymServer] = {}
+        self._lock = threading.Lock()  # start() (a worker thread) and stop() (another one) share _procs
+        self._stopping = threading.Event()
+        self._stop_lock = threading.Lock()  # one stop() at a time
+        self._watchdog: subprocess.Popen | None = None
+        self._unregister = lambda: None
+
+    @property
+    def servers(self) -> dict[str, GymServer]:
+        """Every server started (name -> URL, what it calls, its process), known once `start` returned."""
+        return dict(self._servers)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """The pid (= process group id) of each process started directly."""
+        with self._lock:
+            return {name: proc.pid for name, proc in self._procs.items()}
 
     @property
     def ray_tmpdir(self) -> Path | None:
@@ -65,7 +94,7 @@ class GymLauncher:
         self.stop()
 
     def start(self) -> dict[str, str]:
-        """Start the servers and return agent name -> base URL once every server is healthy."""
+        """Start the servers and return agent name -> base URL once every server is healthy (once per launcher)."""
         if not self.python.exists():
             raise GymLaunchError(
                 f"no NeMo Gym venv at {self.cfg.gym_venv} ({self.python} is missing); "
@@ -78,6 +107,7 @@ class GymLauncher:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         resolved = self._resolve()
         try:
+            self._start_watchdog()
             if self.cfg.mode == "direct":
                 return self._start_direct(resolved)
             return self._start_ng_run(resolved)
@@ -91,13 +121,24 @@ class GymLauncher:
         cmd = [str(self.python), str(RESOLVER), "--policy-base-url", self.policy_base_url,
                "--policy-model-name", self.policy_model_name, "--policy-api-key", self.policy_api_key,
                *[str(p) for p in self.config_paths]]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=self.work_dir)
-        except subprocess.TimeoutExpired as exc:
-            raise GymLaunchError("resolving the Gym config took over 120 s") from exc
-        if out.returncode != 0:
-            raise GymLaunchError(f"resolving the Gym config failed:\n{out.stderr[-_LOG_TAIL_CHARS:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        deadline = time.monotonic() + 120
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=self.work_dir) as proc:
+            while True:
+                try:
+                    stdout, stderr = proc.communicate(timeout=0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    if self._stopping.is_set() or time.monotonic() > deadline:
+                        proc.kill()
+                        proc.communicate()
+                        raise GymLaunchError(
+                            "Gym start-up interrupted: the launcher was stopped" if self._stopping.is_set()
+                            else "resolving the Gym config took over 120 s"
+                        ) from None
+        if proc.returncode != 0:
+            raise GymLaunchError(f"resolving the Gym config failed:\n{stderr[-_LOG_TAIL_CHARS:]}")
+        return json.loads(stdout.strip().splitlines()[-1])
 
     # ---- direct mode ------------------------------------------------------------------------------
 
@@ -112,6 +153,10 @@ class GymLauncher:
             self._spawn(name, [str(self.python), "app.py"], cwd=server["dir"], env=env)
         urls = {n: f"http://{s['host']}:{s['port']}" for n, s in servers.items()}
         self._wait_healthy(urls)
+        self._servers = servers_from_config(
+            yaml.safe_load(resolved["yaml"]), urls, {n: p.poll for n, p in self._procs.items()}
+        )
+        self._servers = {n: s for n, s in self._servers.items() if n in servers}
         logger.info("NeMo Gym servers up (direct): %s", urls)
         return {n: u for n, u in urls.items() if servers[n]["type"] == "responses_api_agents"}
 
@@ -141,30 +186,66 @@ class GymLauncher:
         self._wait_healthy({"head_server": head}, path="/readyz")
         instances = httpx.get(f"{head}/server_instances", timeout=30).json()
         agents = {i["config_path"]: i["url"] for i in instances if i["server_type"] == "responses_api_agents"}
+        try:  # a JSON string holding the merged config as YAML
+            cfg = yaml.safe_load(httpx.get(f"{head}/global_config_dict_yaml", timeout=30).json())
+        except (httpx.HTTPError, ValueError, yaml.YAMLError) as exc:
+            logger.warning("no Gym config from %s (%r): only the agents will be health-checked", head, exc)
+            cfg = {}
+        ng_run = self._procs["ng_run"].poll  # every server dies with ng_run
+        urls = {i["config_path"]: i["url"] for i in instances}
+        self._servers = servers_from_config(cfg, urls, dict.fromkeys(urls, ng_run))
         logger.info("NeMo Gym up (ng_run, head %s): agents %s", head, agents)
         return agents
 
     # ---- processes ----------------------------------------------------------------------------------
 
+    def _start_watchdog(self) -> None:
+        """One guard process that stops our process groups if this process dies without `stop()`."""
+        self._watchdog = subprocess.Popen(
+            [sys.executable, str(WATCHDOG)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True, text=True,
+        )
+        self._unregister = on_force_stop(self.kill)
+
+    def _tell_watchdog(self, line: str) -> None:
+        if self._watchdog is not None and self._watchdog.stdin is not None:
+            try:
+                self._watchdog.stdin.write(line + "\n")
+                self._watchdog.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+
     def _spawn(self, name: str, cmd: list[str], cwd: str, env: dict[str, str]) -> None:
         log = self.work_dir / f"{name}.log"
         self._logs[name] = log
-        with log.open("w") as fh:
-            self._procs[name] = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        with self._lock:
+            if self._stopping.is_set():
+                raise GymLaunchError("Gym start-up interrupted: the launcher is stopping")
+            with log.open("w") as fh:
+                self._procs[name] = proc = subprocess.Popen(
+                    cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            self._tell_watchdog(str(proc.pid))
 
     def _wait_healthy(self, urls: dict[str, str], path: str = "/health") -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         pending = dict(urls)
         with httpx.Client(timeout=2.0) as http:
             while pending:
+                if self._stopping.is_set():
+                    raise GymLaunchError("Gym start-up interrupted: the launcher was stopped")
                 for name, url in list(pending.items()):
                     try:
                         if http.get(url + path).status_code == 200:
                             pending.pop(name)
                     except httpx.HTTPError:
                         pass
-                dead = {n: p.returncode for n, p in self._procs.items() if p.poll() is not None}
+                if self._stopping.is_set():
+                    raise GymLaunchError("Gym start-up interrupted: the launcher was stopped")
+                with self._lock:
+                    procs = dict(self._procs)
+                dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
                 if dead:
                     raise GymLaunchError(f"Gym server(s) exited during start-up {dead}\n{self._log_tails(dead)}")
                 if pending and time.monotonic() > deadline:
@@ -173,7 +254,7 @@ class GymLauncher:
                         + self._log_tails(self._procs)
                     )
                 if pending:
-                    time.sleep(0.25)
+                    self._stopping.wait(0.25)
 
     def _log_tails(self, names) -> str:
         parts = []
@@ -183,26 +264,48 @@ class GymLauncher:
             parts.append(f"--- {name} ({log}) ---\n{text}")
         return "\n".join(parts)
 
+    def kill(self) -> None:
+        """SIGKILL every process group we started, without waiting (a forced stop)."""
+        with self._lock:
+            self._stopping.set()
+            procs = list(self._procs.values())
+        for proc in procs:
+            _signal_group(proc.pid, signal.SIGKILL)
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every process group we started, then SIGKILL what is left after `grace_s`."""
-        for proc in self._procs.values():
-            if proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self._procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            # the group may outlive its leader (Ray agents ignore SIGTERM): kill what remains
-            _signal_group(proc.pid, signal.SIGKILL)
-            _kill_session(proc.pid)
-            if proc.poll() is None:
-                proc.wait(5)
-        self._procs.clear()
-        if self._ray_tmp is not None:  # the private Ray temp dir of ng_run mode (sockets, session logs)
-            shutil.rmtree(self._ray_tmp, ignore_errors=True)
-            self._ray_tmp = None
+        with self._stop_lock:
+            with self._lock:  # from here on, start() spawns nothing more and stops waiting
+                self._stopping.set()
+                procs = list(self._procs.values())
+            for proc in procs:
+                if proc.poll() is None:
+                    _signal_group(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for proc in procs:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                # the group may outlive its leader (Ray agents ignore SIGTERM): kill what remains
+                _signal_group(proc.pid, signal.SIGKILL)
+                _kill_session(proc.pid)
+                if proc.poll() is None:
+                    proc.wait(5)
+            with self._lock:
+                self._procs.clear()
+            self._servers = {}
+            if self._watchdog is not None:  # everything is stopped: the guard may go
+                self._tell_watchdog("done")
+                try:
+                    self._watchdog.wait(10)
+                except subprocess.TimeoutExpired:
+                    self._watchdog.kill()
+                self._watchdog = None
+            self._unregister()
+            if self._ray_tmp is not None:  # the private Ray temp dir of ng_run mode (sockets, session logs)
+                shutil.rmtree(self._ray_tmp, ignore_errors=True)
+                self._ray_tmp = None
 
 
 def _signal_group(pgid: int, sig: int) -> None:

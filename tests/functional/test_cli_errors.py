@@ -115,7 +115,8 @@ def test_eval_resume_with_a_changed_config_lists_the_keys(files: dict[str, Path]
     out.mkdir()
     earlier = load_config(files["eval"], [f"eval.save_path={out}"], EvalConfig)
     (out / "config.yaml").write_text(dump_config(earlier))
-    (out / "completions.jsonl").write_text(json.dumps({"prompt_idx": 0, "sample_idx": 0, "reward": 1.0}) + "\n")
+    (out / "completions.jsonl").write_text(json.dumps({"prompt_idx": 0, "sample_idx": 0, "reward": 1.0, "agent": "math", "stop_reason": "natural",
+                    "truncated": False, "num_turns": 1}) + "\n")
     changed = "policy.generation.temperature=0.5"
     proc = cli("run_eval.py", "--config", files["eval"], f"eval.save_path={out}", changed)
     assert_one_message(

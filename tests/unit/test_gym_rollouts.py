@@ -282,3 +282,155 @@ def test_server_instances_parsing():
         {"config_path": "policy_model", "server_type": "responses_api_models", "url": "http://127.0.0.1:6"},
     ]
     assert agent_urls_from_server_instances(instances) == {"agent_alpha": "http://127.0.0.1:5"}
+
+
+# ---- a dead Gym server is noticed within seconds (health checks while rows are pending) -------------
+
+
+class FakeGymStack:
+    """A head server with one agent (`agent_alpha`) whose `/run` calls a separate resources server.
+
+    Like Gym's agents, the agent retries a refused connection to the resources server forever, so a dead
+    resources server makes `/run` hang rather than fail.
+    """
+
+    def __init__(self, verify_s: float = 0.5) -> None:
+        import httpx
+
+        self.runs = 0
+        resources, agents = FastAPI(), FastAPI()
+
+        @resources.get("/health")
+        @agents.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @resources.post("/verify")
+        async def verify():
+            await asyncio.sleep(verify_s)
+            return {"reward": 1.0}
+
+        @agents.post("/agent_alpha/run")
+        async def run(request: Request):
+            await request.json()
+            self.runs += 1
+            async with httpx.AsyncClient(timeout=60) as http:
+                while True:
+                    try:
+                        reward = (await http.post(f"{self.resources.url}/verify")).json()["reward"]
+                        return gym_result(reward)
+                    except httpx.TransportError:
+                        await asyncio.sleep(0.1)
+
+        @agents.get("/server_instances")
+        async def instances():
+            return [
+                {"config_path": "agent_alpha", "server_type": "responses_api_agents",
+                 "url": f"{self.agents.url}/agent_alpha"},
+                {"config_path": "fake_resources", "server_type": "resources_servers", "url": self.resources.url},
+            ]
+
+        @agents.get("/global_config_dict_yaml")
+        async def config():
+            # what Gym's head server answers: a JSON string holding YAML (unresolved interpolations and all)
+            return (
+                "agent_alpha:\n  responses_api_agents:\n    simple_agent:\n      entrypoint: app.py\n"
+                "      resources_server: {type: resources_servers, name: fake_resources}\n"
+                "      model_server: {type: responses_api_models, name: policy_model}\n"
+                "fake_resources:\n  resources_servers:\n    equivalence_rule: {host: 127.0.0.1, port: 1}\n"
+                "policy_model:\n  responses_api_models:\n    vllm_model: {base_url: '${policy_base_url}'}\n"
+            )
+
+        self.resources = ThreadedServer(resources, name="fake resources server", graceful_shutdown_s=0.1)
+        self.agents = ThreadedServer(agents, name="fake agent server", graceful_shutdown_s=0.1)
+
+
+@pytest.fixture
+def stack():
+    fake = FakeGymStack()
+    with fake.resources, fake.agents:
+        yield fake
+
+
+def head_manager(tokenizer, stack: FakeGymStack, counts, **gym) -> RolloutManager:
+    return RolloutManager(
+        tokenizer=tokenizer,
+        task_to_env=None,
+        num_generations_per_prompt=counts,
+        max_seq_len=1024,
+        policy_generation=UnusedPolicy(),
+        generation_config=GenerationConfig(max_new_tokens=8, seed=3),
+        use_nemo_gym=True,
+        gym_config={"head_server_url": stack.agents.url, "serve_policy": False, "row_timeout_s": 60,
+                    "max_attempts": 3, **gym},
+    )
+
+
+async def test_a_dead_resources_server_fails_its_pending_rows_within_seconds(tiny_model_and_tokenizer, stack):
+    _, tok = tiny_model_and_tokenizer
+    mgr = head_manager(tok, stack, 4)  # default health checks: every 1 s, down after 3 failed probes
+    try:
+        healthy = await asyncio.wait_for(mgr.run_rollout(gym_datum(0, "agent_alpha")), 30)
+        assert [c.reward for c in healthy.completions] == [1.0] * 4
+
+        pending = asyncio.ensure_future(mgr.run_rollout(gym_datum(1, "agent_alpha")))
+        while stack.runs < 8:  # all four rows are inside the agent, waiting for /verify
+            await asyncio.sleep(0.01)
+        resources_url = stack.resources.url
+        await asyncio.to_thread(stack.resources.stop)  # the resources server dies mid-run
+        killed = time.perf_counter()
+        record = await asyncio.wait_for(pending, 30)  # today: 3 attempts x row_timeout_s (60 s) each
+        noticed = time.perf_counter() - killed
+        assert noticed < 6, f"took {noticed:.1f} s to notice the dead resources server"
+        for c in record.completions:
+            assert c.stop_reason is StopReason.ERROR
+            assert "GymServerDownError" in c.error and "not retried" in c.error
+            assert f"Gym resources server 'fake_resources' at {resources_url} is down" in c.error, c.error
+        assert record.rollout_metrics["rollout/errors"] == 4.0
+
+        # a row that needs the dead server fails at once, without reaching the agent
+        runs, start = stack.runs, time.perf_counter()
+        record = await asyncio.wait_for(mgr.run_rollout(gym_datum(2, "agent_alpha")), 30)
+        assert stack.runs == runs and time.perf_counter() - start < 2
+        assert all("'fake_resources'" in c.error for c in record.completions)
+    finally:
+        await mgr.shutdown()
+
+
+async def test_a_dead_agent_server_is_named(tiny_model_and_tokenizer, agents):
+    _, tok = tiny_model_and_tokenizer
+    mgr = gym_manager(tok, agents, 1, max_attempts=3, retry_backoff_s=1.0)
+    url = agents.url
+    await asyncio.to_thread(agents.server.stop)
+    start = time.perf_counter()
+    record = await asyncio.wait_for(mgr.run_rollout(gym_datum(0, "agent_alpha")), 30)
+    await mgr.shutdown()
+    assert time.perf_counter() - start < 6
+    assert f"Gym agent server 'agent_alpha' at {url}/agent_alpha is down" in record.completions[0].error
+
+
+async def test_an_exited_server_process_is_down_at_once():
+    from nemo_rl_ext.gym.health import GymServer, HealthMonitor, servers_from_config
+
+    cfg = {
+        "agent_alpha": {"responses_api_agents": {"simple_agent": {
+            "host": "127.0.0.1", "port": 5, "resources_server": {"type": "resources_servers", "name": "res"},
+            "model_server": {"type": "responses_api_models", "name": "policy_model"}}}},
+        "res": {"resources_servers": {"equivalence_rule": {"host": "127.0.0.1", "port": 6}}},
+        "policy_model": {"responses_api_models": {"vllm_model": {"host": "127.0.0.1", "port": 7}}},
+        "policy_base_url": "http://127.0.0.1:8/v1",
+    }
+    exit_codes = {"res": None}
+    servers = servers_from_config(cfg, returncodes={"res": lambda: exit_codes["res"]})
+    assert servers["agent_alpha"].depends_on == ("res", "policy_model")
+    assert servers["res"] == GymServer("res", "resources_servers", "http://127.0.0.1:6")
+    monitor = HealthMonitor(servers, interval_s=60)
+    names = monitor.closure("agent_alpha")
+    assert set(names) == {"agent_alpha", "res", "policy_model"}
+    assert monitor.down_reason(names) is None
+    exit_codes["res"] = -9
+    assert monitor.down_reason(names) == (
+        "Gym resources server 'res' at http://127.0.0.1:6 is down (its process exited with code -9)"
+    )
+    await asyncio.wait_for(monitor.wait_down(names), 1)
+    await monitor.aclose()

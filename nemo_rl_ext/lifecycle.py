@@ -1,0 +1,97 @@
+"""Stopping a run on SIGTERM or SIGINT: an orderly shutdown first, at once on the second signal.
+
+    with stop_on_signals():          # in a script's main thread
+        sys.exit(main())
+
+- The first SIGTERM is handled like Ctrl-C: inside `asyncio.run` / `asyncio.Runner.run` the main task
+  is cancelled (asyncio's own SIGINT handling), elsewhere `KeyboardInterrupt` is raised. Either way the
+  `finally` blocks and context managers run: the Gym launcher stops its servers' process groups, the
+  policy server stops, files are closed. The block then exits with 128 + the signal number (143 for
+  SIGTERM, 130 for SIGINT) and one line on stderr instead of a traceback.
+- A second SIGTERM stops at once: every registered `on_force_stop` callback runs (the Gym launchers
+  SIGKILL their process groups) and the process exits with `os._exit`.
+- SIGINT keeps Python's and asyncio's own handling (a second Ctrl-C raises `KeyboardInterrupt` inside the
+  shutdown); whatever that leaves, the launcher's watchdog (`nemo_rl_ext/gym/watchdog.py`) stops when the
+  process exits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+_force_stops: dict[int, Callable[[], None]] = {}
+_ids = itertools.count()
+
+
+def on_force_stop(callback: Callable[[], None]) -> Callable[[], None]:
+    """Run `callback` (fast, no waiting) if the process is stopped at once; returns the unregister function."""
+    key = next(_ids)
+    _force_stops[key] = callback
+
+    def unregister() -> None:
+        _force_stops.pop(key, None)
+
+    return unregister
+
+
+def force_stop() -> None:
+    """Run every registered force-stop callback (errors are printed, not raised)."""
+    for callback in list(_force_stops.values()):
+        try:
+            callback()
+        except Exception as exc:  # a failing callback must not keep the others from running
+            print(f"force stop: {callback!r} failed: {exc!r}", file=sys.stderr)
+
+
+class stop_on_signals:  # noqa: N801 (used as a context manager, like contextlib's)
+    """Turn SIGTERM into an orderly shutdown (a second one stops at once); exit 128 + signal afterwards."""
+
+    def __init__(self, name: str | None = None, resume_hint: str = "Re-run the same command to resume.") -> None:
+        self.name = name or os.path.basename(sys.argv[0] or "run")
+        self.resume_hint = resume_hint
+        self.signum: int | None = None
+        """The first signal received (None if none)."""
+        self.received_at: float | None = None
+        """time.monotonic() when it came."""
+        self._count = 0
+        self._previous: Any = None
+
+    def __enter__(self) -> stop_on_signals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._count += 1
+        if self._count == 1:
+            self.signum, self.received_at = signum, time.monotonic()
+            print(f"{self.name}: SIGTERM received, stopping (Gym servers, policy server); "
+                  "send it again to stop at once", file=sys.stderr, flush=True)
+            handler = signal.getsignal(signal.SIGINT)
+            if callable(handler):
+                handler(signal.SIGINT, frame)  # asyncio's: cancel the main task; Python's: KeyboardInterrupt
+                return
+            raise KeyboardInterrupt
+        print(f"{self.name}: second SIGTERM, stopping at once", file=sys.stderr, flush=True)
+        force_stop()
+        os._exit(128 + signum)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+        if exc_type is None or not issubclass(exc_type, KeyboardInterrupt):
+            return False
+        signum = self.signum or signal.SIGINT
+        took = f" {time.monotonic() - self.received_at:.1f} s after the signal" if self.received_at else ""
+        print(f"{self.name}: stopped by {signal.Signals(signum).name}{took}; every process it started is "
+              f"stopped. {self.resume_hint}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None

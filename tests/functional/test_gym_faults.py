@@ -1,0 +1,126 @@
+"""Real NeMo Gym 0.7.0 servers that die mid-run: the rows that need them fail within seconds, naming the
+server, instead of waiting out row_timeout_s x max_attempts (Gym's agents retry a refused connection to
+a dead server forever)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from gym_processes import gone, gym_servers_under
+
+from nemo_rl_ext.experience.records import DatumSpec, StopReason
+from nemo_rl_ext.experience.rollout_manager import RolloutManager
+from nemo_rl_ext.models.generation import (
+    FinishReason,
+    GenerationConfig,
+    GenerationInterface,
+    GenerationOutput,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "configs" / "gym" / "arithmetic_agents.yaml"
+ROWS = REPO / "examples" / "data" / "gym_arithmetic.jsonl"
+
+pytestmark = [pytest.mark.gym, pytest.mark.timeout(600)]
+
+
+class SlowArithmeticPolicy(GenerationInterface):
+    """Answers "What is a + b?" right after `delay_s` (so rows are pending when a server is killed)."""
+
+    max_model_len = 2048
+
+    def __init__(self, tokenizer, delay_s: float) -> None:
+        self.tokenizer = tokenizer
+        self.delay_s = delay_s
+        self.calls = 0
+
+    async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
+        self.calls += 1
+        await asyncio.sleep(self.delay_s)
+        a, op, b = re.findall(r"What is (\d+) ([-+*]) (\d+)\?", self.tokenizer.decode(prompt_token_ids))[-1]
+        answer = int(a) + int(b) if op == "+" else -1
+        ids = self.tokenizer(f"{answer}<|im_end|>", add_special_tokens=False)["input_ids"]
+        return GenerationOutput(tuple(ids), tuple(-0.5 for _ in ids), FinishReason.EOS)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def datums(n: int) -> list[DatumSpec]:
+    import json
+
+    rows = [json.loads(line) for line in ROWS.read_text().splitlines()[:n]]
+    return [DatumSpec(idx=i, message_log=(), task_name="nemo_gym", extra_env_info=r, agent_name=r["agent_ref"]["name"])
+            for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize(
+    ("victim", "sig", "within_s"),
+    [
+        ("arithmetic_equivalence", signal.SIGKILL, 10),  # the resources server: its process exits
+        ("policy_model", signal.SIGKILL, 10),  # Gym's model server in front of our policy server
+        ("arithmetic_equivalence", signal.SIGSTOP, 40),  # hung: alive, but its health checks time out
+    ],
+    ids=["resources-killed", "model-killed", "resources-hung"],
+)
+async def test_a_dead_gym_server_fails_the_pending_rows_within_seconds(
+    gym_venv, tiny_model_and_tokenizer, tmp_path, victim, sig, within_s
+):
+    _, tokenizer = tiny_model_and_tokenizer
+    policy = SlowArithmeticPolicy(tokenizer, delay_s=4.0)
+    manager = RolloutManager(
+        tokenizer=tokenizer,
+        task_to_env=None,
+        num_generations_per_prompt={"agent_alpha": 2, "_default": 1},
+        max_seq_len=1024,
+        policy_generation=policy,
+        generation_config=GenerationConfig(max_new_tokens=16, temperature=1.0, seed=0),
+        use_nemo_gym=True,
+        gym_config={
+            "launch": {"gym_venv": str(gym_venv), "config_paths": [str(CONFIG)], "mode": "direct",
+                       "work_dir": str(tmp_path / "gym"), "startup_timeout_s": 240},
+            "row_timeout_s": 300,  # what the shipped eval config uses: today a dead server costs 3 x 300 s
+        },
+    )
+    try:
+        first = datums(2)
+        healthy, _ = await asyncio.wait_for(manager.run_rollouts(first, progress=False), 240)
+        assert all(c.stop_reason is not StopReason.ERROR for r in healthy for c in r.completions)
+        servers = gym_servers_under(os.getpid())
+        assert set(servers) == {"arithmetic_equivalence", "agent_alpha", "agent_beta", "policy_model"}
+
+        rows = datums(6)[2:]
+        calls = policy.calls
+        pending = asyncio.ensure_future(manager.run_rollouts(rows, progress=False))
+        while policy.calls < calls + len(rows):  # every row is inside Gym, waiting for the policy
+            await asyncio.sleep(0.05)
+        os.kill(servers[victim].pid, sig)
+        killed = time.perf_counter()
+        records, metrics = await asyncio.wait_for(pending, 120)
+        noticed = time.perf_counter() - killed
+        print(f"\n{victim} {signal.Signals(sig).name}: {metrics['rollout/errors']:.0f} row(s) failed "
+              f"{noticed:.2f} s later")
+        assert noticed < within_s, f"{noticed:.1f} s to notice the dead {victim}"
+        url = f"http://127.0.0.1:{servers[victim].ports[0]}"
+        for record in records:
+            for c in record.completions:
+                assert c.stop_reason is StopReason.ERROR
+                assert f"'{victim}' at {url} is down" in c.error and "not retried" in c.error, c.error
+        assert metrics["rollout/errors"] == sum(len(r.completions) for r in records) > 0
+    finally:
+        servers = gym_servers_under(os.getpid())
+        for server in servers.values():
+            os.kill(server.pid, signal.SIGCONT)
+        await manager.shutdown()
+    assert all(gone(s.pid) for s in servers.values())
+    for server in servers.values():
+        for port in server.ports:
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
