@@ -48,9 +48,7 @@ def build_rollout_setup(
     from nemo_rl_ext.datasets import gym_datums, load_jsonl
 
     ev = cfg.eval
-    tokenizer = getattr(generation, "tokenizer", None)
-    if tokenizer is None:
-        raise TypeError(f"{type(generation).__name__} has no .tokenizer; the eval driver needs one")
+    tokenizer = generation.tokenizer
     common: dict[str, Any] = dict(
         tokenizer=tokenizer,
         num_generations_per_prompt=ev.num_tests_per_prompt,

@@ -43,9 +43,14 @@ class RecordingPolicy(GenerationInterface):
         self.script: list[str] | None = None
         self.calls: list[tuple[list[int], GenerationOutput]] = []
 
+    tokenizer = None  # the backend's, set per instance
+
     @property
     def max_model_len(self) -> int:
         return self.backend.max_model_len
+
+    def update_weights(self, state_dict) -> None:
+        self.backend.update_weights(state_dict)
 
     async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
         if self.script is None:

@@ -370,15 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="vllm backend: no CUDA graphs / compilation (faster start)"
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI: load the model, then serve it in the foreground until SIGINT / SIGTERM."""
-    from transformers import AutoTokenizer
-
-    from nemo_rl_ext.config import PolicyConfig
+    from nemo_rl_ext.config import PolicyConfig, VllmConfig
     from nemo_rl_ext.models.policy import build_generation, resolve_model_path
 
     args = build_parser().parse_args(argv)
@@ -392,12 +393,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_batch_size=args.max_batch_size,
+        vllm=VllmConfig(enforce_eager=args.enforce_eager),
     )
     path = resolve_model_path(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     generation = build_generation(cfg)
     name = args.served_model_name or args.model
-    app = create_app(generation, tokenizer, served_model_name=name)
+    app = create_app(generation, generation.tokenizer, served_model_name=name)
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]
     logger.info(
