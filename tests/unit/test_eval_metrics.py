@@ -262,9 +262,10 @@ def test_prompt_samples_from_record() -> None:
         prompt_idx=0,
         prompt=prompt,
         extra_env_info={},
-        agent_name="math",
+        metadata={},
         completions=(completion(1.0, 4), completion(0.0, None), completion(0.0, "4", StopReason.ERROR)),
         rollout_metrics={},
+        agent_name="math",
     )
     samples = prompt_samples_from_record(record)
     assert samples == PromptSamples("math", (1.0, 0.0, 0.0), ("4", None, None))

@@ -42,7 +42,10 @@ def group(rewards, truncated=False) -> PromptGroupRecord:
         )
         for r in rewards
     )
-    return PromptGroupRecord(0, prompt, {}, "t", completions, {})
+    return PromptGroupRecord(
+        prompt_idx=0, prompt=prompt, extra_env_info={}, metadata={}, completions=completions, rollout_metrics={},
+        agent_name="t",
+    )
 
 
 # ---- config ---------------------------------------------------------------------------------------
