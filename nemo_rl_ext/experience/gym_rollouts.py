@@ -115,8 +115,10 @@ class AsyncNemoGymRolloutImpl:
             try:
                 gym = GymConfig.model_validate(self.gym_config)
             except ValidationError as err:
-                problems.append("gym_config: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                                                           for e in err.errors()))
+                for e in err.errors():
+                    where = ".".join(map(str, ("gym_config", *e["loc"])))
+                    got = f" (got {e['input']!r})" if e["type"] != "missing" and e["loc"] else ""
+                    problems.append(f"{where}: {e['msg']}{got}")
         if gym is not None and (gym.launch is not None or gym.serve_policy) and self.policy_generation is None:
             problems.append("policy_generation is required: the GenerationInterface our policy server serves to Gym")
         if problems:

@@ -190,6 +190,24 @@ def test_gym_needs_a_policy_only_when_it_serves_one(tiny_model_and_tokenizer, ag
         AsyncNemoGymRolloutImpl(tok, None, 1, 1024, GYM_CONFIG, gym_config=serving)
 
 
+def test_each_implementation_reports_every_bad_argument_at_once(tiny_model_and_tokenizer):
+    _, tok = tiny_model_and_tokenizer
+    with pytest.raises(ValueError) as err:
+        AsyncNemoGymRolloutImpl(tok, None, {"a": 0}, 1, GenerationConfig(top_k=3), 2,
+                                gym_config={"agent_urls": {"a": "http://127.0.0.1:1"}, "max_attempts": 0})
+    message = str(err.value)
+    for part in ("AsyncNemoGymRolloutImpl: ", "max_seq_len must be an int >= 2, got 1", "'a': 0",
+                 "max_rollout_turns must be None", "top_k must be None", "gym_config.max_attempts", "(got 0)"):
+        assert part in message, part
+    with pytest.raises(ValueError) as err:
+        AsyncRolloutImpl(tok, {}, 0, "long", None, 0)
+    message = str(err.value)
+    for part in ("AsyncRolloutImpl: ", "max_seq_len must be an int >= 2, got 'long'", ">= 1, got 0",
+                 "max_rollout_turns must be None or an int >= 1, got 0", "policy_generation is required",
+                 "task_to_env is required"):
+        assert part in message, part
+
+
 # ---- the native hooks -----------------------------------------------------------------------------
 
 
