@@ -120,11 +120,7 @@ class AsyncRolloutImpl:
 
     async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
         """Run the prompt's N rollouts (N from the per-agent counts) concurrently; one record of N completions."""
-        if input_sample.task_name not in self.task_to_env:
-            raise ValueError(
-                f"row {input_sample.idx}: task_name {input_sample.task_name!r} has no environment in task_to_env "
-                f"(known: {sorted(self.task_to_env)})"
-            )
+        self._environment(input_sample)  # an unknown task is the row's error, before anything runs
         n = self.counts.for_agent(input_sample.agent)
         start = time.perf_counter()
         results = await gather_or_cancel(self._run_single_rollout(input_sample, i) for i in range(n))
@@ -149,6 +145,7 @@ class AsyncRolloutImpl:
         A failure becomes an error completion (`fault_policy.on_error="record"`) or raises `RolloutError`.
         The metrics: `prompt_messages`, `generation_time_s`, `env_time_s` (read by `_aggregate_rollout_metrics`).
         """
+        env = self._environment(input_sample)
         state = _Rollout(
             datum=input_sample,
             sample_idx=traj_idx,
@@ -158,7 +155,7 @@ class AsyncRolloutImpl:
         )
         token = _CURRENT_SAMPLE.set(_Sample(input_sample.idx, traj_idx, len(input_sample.message_log)))
         try:
-            completion = await self._turn_loop(state, self.task_to_env[input_sample.task_name])
+            completion = await self._turn_loop(state, env)
         except Exception as exc:
             if self.fault_policy.on_error == "raise":
                 raise RolloutError(f"row {input_sample.idx}, sample {traj_idx}: {describe(exc)}") from exc
@@ -223,6 +220,15 @@ class AsyncRolloutImpl:
         return metrics
 
     # ---- the turn loop --------------------------------------------------------------------------
+
+    def _environment(self, input_sample: DatumSpec) -> EnvironmentInterface:
+        env = self.task_to_env.get(input_sample.task_name)
+        if env is None:
+            raise ValueError(
+                f"row {input_sample.idx}: task_name {input_sample.task_name!r} has no environment in task_to_env "
+                f"(known: {sorted(self.task_to_env)})"
+            )
+        return env
 
     async def _turn_loop(self, state: _Rollout, env: EnvironmentInterface) -> Completion:
         while True:
