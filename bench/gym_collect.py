@@ -77,9 +77,14 @@ class InstantToolPolicy(GenerationInterface):
         self.turns = [tuple(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (TOOL_CALL, FINAL)]
         self.calls = 0
 
+    tokenizer = None  # set per instance
+
     @property
     def max_model_len(self) -> int:
         return 4096
+
+    def update_weights(self, state_dict) -> None:
+        raise NotImplementedError("a scripted policy has no weights to update")
 
     async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
         self.calls += 1

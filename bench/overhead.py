@@ -85,9 +85,14 @@ class InstantGeneration(GenerationInterface):
         self.calls = 0
         self.generated = 0
 
+    tokenizer = None
+
     @property
     def max_model_len(self) -> int:
         return 1 << 20
+
+    def update_weights(self, state_dict) -> None:
+        raise NotImplementedError("an instant fake has no weights to update")
 
     async def generate_async(self, prompt_token_ids: list[int], config: GenerationConfig) -> GenerationOutput:
         await asyncio.sleep(0)

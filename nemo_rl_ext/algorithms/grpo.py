@@ -19,6 +19,7 @@ sample and turn by the rollout implementation), and the backend mixes in the ste
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import random
@@ -40,6 +41,7 @@ from nemo_rl_ext.algorithms.checkpoint import (
     save_checkpoint,
 )
 from nemo_rl_ext.algorithms.grpo_batch import (
+    TrainingBatch,
     build_training_batch,
     has_reward_variance,
     training_batch_metrics,
@@ -103,6 +105,19 @@ def build_rollout_manager(
         fault_policy=cfg.rollouts.fault_policy,
         gym_config=cfg.rollouts.gym,
     )
+
+
+def weight_by_loss_multiplier(batch: TrainingBatch, records: Sequence[PromptGroupRecord]) -> TrainingBatch:
+    """Scale each completion's loss mask by its group's `loss_multiplier` (NeMo-RL's meaning: 0 leaves the
+    group out of the loss and its token count, 1 trains on it as is)."""
+    multipliers = [float(r.loss_multiplier) for r in records for _ in r.completions]
+    if all(m == 1.0 for m in multipliers):
+        return batch
+    items = tuple(
+        dataclasses.replace(item, loss_mask=item.loss_mask * m)
+        for item, m in zip(batch.items, multipliers, strict=True)
+    )
+    return dataclasses.replace(batch, items=items)
 
 
 def seed_everything(seed: int) -> None:
@@ -266,6 +281,7 @@ class GRPO:
                 std_scope=self.cfg.grpo.std_scope,
                 overlong_filtering=self.cfg.grpo.overlong_filtering,
             )
+            batch = weight_by_loss_multiplier(batch, records)
             metrics.update(training_batch_metrics(batch, records))
             train_metrics = self.trainer.train_step(batch.items, batch.advantages)
             metrics.update({f"train/{k}": v for k, v in train_metrics.items()})

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
 
@@ -38,9 +39,8 @@ class SaltedGeneration(GenerationInterface):
         return self.inner.max_model_len
 
     @property
-    def tokenizer(self) -> Any:
-        """The inner backend's tokenizer (backends that have one)."""
-        return self.inner.tokenizer  # type: ignore[attr-defined]
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.inner.tokenizer
 
     async def generate_async(self, prompt_token_ids: list[int], config: GenerationConfig) -> GenerationOutput:
         if config.seed is not None and self.salt:
@@ -48,11 +48,7 @@ class SaltedGeneration(GenerationInterface):
         return await self.inner.generate_async(prompt_token_ids, config)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Hand new weights to the inner backend."""
-        update = getattr(self.inner, "update_weights", None)
-        if update is None:
-            raise TypeError(f"{type(self.inner).__name__} cannot load new weights (no update_weights)")
-        update(state_dict)
+        self.inner.update_weights(state_dict)
 
     def shutdown(self) -> None:
         self.inner.shutdown()

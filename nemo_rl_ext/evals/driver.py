@@ -76,9 +76,7 @@ def build_rollout_setup(
 
     ev = cfg.eval
     rows = load_rows(cfg) if rows is None else rows
-    tokenizer = getattr(generation, "tokenizer", None)
-    if tokenizer is None:
-        raise TypeError(f"{type(generation).__name__} has no .tokenizer; the eval driver needs one")
+    tokenizer = generation.tokenizer
     common: dict[str, Any] = dict(
         tokenizer=tokenizer,
         num_generations_per_prompt=ev.num_tests_per_prompt,

@@ -3,20 +3,27 @@
 Gym owns the turn loop and the reward; we own the policy. On first use the implementation starts an
 OpenAI-compatible policy server over `policy_generation` (and, with `gym.launch`, NeMo Gym itself,
 pointed at that server), then sends rows through a `GymClient`.
+
+NeMo-RL's documented API: `AsyncNemoGymRolloutImpl(tokenizer, task_to_env, num_generations_per_prompt,
+max_seq_len, generation_config, max_rollout_turns=None, **kwargs)` and `run_rollout(input_sample)`, whose
+steps are the hooks a subclass overrides: `_validate_init_params`, `_build_inputs` (the prompt's N rows),
+`_run_rollouts` (the rows as one batch -> completions), `_result_to_completion` (one Gym result) and
+`_compute_rollout_metrics` (the group's metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from pydantic import ValidationError
 
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
 from nemo_rl_ext.experience.generation_counts import GenerationCounts
@@ -24,6 +31,7 @@ from nemo_rl_ext.experience.gym_results import gym_numeric_metrics, result_to_co
 from nemo_rl_ext.experience.native_rollouts import rollout_seed
 from nemo_rl_ext.experience.records import Completion, DatumSpec, PromptGroupRecord, StopReason
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
+from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
 from nemo_rl_ext.gym.client import GymClient, agent_name_of
 from nemo_rl_ext.gym.config import GymConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
@@ -45,39 +53,79 @@ def check_gym_parameters(max_rollout_turns: int | None, config: GenerationConfig
     return problems
 
 
+ROW_KEYS = ("agent_ref", "_ng_task_index", "_ng_rollout_index")
+"""Row keys copied into a Gym result that lacks them (Gym 0.7.0 does not echo the row), as Gym's collector does."""
+
+
 class AsyncNemoGymRolloutImpl:
-    """Builds N Gym rows per prompt, sends them, converts each result into a Completion."""
+    """Manages per-prompt NeMo Gym rollouts: each `run_rollout` sends the prompt's N rows as one batch.
+
+    `task_to_env` is unused (Gym agents own the environments) and may be None; `max_rollout_turns` must be
+    None. Ours, as keyword arguments: `policy_generation` (served to the agents; needed when Gym calls our
+    policy server, i.e. with `gym.launch` or `gym.serve_policy`), `fault_policy` and `gym_config` (a
+    `GymConfig` or its dict: where the agents are, timeouts, retries).
+    """
 
     def __init__(
         self,
-        *,
-        tokenizer: PreTrainedTokenizerBase,
-        counts: GenerationCounts,
+        tokenizer: TokenizerType,
+        task_to_env: Mapping[str, Any] | None,
+        num_generations_per_prompt: int | Mapping[str, int] | GenerationCounts,
         max_seq_len: int,
-        max_rollout_turns: int | None,
-        policy_generation: GenerationInterface,
         generation_config: GenerationConfig,
-        fault_policy: FaultPolicy,
-        gym_config: GymConfig | Mapping[str, Any] | None,
+        max_rollout_turns: int | None = None,
+        *,
+        policy_generation: GenerationInterface | None = None,
+        fault_policy: FaultPolicy | None = None,
+        gym_config: GymConfig | Mapping[str, Any] | None = None,
     ) -> None:
-        problems = check_gym_parameters(max_rollout_turns, generation_config)
-        if gym_config is None:
-            problems.append("gym_config is required with use_nemo_gym=True")
-        if problems:
-            raise ValueError("NeMo Gym rollouts: " + "; ".join(problems))
-        self.gym = gym_config if isinstance(gym_config, GymConfig) else GymConfig.model_validate(gym_config)
         self.tokenizer = tokenizer
-        self.counts = counts
+        self.task_to_env = task_to_env
+        self.num_generations_per_prompt = num_generations_per_prompt
         self.max_seq_len = max_seq_len
-        self.policy = policy_generation
-        self.config = generation_config
-        self.faults = fault_policy
+        self.generation_config = generation_config
+        self.max_rollout_turns = max_rollout_turns
+        self.policy_generation = policy_generation
+        self.fault_policy = fault_policy or FaultPolicy()
+        self.gym_config = gym_config
+        self._validate_init_params()
+        self.counts: GenerationCounts = (
+            num_generations_per_prompt
+            if isinstance(num_generations_per_prompt, GenerationCounts)
+            else GenerationCounts.parse(num_generations_per_prompt)
+        )
+        self.gym = gym_config if isinstance(gym_config, GymConfig) else GymConfig.model_validate(gym_config)
         self._client: GymClient | None = None
         self._server = None
         self._launcher = None
         self._start_lock = asyncio.Lock()
         self._life_lock = threading.Lock()  # start-up runs in a worker thread that a shutdown may overtake
         self._closed = False
+
+    def _validate_init_params(self) -> None:
+        """Raise one ValueError naming every bad constructor argument (Gym owns turns, stops and top_k)."""
+        _, problems = check_common_parameters(self.num_generations_per_prompt, self.max_seq_len)
+        if isinstance(self.generation_config, GenerationConfig):
+            problems += check_gym_parameters(self.max_rollout_turns, self.generation_config)
+        else:
+            problems.append(f"generation_config must be a GenerationConfig, got {self.generation_config!r}")
+        gym = None
+        if self.gym_config is None:
+            problems.append("gym_config is required with use_nemo_gym=True")
+        elif isinstance(self.gym_config, GymConfig):
+            gym = self.gym_config
+        else:
+            try:
+                gym = GymConfig.model_validate(self.gym_config)
+            except ValidationError as err:
+                for e in err.errors():
+                    where = ".".join(map(str, ("gym_config", *e["loc"])))
+                    got = f" (got {e['input']!r})" if e["type"] != "missing" and e["loc"] else ""
+                    problems.append(f"{where}: {e['msg']}{got}")
+        if gym is not None and (gym.launch is not None or gym.serve_policy) and self.policy_generation is None:
+            problems.append("policy_generation is required: the GenerationInterface our policy server serves to Gym")
+        if problems:
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -124,7 +172,7 @@ class AsyncNemoGymRolloutImpl:
             server = self._server
         if server is None:
             server = PolicyServer(
-                self.policy, self.tokenizer, host=self.gym.policy_host, port=self.gym.policy_port,
+                self.policy_generation, self.tokenizer, host=self.gym.policy_host, port=self.gym.policy_port,
                 served_model_name=self.gym.policy_model_name,
             )
             server.start()
@@ -154,67 +202,105 @@ class AsyncNemoGymRolloutImpl:
 
     # ---- rollouts -------------------------------------------------------------------------------
 
-    def build_rows(self, datum: DatumSpec) -> list[dict[str, Any]]:
-        """The N rows of one prompt: sampling parameters from the generation config, a seed per sample."""
-        row = datum.extra_env_info
+    async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
+        """Send the prompt's N rows (N from the per-agent counts) to its Gym agent as one batch; one record."""
+        inputs = self._build_inputs(input_sample)
+        agent = agent_name_of(inputs[0])
+        known = await (await self.client()).agent_urls()
+        if agent not in known:
+            raise ValueError(f"row {input_sample.idx}: unknown Gym agent {agent!r}; known agents: {sorted(known)}")
+        completions, batch_metrics = await self._run_rollouts(inputs)
+        metrics = {**self._compute_rollout_metrics(completions, agent), **batch_metrics}
+        prompt = next((c.message_log[:1] for c in completions if c.stop_reason is not StopReason.ERROR), ())
+        return PromptGroupRecord(
+            prompt_idx=input_sample.idx,
+            prompt=prompt,
+            extra_env_info=input_sample.extra_env_info,
+            metadata=input_sample.metadata,
+            completions=tuple(completions),
+            rollout_metrics=metrics,
+            agent_name=agent,
+        )
+
+    # ---- the hooks ------------------------------------------------------------------------------
+
+    def _build_inputs(self, input_sample: DatumSpec) -> list[dict[str, Any]]:
+        """The N rows of one prompt: sampling parameters from the generation config, a seed per sample,
+        Gym's `_ng_task_index` / `_ng_rollout_index`, and `agent_ref` (the row's, else the datum's agent)."""
+        row = input_sample.extra_env_info
         if "responses_create_params" not in row:
-            raise ValueError(f"row {datum.idx}: missing 'responses_create_params' (keys: {sorted(row)})")
-        agent = agent_name_of(row) if "agent_ref" in row else datum.agent
-        n = self.counts.for_agent(agent)
+            raise ValueError(f"row {input_sample.idx}: missing 'responses_create_params' (keys: {sorted(row)})")
+        agent = agent_name_of(row) if "agent_ref" in row else input_sample.agent
+        config = self.generation_config
         rows = []
-        for sample in range(n):
+        for sample in range(self.counts.for_agent(agent)):
             r = copy.deepcopy(dict(row))
             r.setdefault("agent_ref", {"name": agent})
             params = r["responses_create_params"]
-            params["temperature"] = self.config.temperature
-            params["top_p"] = self.config.top_p
-            params["max_output_tokens"] = self.config.max_new_tokens
-            seed = rollout_seed(self.config.seed, datum.idx, sample, 0)
+            params["temperature"] = config.temperature
+            params["top_p"] = config.top_p
+            params["max_output_tokens"] = config.max_new_tokens
+            seed = rollout_seed(config.seed, input_sample.idx, sample, 0)
             if seed is not None:
                 metadata = dict(params.get("metadata") or {})
                 extra = json.loads(metadata.get("extra_body") or "{}")
                 metadata["extra_body"] = json.dumps({**extra, "seed": seed})
                 params["metadata"] = metadata
-            r["_ng_task_index"] = datum.idx
+            r["_ng_task_index"] = input_sample.idx
             r["_ng_rollout_index"] = sample
             rows.append(r)
         return rows
 
-    async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
-        rows = self.build_rows(datum)
-        agent = rows[0]["agent_ref"]["name"]
+    async def _run_rollouts(
+        self, inputs: Sequence[Mapping[str, Any]], timer: Any = None, timer_prefix: str = "nemo_gym"
+    ) -> tuple[list[Completion], dict[str, float]]:
+        """Dispatch the rows to Gym as one batch (concurrently; the client bounds, times out and retries each)
+        and convert every result with `_result_to_completion`; returns the completions in row order and the
+        batch's metrics. A row that fails on every attempt becomes an error completion (or, with
+        `on_error="raise"`, raises `RolloutError`). `timer`: optional, NeMo-RL's `Timer` shape
+        (`with timer.time(label)`); the dispatch is timed as `f"{timer_prefix}/run_rollouts"`."""
         client = await self.client()
-        known = await client.agent_urls()
-        if agent not in known:
-            raise ValueError(f"row {datum.idx}: unknown Gym agent {agent!r}; known agents: {sorted(known)}")
         start = time.perf_counter()
-        pairs = await gather_or_cancel(self._one(client, datum, agent, i, r) for i, r in enumerate(rows))
-        completions = [c for c, _ in pairs]
-        metrics = rollout_metrics(completions, [1] * len(completions), time.perf_counter() - start)
-        metrics.update(gym_numeric_metrics([(agent, r) for _, r in pairs if r is not None]))
-        prompt = next((c.message_log[:1] for c in completions if c.stop_reason is not StopReason.ERROR), ())
-        return PromptGroupRecord(
-            prompt_idx=datum.idx,
-            prompt=prompt,
-            extra_env_info=datum.extra_env_info,
-            agent_name=agent,
-            completions=tuple(completions),
-            rollout_metrics=metrics,
-            metadata=datum.metadata,
-        )
+        timing = timer.time(f"{timer_prefix}/run_rollouts") if timer is not None else contextlib.nullcontext()
+        with timing:
+            pairs = await gather_or_cancel(self._run_row(client, row) for row in inputs)
+        metrics = {
+            "rollout/wall_time_s": time.perf_counter() - start,
+            "rollout/gym/failed_rows": float(sum(not answered for _, answered in pairs)),
+        }
+        return [completion for completion, _ in pairs], metrics
 
-    async def _one(
-        self, client: GymClient, datum: DatumSpec, agent: str, sample: int, row: dict[str, Any]
-    ) -> tuple[Completion, dict[str, Any] | None]:
-        label = f"row {datum.idx}, sample {sample}"
+    def _result_to_completion(self, result: Mapping[str, Any]) -> Completion:
+        """One Gym result (with its row's `agent_ref`) -> a Completion: token ids and logprobs from the output
+        items, the reward, and the stop reason (see `gym_results.result_to_completion`)."""
+        return result_to_completion(result, agent_name_of(result), self.tokenizer)
+
+    def _compute_rollout_metrics(self, completions: Sequence[Completion], agent_name: str) -> dict[str, float]:
+        """The group's flat metrics: `rollout_metrics` of the completions plus the mean of every numeric field
+        of Gym's results as `agent/<agent_name>/gym/<key>/mean`."""
+        metrics = rollout_metrics(completions, [1] * len(completions))
+        results = [c.env_extras["gym_result"] for c in completions if c.env_extras.get("gym_result") is not None]
+        metrics.update(gym_numeric_metrics([(agent_name, r) for r in results]))
+        return metrics
+
+    async def _run_row(self, client: GymClient, row: Mapping[str, Any]) -> tuple[Completion, bool]:
+        """One row -> (its completion, whether Gym answered it)."""
+        label = f"row {row.get('_ng_task_index')}, sample {row.get('_ng_rollout_index')}"
+        agent = agent_name_of(row)
         try:
             result = await client.run(row, label=label)
-            completion = result_to_completion(result, agent, self.tokenizer)
         except Exception as exc:
-            if self.faults.on_error == "raise":
+            if self.fault_policy.on_error == "raise":
                 raise RolloutError(f"{label}: {describe(exc)}") from exc
             error = Completion((), 0.0, False, StopReason.ERROR, 0, agent, {"answer": None}, describe(exc))
-            return error, None
-        if completion.stop_reason is StopReason.ERROR and self.faults.on_error == "raise":
+            return error, False
+        result = {**{k: row[k] for k in ROW_KEYS if k in row}, **result}
+        try:
+            completion = self._result_to_completion(result)
+        except Exception as exc:
+            if self.fault_policy.on_error == "raise":
+                raise RolloutError(f"{label}: {describe(exc)}") from exc
+            completion = Completion((), 0.0, False, StopReason.ERROR, 0, agent, {"answer": None}, describe(exc))
+        if completion.stop_reason is StopReason.ERROR and self.fault_policy.on_error == "raise":
             raise RolloutError(f"{label}: {completion.error}")
-        return completion, result
+        return completion, True

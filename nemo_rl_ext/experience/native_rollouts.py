@@ -1,13 +1,18 @@
-"""AsyncRolloutImpl: the native multi-turn rollout loop, generate -> environment step -> ..., in-process."""
+"""AsyncRolloutImpl: the native multi-turn rollout loop, generate -> environment step -> ..., in-process.
+
+NeMo-RL's documented API: `AsyncRolloutImpl(tokenizer, task_to_env, num_generations_per_prompt, max_seq_len,
+policy_generation, max_rollout_turns=999999, **kwargs)` and `run_rollout(input_sample)`, with its hooks as the
+extension points a subclass overrides: `_run_single_rollout` (one rollout), `_generate_response` (one model
+turn) and `_aggregate_rollout_metrics` (the group's metrics).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
-
-from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.chat_format import ObservationFormatter
@@ -15,6 +20,7 @@ from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, descr
 from nemo_rl_ext.experience.generation_counts import GenerationCounts
 from nemo_rl_ext.experience.records import Completion, DatumSpec, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
+from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
 
 
@@ -39,6 +45,8 @@ class _Rollout:
     turns: int = 0
     answer: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    generation_s: float = 0.0
+    env_s: float = 0.0
 
     def finish(self, stop_reason: StopReason, truncated: bool, error: str | None = None) -> Completion:
         extras = {**self.extras, "answer": self.answer, "sample_idx": self.sample_idx}
@@ -54,80 +62,190 @@ class _Rollout:
         )
 
 
+@dataclass(frozen=True)
+class _Sample:
+    """Which rollout the running task belongs to (read by `_generate_response` to seed its request)."""
+
+    prompt_idx: int
+    sample_idx: int
+    prompt_messages: int
+
+
+_CURRENT_SAMPLE: ContextVar[_Sample | None] = ContextVar("nemo_rl_ext_rollout_sample", default=None)
+"""Set by `_run_single_rollout` for the task it runs in, so that `_generate_response(message_log,
+stop_strings)` keeps NeMo-RL's signature and still gets a distinct seed per (prompt, sample, turn)."""
+
+
 class AsyncRolloutImpl:
-    """Runs the N rollouts of a prompt concurrently, each one a turn loop over the token ids."""
+    """Manages per-prompt multi-turn rollouts: each `run_rollout` runs a prompt's N rollouts concurrently.
+
+    `num_generations_per_prompt` is an int or a per-agent dict (`_default` as fallback); `max_rollout_turns`
+    None means no limit. Ours, as keyword arguments: `generation_config` (sampling; its seed is made distinct
+    per prompt, sample and turn) and `fault_policy` (retries, timeouts, record-or-raise).
+    """
 
     def __init__(
         self,
-        *,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: TokenizerType,
         task_to_env: Mapping[str, EnvironmentInterface],
-        counts: GenerationCounts,
+        num_generations_per_prompt: int | Mapping[str, int] | GenerationCounts,
         max_seq_len: int,
-        max_rollout_turns: int | None,
         policy_generation: GenerationInterface,
-        generation_config: GenerationConfig,
-        fault_policy: FaultPolicy,
+        max_rollout_turns: int | None = 999999,
+        *,
+        generation_config: GenerationConfig | None = None,
+        fault_policy: FaultPolicy | None = None,
     ) -> None:
+        counts, problems = check_common_parameters(num_generations_per_prompt, max_seq_len)
+        if max_rollout_turns is not None and (
+            isinstance(max_rollout_turns, bool) or not isinstance(max_rollout_turns, int) or max_rollout_turns < 1
+        ):
+            problems.append(f"max_rollout_turns must be None or an int >= 1, got {max_rollout_turns!r}")
+        if policy_generation is None:
+            problems.append("policy_generation is required: the GenerationInterface that rollouts call")
+        if not task_to_env:
+            problems.append("task_to_env is required for native rollouts (use_nemo_gym=False)")
+        if problems:
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
         self.tokenizer = tokenizer
         self.task_to_env = task_to_env
-        self.counts = counts
+        self.num_generations_per_prompt = num_generations_per_prompt
+        self.counts: GenerationCounts = counts
         self.max_seq_len = max_seq_len
+        self.policy_generation = policy_generation
         self.max_rollout_turns = max_rollout_turns
-        self.policy = policy_generation
-        self.config = generation_config
-        self.faults = fault_policy
+        self.generation_config = generation_config or GenerationConfig()
+        self.fault_policy = fault_policy or FaultPolicy()
         self.formatter = ObservationFormatter(tokenizer)
 
-    async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
-        """Roll out one prompt N times (N from the per-agent counts) and score every rollout."""
-        env = self.task_to_env.get(datum.task_name)
-        if env is None:
-            raise ValueError(
-                f"row {datum.idx}: task_name {datum.task_name!r} has no environment in task_to_env "
-                f"(known: {sorted(self.task_to_env)})"
-            )
-        n = self.counts.for_agent(datum.agent)
+    async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
+        """Run the prompt's N rollouts (N from the per-agent counts) concurrently; one record of N completions."""
+        self._environment(input_sample)  # an unknown task is the row's error, before anything runs
+        n = self.counts.for_agent(input_sample.agent)
         start = time.perf_counter()
-        completions = await gather_or_cancel(self._rollout_or_error(datum, env, i) for i in range(n))
-        metrics = rollout_metrics(completions, [len(datum.message_log)] * n, time.perf_counter() - start)
+        results = await gather_or_cancel(self._run_single_rollout(input_sample, i) for i in range(n))
+        completions = [completion for completion, _ in results]
+        metrics = dict(self._aggregate_rollout_metrics(completions, [m for _, m in results]))
+        metrics["rollout/wall_time_s"] = time.perf_counter() - start
         return PromptGroupRecord(
-            prompt_idx=datum.idx,
-            prompt=datum.message_log,
-            extra_env_info=datum.extra_env_info,
-            agent_name=datum.agent,
+            prompt_idx=input_sample.idx,
+            prompt=input_sample.message_log,
+            extra_env_info=input_sample.extra_env_info,
+            metadata=input_sample.metadata,
             completions=tuple(completions),
             rollout_metrics=metrics,
-            metadata=datum.metadata,
+            agent_name=input_sample.agent,
         )
 
-    async def _rollout_or_error(self, datum: DatumSpec, env: EnvironmentInterface, sample_idx: int) -> Completion:
+    # ---- the hooks ------------------------------------------------------------------------------
+
+    async def _run_single_rollout(self, input_sample: DatumSpec, traj_idx: int) -> tuple[Completion, dict[str, float]]:
+        """Run rollout number `traj_idx` of the prompt to its end; returns the completion and its metrics.
+
+        A failure becomes an error completion (`fault_policy.on_error="record"`) or raises `RolloutError`.
+        The metrics: `prompt_messages`, `generation_time_s`, `env_time_s` (read by `_aggregate_rollout_metrics`).
+        """
+        env = self._environment(input_sample)
         state = _Rollout(
-            datum=datum,
-            sample_idx=sample_idx,
-            messages=list(datum.message_log),
-            token_ids=[t for m in datum.message_log for t in m.token_ids],
-            env_metadata=dict(datum.extra_env_info),
+            datum=input_sample,
+            sample_idx=traj_idx,
+            messages=list(input_sample.message_log),
+            token_ids=[t for m in input_sample.message_log for t in m.token_ids],
+            env_metadata=dict(input_sample.extra_env_info),
         )
+        token = _CURRENT_SAMPLE.set(_Sample(input_sample.idx, traj_idx, len(input_sample.message_log)))
         try:
-            return await self._turn_loop(state, env)
+            completion = await self._turn_loop(state, env)
         except Exception as exc:
-            if self.faults.on_error == "raise":
-                raise RolloutError(f"row {datum.idx}, sample {sample_idx}: {describe(exc)}") from exc
-            return state.finish(StopReason.ERROR, truncated=False, error=describe(exc))
+            if self.fault_policy.on_error == "raise":
+                raise RolloutError(f"row {input_sample.idx}, sample {traj_idx}: {describe(exc)}") from exc
+            completion = state.finish(StopReason.ERROR, truncated=False, error=describe(exc))
+        finally:
+            _CURRENT_SAMPLE.reset(token)
+        metrics = {
+            "prompt_messages": float(len(input_sample.message_log)),
+            "generation_time_s": state.generation_s,
+            "env_time_s": state.env_s,
+        }
+        return completion, metrics
+
+    async def _generate_response(
+        self, message_log: Sequence[Message], stop_strings: Sequence[str] | None
+    ) -> tuple[Message, GenerationOutput, dict[str, float]]:
+        """One model turn after `message_log`: (the assistant message, the engine's output, the turn's metrics).
+
+        The prompt is the log's token ids as they are (never re-tokenized); `max_new_tokens` is capped by
+        the room left under `max_seq_len`; `stop_strings` (None: the generation config's) end the turn.
+        Inside a rollout the request's seed is distinct per (prompt, sample, turn). NeMo-RL returns (message
+        dict, input lengths, metrics); ours gives our `Message` and the `GenerationOutput` (finish reason).
+        """
+        prompt = [t for m in message_log for t in m.token_ids]
+        room = self.max_seq_len - len(prompt)
+        if room <= 0:
+            raise ValueError(f"the message log holds {len(prompt)} tokens: no room under max_seq_len={self.max_seq_len}")
+        sample = _CURRENT_SAMPLE.get()
+        base = self.generation_config.seed
+        if sample is None:
+            seed, what = base, "generation"
+        else:
+            turn = sum(m.role == "assistant" for m in message_log[sample.prompt_messages :])
+            seed = rollout_seed(base, sample.prompt_idx, sample.sample_idx, turn)
+            what = f"generation for row {sample.prompt_idx}, sample {sample.sample_idx}, turn {turn}"
+        update: dict[str, Any] = {"max_new_tokens": min(self.generation_config.max_new_tokens, room), "seed": seed}
+        if stop_strings is not None:
+            update["stop_strings"] = tuple(stop_strings)
+        config = self.generation_config.model_copy(update=update)
+        start = time.perf_counter()
+        output = await self.fault_policy.call_generation(
+            lambda: self.policy_generation.generate_async(prompt, config), what
+        )
+        elapsed = time.perf_counter() - start
+        text = self.tokenizer.decode(output.output_ids, skip_special_tokens=True)
+        message = Message("assistant", text, tuple(output.output_ids), tuple(output.logprobs))
+        metrics = {"generation_time_s": elapsed, "input_tokens": float(len(prompt)),
+                   "output_tokens": float(len(output.output_ids))}
+        return message, output, metrics
+
+    def _aggregate_rollout_metrics(
+        self, completions: Sequence[Completion], all_sample_metrics: Sequence[Mapping[str, float]]
+    ) -> dict[str, float]:
+        """The group's flat metrics: `rollout_metrics` of the completions, plus the mean generation and
+        environment seconds per rollout (`run_rollout` adds the group's wall time)."""
+        prompt_lens = [int(m.get("prompt_messages", 0)) for m in all_sample_metrics]
+        metrics = rollout_metrics(completions, prompt_lens)
+        if all_sample_metrics:
+            n = len(all_sample_metrics)
+            metrics["rollout/generation_time_s/mean"] = sum(m.get("generation_time_s", 0.0) for m in all_sample_metrics) / n
+            metrics["rollout/env_time_s/mean"] = sum(m.get("env_time_s", 0.0) for m in all_sample_metrics) / n
+        return metrics
+
+    # ---- the turn loop --------------------------------------------------------------------------
+
+    def _environment(self, input_sample: DatumSpec) -> EnvironmentInterface:
+        env = self.task_to_env.get(input_sample.task_name)
+        if env is None:
+            raise ValueError(
+                f"row {input_sample.idx}: task_name {input_sample.task_name!r} has no environment in task_to_env "
+                f"(known: {sorted(self.task_to_env)})"
+            )
+        return env
 
     async def _turn_loop(self, state: _Rollout, env: EnvironmentInterface) -> Completion:
         while True:
             room = self.max_seq_len - len(state.token_ids)
             if room <= 0:
                 return state.finish(StopReason.TRUNCATED, truncated=True)
-            output = await self._generate(state, room)
+            message, output, gen_metrics = await self._generate_response(tuple(state.messages), state.stop_strings)
+            state.generation_s += gen_metrics.get("generation_time_s", 0.0)
             state.turns += 1
-            text = self.tokenizer.decode(output.output_ids, skip_special_tokens=True)
-            state.messages.append(Message("assistant", text, output.output_ids, output.logprobs))
-            state.token_ids.extend(output.output_ids)
+            state.messages.append(message)
+            state.token_ids.extend(message.token_ids)
 
-            step = await self.faults.call_env(env.step([tuple(state.messages)], [state.env_metadata]))
+            start = time.perf_counter()
+            try:
+                step = await self.fault_policy.call_env(env.step([tuple(state.messages)], [state.env_metadata]))
+            finally:
+                state.env_s += time.perf_counter() - start
             state.reward += float(step.rewards[0])
             state.env_metadata = step.metadata[0] if step.metadata[0] is not None else state.env_metadata
             state.answer = step.answers[0] if step.answers[0] is not None else state.answer
@@ -156,15 +274,3 @@ class AsyncRolloutImpl:
                 return state.finish(StopReason.TRUNCATED, truncated=True)
             state.messages.append(Message(observation.role, observation.content, tuple(obs_ids)))
             state.token_ids.extend(obs_ids)
-
-    async def _generate(self, state: _Rollout, room: int) -> GenerationOutput:
-        update: dict[str, Any] = {
-            "max_new_tokens": min(self.config.max_new_tokens, room),
-            "seed": rollout_seed(self.config.seed, state.datum.idx, state.sample_idx, state.turns),
-        }
-        if state.stop_strings is not None:
-            update["stop_strings"] = tuple(state.stop_strings)
-        config = self.config.model_copy(update=update)
-        prompt = list(state.token_ids)
-        what = f"generation for row {state.datum.idx}, sample {state.sample_idx}, turn {state.turns}"
-        return await self.faults.call_generation(lambda: self.policy.generate_async(prompt, config), what)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +68,12 @@ class Completion:
 
 @dataclass(frozen=True)
 class PromptGroupRecord:
-    """N completions of one prompt, scored, with the metrics of the group's rollouts."""
+    """N completions of one prompt, scored, with the metrics of the group's rollouts.
+
+    The first seven fields are NeMo-RL's (`nemo_rl.experience.interfaces.PromptGroupRecord`), in its order,
+    so `PromptGroupRecord(prompt_idx, prompt, extra_env_info, metadata, completions, rollout_metrics)` builds
+    one as there; ours follow with defaults. Lists given for `prompt` / `completions` are stored as tuples.
+    """
 
     prompt_idx: int
     """Index of the prompt in its dataset."""
@@ -75,14 +81,27 @@ class PromptGroupRecord:
     """The prompt messages (the start of every completion's message_log)."""
     extra_env_info: Mapping[str, Any]
     """What the environment or Gym agent needs to score this prompt (ground truth, Gym row, ...)."""
-    agent_name: str
-    """The agent that the group's generation count was looked up for."""
+    metadata: Mapping[str, Any]
+    """Anything the dataset row carried that is not used by the rollout."""
     completions: tuple[Completion, ...]
     """The N completions, in rollout-index order."""
     rollout_metrics: Mapping[str, float]
     """Flat, slash-namespaced metrics of this group's rollouts."""
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-    """Anything the dataset row carried that is not used by the rollout."""
+    loss_multiplier: float = 1.0
+    """Weight of the group's tokens in the training loss (NeMo-RL's): 1 trains on it, 0 leaves it out."""
+    agent_name: str = ""
+    """The agent that the group's generation count was looked up for; "" takes the completions' agent."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", tuple(self.prompt))
+        object.__setattr__(self, "completions", tuple(self.completions))
+        if not self.agent_name:
+            agents = {c.agent_name for c in self.completions}
+            if len(agents) == 1:
+                object.__setattr__(self, "agent_name", agents.pop())
+        m = self.loss_multiplier
+        if isinstance(m, bool) or not isinstance(m, int | float) or not math.isfinite(m) or m < 0:
+            raise ValueError(f"prompt {self.prompt_idx}: loss_multiplier must be a finite float >= 0, got {m!r}")
 
 
 @dataclass(frozen=True)

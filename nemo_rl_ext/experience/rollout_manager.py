@@ -1,4 +1,8 @@
-"""RolloutManager: validates its arguments once and routes rollouts to the native or NeMo Gym implementation."""
+"""RolloutManager: validates its arguments once and routes rollouts to the native or NeMo Gym implementation.
+
+NeMo-RL's `nemo_rl.experience.rollout_manager` API, importable from here: `RolloutManager`,
+`AsyncRolloutImpl`, `AsyncNemoGymRolloutImpl`, `PromptGroupRecord`, `TokenizerType`.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +11,47 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, gather_or_cancel
 from nemo_rl_ext.experience.generation_counts import GenerationCounts
+from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
+from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
 from nemo_rl_ext.experience.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
+from nemo_rl_ext.experience.rollout_params import TokenizerType
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
+
+__all__ = [
+    "AsyncNemoGymRolloutImpl",
+    "AsyncRolloutImpl",
+    "PromptGroupRecord",
+    "RolloutManager",
+    "TokenizerType",
+    "batch_metrics",
+]
 
 
 class RolloutImpl(Protocol):
     """What both implementations provide."""
 
-    async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord: ...
+    counts: GenerationCounts
+
+    async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord: ...
 
 
 class RolloutManager:
     """Turns a dataset row into a `PromptGroupRecord` of N scored completions.
 
     `num_generations_per_prompt` is an int or a dict keyed by agent name with `_default` as fallback.
-    With `use_nemo_gym=False` rollouts run in-process through `task_to_env`; with `use_nemo_gym=True`
-    NeMo Gym agent servers own the turn loop and the reward (see `gym_config`).
+    With `use_nemo_gym=False` rollouts run in-process through `task_to_env` (`AsyncRolloutImpl`); with
+    `use_nemo_gym=True` NeMo Gym agent servers own the turn loop and the reward (`AsyncNemoGymRolloutImpl`,
+    see `gym_config`). The positional parameters are NeMo-RL's; `fault_policy` and `gym_config` are ours.
     """
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: TokenizerType,
         task_to_env: Mapping[str, EnvironmentInterface] | None,
         num_generations_per_prompt: int | Mapping[str, int],
         max_seq_len: int,
@@ -41,46 +59,39 @@ class RolloutManager:
         policy_generation: GenerationInterface | None = None,
         generation_config: GenerationConfig | None = None,
         use_nemo_gym: bool = False,
+        *,
         fault_policy: FaultPolicy | None = None,
         gym_config: Any = None,
     ) -> None:
-        problems = []
-        if not isinstance(max_seq_len, int) or max_seq_len < 2:
-            problems.append(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
-        if max_rollout_turns is not None and (not isinstance(max_rollout_turns, int) or max_rollout_turns < 1):
-            problems.append(f"max_rollout_turns must be None or an int >= 1, got {max_rollout_turns!r}")
-        if policy_generation is None:
-            problems.append("policy_generation is required: the GenerationInterface that rollouts call")
-        if not use_nemo_gym and not task_to_env:
-            problems.append("task_to_env is required for native rollouts (use_nemo_gym=False)")
-        try:
-            self.counts = GenerationCounts.parse(num_generations_per_prompt)
-        except ValueError as exc:
-            problems.append(str(exc))
-        if problems:
-            raise ValueError("RolloutManager: " + "; ".join(problems))
         self.tokenizer = tokenizer
         self.generation_config = generation_config or GenerationConfig()
         self.fault_policy = fault_policy or FaultPolicy()
         self.use_nemo_gym = use_nemo_gym
-        common = dict(
-            tokenizer=tokenizer,
-            counts=self.counts,
-            max_seq_len=max_seq_len,
-            max_rollout_turns=max_rollout_turns,
-            policy_generation=policy_generation,
-            generation_config=self.generation_config,
-            fault_policy=self.fault_policy,
-        )
         self.impl: RolloutImpl
         if use_nemo_gym:
-            from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
-
-            self.impl = AsyncNemoGymRolloutImpl(**common, gym_config=gym_config)
+            self.impl = AsyncNemoGymRolloutImpl(
+                tokenizer,
+                task_to_env,
+                num_generations_per_prompt,
+                max_seq_len,
+                self.generation_config,
+                max_rollout_turns,
+                policy_generation=policy_generation,
+                fault_policy=self.fault_policy,
+                gym_config=gym_config,
+            )
         else:
-            from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
-
-            self.impl = AsyncRolloutImpl(**common, task_to_env=task_to_env)
+            self.impl = AsyncRolloutImpl(
+                tokenizer,
+                task_to_env,
+                num_generations_per_prompt,
+                max_seq_len,
+                policy_generation,
+                max_rollout_turns,
+                generation_config=self.generation_config,
+                fault_policy=self.fault_policy,
+            )
+        self.counts = self.impl.counts
 
     async def shutdown(self) -> None:
         """Stop servers the implementation started (the NeMo Gym path starts a policy server and Gym)."""
@@ -92,9 +103,9 @@ class RolloutManager:
         """Check a dataset before any generation: every row's agent has a count (one error for all)."""
         self.counts.preflight((d.idx, d.agent) for d in datums)
 
-    async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
+    async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
         """Roll out one prompt N times and score the completions."""
-        return await self.impl.run_rollout(datum)
+        return await self.impl.run_rollout(input_sample)
 
     async def run_rollouts(
         self, datums: Sequence[DatumSpec], *, progress: bool = True, desc: str = "rollouts"

@@ -50,11 +50,15 @@ def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
 
 
 def rollout_metrics(
-    completions: Sequence[Completion], prompt_lens: Sequence[int], wall_time_s: float
+    completions: Sequence[Completion], prompt_lens: Sequence[int], wall_time_s: float | None = None
 ) -> dict[str, float]:
-    """Metrics over completions (of one group or many); `prompt_lens[i]` = prompt messages of completion i."""
+    """Metrics over completions (of one group or many); `prompt_lens[i]` = prompt messages of completion i.
+
+    `rollout/wall_time_s` is there when `wall_time_s` is given (the caller that owns the clock adds it otherwise).
+    """
+    wall = {} if wall_time_s is None else {"rollout/wall_time_s": float(wall_time_s)}
     if not completions:
-        return {"rollout/num_samples": 0.0, "rollout/wall_time_s": float(wall_time_s)}
+        return {"rollout/num_samples": 0.0, **wall}
     counts = [token_counts(c, n) for c, n in zip(completions, prompt_lens, strict=True)]
     reasons = [c.stop_reason for c in completions]
     metrics = {
@@ -70,7 +74,7 @@ def rollout_metrics(
         "rollout/max_turns_rate": _mean([r is StopReason.MAX_TURNS for r in reasons]),
         "rollout/errors": float(sum(r is StopReason.ERROR for r in reasons)),
         "rollout/grading_timeouts": float(sum(c.env_extras.get("grading") == "timeout" for c in completions)),
-        "rollout/wall_time_s": float(wall_time_s),
+        **wall,
     }
     by_agent: dict[str, list[Completion]] = {}
     for c in completions:

@@ -45,6 +45,10 @@ class ArithmeticPolicy(GenerationInterface):
         self.seen: dict[str, int] = {}
 
     max_model_len = 2048
+    tokenizer = None  # set per instance
+
+    def update_weights(self, state_dict) -> None:
+        raise NotImplementedError("a rule-based policy has no weights to update")
 
     async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
         self.calls += 1

@@ -45,9 +45,14 @@ class RecordingPolicy(GenerationInterface):
         """Texts by turn, or a function of the decoded prompt that gives them; None: the real backend."""
         self.calls: list[tuple[list[int], GenerationOutput]] = []
 
+    tokenizer = None  # the backend's, set per instance
+
     @property
     def max_model_len(self) -> int:
         return self.backend.max_model_len
+
+    def update_weights(self, state_dict) -> None:
+        self.backend.update_weights(state_dict)
 
     async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
         if self.script is None:

@@ -268,9 +268,10 @@ def test_prompt_samples_from_record() -> None:
         prompt_idx=0,
         prompt=prompt,
         extra_env_info={},
-        agent_name="math",
+        metadata={},
         completions=(completion(1.0, 4), completion(0.0, None), completion(0.0, "4", StopReason.ERROR)),
         rollout_metrics={},
+        agent_name="math",
     )
     samples = prompt_samples_from_record(record)
     assert samples == PromptSamples("math", (1.0, 0.0), ("4", None), num_errors=1)
@@ -320,7 +321,7 @@ def record_of(samples: list[tuple[float, object, dict]]) -> PromptGroupRecord:
         )
         for reward, answer, extras in samples
     )
-    return PromptGroupRecord(0, prompt, {}, "math", completions, {})
+    return PromptGroupRecord(0, prompt, {}, {}, completions, {}, agent_name="math")
 
 
 def test_stored_vote_keys_make_spellings_one_vote() -> None:

@@ -230,12 +230,19 @@ class OneAnswer(GenerationInterface):
     """Answers every prompt with the same text."""
 
     def __init__(self, tokenizer, text: str) -> None:
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
 
     @property
     def max_model_len(self) -> int:
         return 8192
+
+    def update_weights(self, state_dict) -> None:
+        raise NotImplementedError("a scripted answer has no weights")
 
     async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
         return GenerationOutput(self.ids, tuple(-0.5 for _ in self.ids), FinishReason.EOS)

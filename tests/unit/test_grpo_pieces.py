@@ -43,7 +43,10 @@ def group(rewards, truncated=False) -> PromptGroupRecord:
         )
         for r in rewards
     )
-    return PromptGroupRecord(0, prompt, {}, "t", completions, {})
+    return PromptGroupRecord(
+        prompt_idx=0, prompt=prompt, extra_env_info={}, metadata={}, completions=completions, rollout_metrics={},
+        agent_name="t",
+    )
 
 
 # ---- config ---------------------------------------------------------------------------------------
@@ -188,9 +191,13 @@ class SeedEcho(GenerationInterface):
     """Returns the request's seed as the only token."""
 
     max_model_len = 100
+    tokenizer = None
 
     async def generate_async(self, prompt_token_ids, config):
         return GenerationOutput((config.seed if config.seed is not None else -1,), (0.0,), FinishReason.EOS)
+
+    def update_weights(self, state_dict):
+        self.loaded = state_dict
 
     def shutdown(self):
         pass
@@ -209,8 +216,9 @@ def test_salted_generation_mixes_the_step_into_seeds():
     step2 = seed_of(5)
     assert len({5, step1, step2}) == 3 and step1 == mix_seed(5, (1, 1, 0))
     assert seed_of(None) == -1  # unseeded requests stay unseeded
-    with pytest.raises(TypeError, match="update_weights"):
-        gen.update_weights({})
+    weights = {"w": torch.zeros(1)}
+    gen.update_weights(weights)  # forwarded to the inner backend
+    assert gen.inner.loaded is weights
 
 
 # ---- metrics file ---------------------------------------------------------------------------------

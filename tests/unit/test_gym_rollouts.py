@@ -106,9 +106,13 @@ class UnusedPolicy(GenerationInterface):
     """The agents here never call the policy; any call is a test failure."""
 
     max_model_len = 1024
+    tokenizer = None
 
     async def generate_async(self, prompt_token_ids, config):
         raise AssertionError("the fake agents do not call the policy")
+
+    def update_weights(self, state_dict):
+        raise AssertionError("nothing updates this policy's weights")
 
     def shutdown(self):
         pass

@@ -30,11 +30,15 @@ class ScriptedPolicy(GenerationInterface):
     """Answers turn k of every rollout with script[k] (real token ids); records every call."""
 
     def __init__(self, tokenizer, script: Sequence[str], delay_s: float = 0.0, failures: int = 0) -> None:
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.script = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in script]
         self.delay_s = delay_s
         self.failures = failures
         self.calls: list[tuple[list[int], tuple[int, ...]]] = []
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -58,6 +62,9 @@ class ScriptedPolicy(GenerationInterface):
         out = GenerationOutput(tuple(cut), tuple(-0.5 for _ in cut), reason)
         self.calls.append((list(prompt_token_ids), out.output_ids))
         return out
+
+    def update_weights(self, state_dict) -> None:
+        raise NotImplementedError("a scripted policy has no weights to update")
 
     def shutdown(self) -> None:
         pass
@@ -183,11 +190,15 @@ async def test_prefix_property_with_the_tiny_model(tiny_model_and_tokenizer):
 
     class Recording(GenerationInterface):
         max_model_len = 1024
+        tokenizer = tok
 
         async def generate_async(self, prompt_token_ids, config):
             out = await backend.generate_async(prompt_token_ids, config)
             calls.append((list(prompt_token_ids), out.output_ids))
             return out
+
+        def update_weights(self, state_dict):
+            backend.update_weights(state_dict)
 
         def shutdown(self):
             backend.shutdown()

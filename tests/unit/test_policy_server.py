@@ -60,7 +60,7 @@ class ScriptedGeneration(GenerationInterface):
     """Replies with the real tokenizer ids of `reply_ids` (plus EOS if asked), scored by a forward pass."""
 
     def __init__(self, model, tokenizer, max_model_len: int = MAX_MODEL_LEN) -> None:
-        self.model, self.tokenizer, self._max_model_len = model, tokenizer, max_model_len
+        self.model, self._tokenizer, self._max_model_len = model, tokenizer, max_model_len
         self.reply_ids: list[int] = []
         self.prompts: list[list[int]] = []
         self.configs: list[GenerationConfig] = []
@@ -70,6 +70,10 @@ class ScriptedGeneration(GenerationInterface):
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         self.reply_ids = ids + ([self.tokenizer.eos_token_id] if eos else [])
         return self.reply_ids
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -84,12 +88,17 @@ class ScriptedGeneration(GenerationInterface):
         reason = FinishReason.EOS if ended else FinishReason.MAX_NEW_TOKENS
         return GenerationOutput(tuple(ids), tuple(logprobs), reason, ids[-1] if ended else None)
 
+    def update_weights(self, state_dict) -> None:
+        raise NotImplementedError("a scripted generation has no weights to update")
+
     def shutdown(self) -> None:
         pass
 
 
 class FailingGeneration(GenerationInterface):
     """Raises `error` on every request; with no error, never answers."""
+
+    tokenizer = None
 
     def __init__(self, error: Exception | None) -> None:
         self.error = error
@@ -102,6 +111,9 @@ class FailingGeneration(GenerationInterface):
         if self.error is None:
             await asyncio.Event().wait()
         raise self.error
+
+    def update_weights(self, state_dict) -> None:
+        raise NotImplementedError("a failing generation has no weights to update")
 
     def shutdown(self) -> None:
         pass

@@ -29,6 +29,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     check_prompt,
+    check_state_dict,
 )
 from nemo_rl_ext.models.generation.sampling import select_tokens
 
@@ -86,7 +87,7 @@ class HfGeneration(GenerationInterface):
         batch_wait_s: float = 0.002,
     ) -> None:
         self.model = model.eval()
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self._max_model_len = max_model_len or int(model.config.max_position_embeddings)
@@ -121,6 +122,10 @@ class HfGeneration(GenerationInterface):
         return cls(model, tokenizer, **kwargs)
 
     @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    @property
     def max_model_len(self) -> int:
         return self._max_model_len
 
@@ -140,6 +145,9 @@ class HfGeneration(GenerationInterface):
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load new weights in place, between batches (never during one)."""
+        if self._closed:
+            raise RuntimeError("HfGeneration was shut down")
+        check_state_dict(self.model.state_dict().keys(), state_dict)
         self._executor.submit(self._load_state_dict, state_dict).result()
 
     def _load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -147,6 +155,8 @@ class HfGeneration(GenerationInterface):
             self.model.load_state_dict(dict(state_dict), strict=True)
 
     def shutdown(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         for loop, task in list(self._workers.items()):
             if not loop.is_closed():

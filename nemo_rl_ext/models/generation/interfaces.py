@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -12,6 +14,10 @@ SEED_LIMIT = 2**63
 """Seeds are in [0, SEED_LIMIT): what torch's and vLLM's generators accept (a signed 64-bit integer)."""
 MAX_TOP_K = 2**31 - 1
 """Largest top_k accepted (vLLM keeps top_k in int32 tensors); any k at or above the vocabulary means all."""
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 class GenerationConfig(BaseModel):
@@ -91,7 +97,17 @@ class GenerationOutput:
 
 
 class GenerationInterface(abc.ABC):
-    """A generation backend: many concurrent `generate_async` calls, served in batches."""
+    """A generation backend: many concurrent `generate_async` calls, served in batches.
+
+    Everything a caller (rollouts, the eval driver, GRPO, the policy server) uses is declared here, so a
+    backend that implements this class works behind every entry point: `tests/unit/test_generation_contract.py`
+    holds the checks every backend must pass.
+    """
+
+    @property
+    @abc.abstractmethod
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer of the served model (chat template included): what prompts are encoded with."""
 
     @property
     @abc.abstractmethod
@@ -99,7 +115,7 @@ class GenerationInterface(abc.ABC):
         """Most tokens (prompt + generation) a request may hold."""
 
     @abc.abstractmethod
-    async def generate_async(self, prompt_token_ids: list[int], config: GenerationConfig) -> GenerationOutput:
+    async def generate_async(self, prompt_token_ids: Sequence[int], config: GenerationConfig) -> GenerationOutput:
         """Generate a continuation of `prompt_token_ids`; raises ValueError on bad input.
 
         Cancelling the call stops its generation (a batching backend drops the request from its batch at
@@ -107,8 +123,25 @@ class GenerationInterface(abc.ABC):
         """
 
     @abc.abstractmethod
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Serve new weights (transformers parameter names, every weight of the model) from the next request on.
+
+        Raises ValueError naming the missing weights if `state_dict` lacks any, before loading anything.
+        """
+
+    @abc.abstractmethod
     def shutdown(self) -> None:
-        """Release the engine's resources; later calls raise."""
+        """Release the engine's resources; idempotent. Later `generate_async` / `update_weights` calls raise
+        RuntimeError."""
+
+
+def check_state_dict(expected: Iterable[str], state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Raise a ValueError naming the weights `state_dict` lacks (a partial reload would leave layers stale)."""
+    missing = sorted(set(expected) - set(state_dict))
+    if missing:
+        raise ValueError(
+            f"update_weights needs every weight of the model; the state_dict lacks {len(missing)}: {missing[:10]}"
+        )
 
 
 def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:

@@ -444,15 +444,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accept a chat_template sent with a request (refused by default: templates run loops)",
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="vllm backend: no CUDA graphs / compilation (faster start)"
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI: load the model, then serve it in the foreground until SIGINT / SIGTERM."""
-    from transformers import AutoTokenizer
-
-    from nemo_rl_ext.config import PolicyConfig
+    from nemo_rl_ext.config import PolicyConfig, VllmConfig
     from nemo_rl_ext.models.policy import build_generation, resolve_model_path
 
     args = build_parser().parse_args(argv)
@@ -466,14 +467,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_batch_size=args.max_batch_size,
+        vllm=VllmConfig(enforce_eager=args.enforce_eager),
     )
     path = resolve_model_path(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     generation = build_generation(cfg)
     name = args.served_model_name or args.model
     app = create_app(
         generation,
-        tokenizer,
+        generation.tokenizer,
         served_model_name=name,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,

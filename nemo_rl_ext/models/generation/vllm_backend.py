@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.models.generation.interfaces import (
     FinishReason,
@@ -46,6 +47,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     check_prompt,
+    check_state_dict,
 )
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict
 
@@ -97,6 +99,7 @@ class VllmGeneration(GenerationInterface):
         AsyncEngineArgs, self._AsyncLLM, self._SamplingParams, self._TokensPrompt, kind = _import_vllm()
         self._final_only = kind.FINAL_ONLY
         self.model_path = str(model_path)
+        self._tokenizer = _load_tokenizer(self.model_path)
         args: dict[str, Any] = {
             "model": self.model_path,
             "dtype": dtype,
@@ -146,6 +149,11 @@ class VllmGeneration(GenerationInterface):
         )
 
     # ---- the interface ------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model folder's tokenizer, loaded with transformers (the one trainers and the policy server use)."""
+        return self._tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -205,12 +213,7 @@ class VllmGeneration(GenerationInterface):
         """
         if self._closed:
             raise RuntimeError("VllmGeneration was shut down")
-        missing = sorted(self._checkpoint_names - set(state_dict))
-        if missing:  # checked first: a partial reload would leave layers half-initialised
-            raise ValueError(
-                f"update_weights needs every weight of the checkpoint; the state_dict lacks {len(missing)}: "
-                f"{missing[:10]}"
-            )
+        check_state_dict(self._checkpoint_names, state_dict)  # first: a partial reload leaves stale layers
         self._call(self._update_weights(pack_state_dict(state_dict)))
         self.num_weight_updates += 1
 
@@ -315,6 +318,14 @@ def to_generation_output(
     if last in eos_ids or not isinstance(stop, str):
         return GenerationOutput(ids, logprobs, FinishReason.EOS, last)
     return GenerationOutput(ids, logprobs, FinishReason.STOP_STRING, stop)
+
+
+def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"  # as `load_model_and_tokenizer` gives the hf backend
+    return tokenizer
 
 
 def _checkpoint_names(folder: Path) -> frozenset[str]:
