@@ -102,13 +102,19 @@ class FailingGeneration(GenerationInterface):
         transient: set[tuple[int, int]] = frozenset(),
     ) -> None:
         self.inner = inner
-        self.tokenizer = inner.tokenizer
         self.pair_of_seed = {rollout_seed(SEED, p, s, 0): (p, s) for p, s in persistent | transient}
         self.persistent, self.transient = set(persistent), set(transient)
         self.raised: list[tuple[int, int]] = []
         """The pair of every call that raised, in call order."""
         self.calls: list[tuple[int, int] | None] = []
         """The pair (None: not a chosen pair) of every call."""
+
+    @property
+    def tokenizer(self):
+        return self.inner.tokenizer
+
+    def update_weights(self, state_dict) -> None:
+        self.inner.update_weights(state_dict)
 
     @property
     def max_model_len(self) -> int:

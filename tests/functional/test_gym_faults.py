@@ -37,9 +37,16 @@ class SlowArithmeticPolicy(GenerationInterface):
     max_model_len = 2048
 
     def __init__(self, tokenizer, delay_s: float) -> None:
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.delay_s = delay_s
         self.calls = 0
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def update_weights(self, state_dict) -> None:
+        raise NotImplementedError("a scripted policy has no weights")
 
     async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
         self.calls += 1
