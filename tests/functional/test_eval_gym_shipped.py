@@ -16,7 +16,12 @@ from nemo_rl_ext.config import load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
 from nemo_rl_ext.gym.config import gym_site_packages
-from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationInterface, GenerationOutput
+from nemo_rl_ext.models.generation import (
+    FinishReason,
+    GenerationConfig,
+    GenerationInterface,
+    GenerationOutput,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "resources_servers/mcqa/configs/mcqa.yaml"
