@@ -116,10 +116,15 @@ def prepare_gym_rows(
 
 
 def gym_task_indices(rows: Sequence[dict[str, Any]]) -> list[int]:
-    """Gym's `_ng_task_index` of each row, as Gym's collector numbers them: identical rows (the same JSON
-    as read) share one index, numbered in order of first appearance."""
+    """Gym's `_ng_task_index` of each row, as Gym 0.7.0's collector assigns them: a row's own
+    `_ng_task_index` is kept; the others are deduplicated, identical rows (the same JSON as read) sharing
+    one index, numbered in order of first appearance."""
     task_of: dict[bytes, int] = {}
-    return [task_of.setdefault(orjson.dumps(r, option=orjson.OPT_SORT_KEYS), len(task_of)) for r in rows]
+    return [
+        int(r["_ng_task_index"]) if "_ng_task_index" in r
+        else task_of.setdefault(orjson.dumps(r, option=orjson.OPT_SORT_KEYS), len(task_of))
+        for r in rows
+    ]
 
 
 def gym_datums(

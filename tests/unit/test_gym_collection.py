@@ -180,6 +180,9 @@ def test_responses_create_params_overrides_and_shared_task_indices(tiny_model_an
     assert params["parallel_tool_calls"] is False and params["input"] == rows[1]["responses_create_params"]["input"]
     assert params["metadata"]["m"] == "1" and "seed" in json.loads(params["metadata"]["extra_body"])
     assert (params["temperature"], params["max_output_tokens"]) == (0.9, 77)
+    # a row's own _ng_task_index is kept (Gym 0.7.0 honours a caller-provided one)
+    assert [d.metadata["gym_task_index"] for d in gym_datums([*rows, row("z", "a", _ng_task_index=7)])] == [
+        0, 1, 0, 7]
     with pytest.raises(ValidationError, match=r"\['temperature'\] are set from policy.generation"):
         GymConfig.model_validate({"agent_urls": {"a": "u"}, "policy_port": 1,
                                   "responses_create_params": {"temperature": 0.1}})
