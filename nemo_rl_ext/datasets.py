@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,24 +74,78 @@ NEMO_GYM_TASK = "nemo_gym"
 """task_name of every Gym row (the Gym agents, not a task_to_env entry, score them)."""
 
 
-def gym_datums(rows: Sequence[dict[str, Any]]) -> list[DatumSpec]:
-    """Gym rows as datums: no prompt tokens (the agents build the prompt), the row as `extra_env_info`.
+GYM_TASK_KEY = "gym_task_index"
+"""`DatumSpec.metadata` key: Gym's `_ng_task_index` of the row, shared by identical rows."""
+GYM_REPEAT_KEY = "gym_repeat"
+"""`DatumSpec.metadata` key: how many identical rows came before this one (its samples' rollout indices
+continue after theirs)."""
 
-    Every row must carry `responses_create_params` and `agent_ref.name`; all offenders in one error.
+
+def prepare_gym_rows(
+    rows: Sequence[dict[str, Any]],
+    *,
+    agent_name: str | None = None,
+    responses_create_params: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Gym rows as Gym's collector prepares them (copies; `rows` is not changed).
+
+    - `agent_ref` is the row's, else `{"name": agent_name}` (Gym's `+agent_name`); rows with neither are
+      named in one error.
+    - `responses_create_params` is the row's with the override's top-level keys replacing its own
+      (`row | overrides`, Gym's `+responses_create_params`).
     """
+    overrides = dict(responses_create_params or {})
     bad = [
         i
         for i, r in enumerate(rows)
-        if "responses_create_params" not in r
-        or not isinstance(r.get("agent_ref"), dict)
-        or not r["agent_ref"].get("name")
+        if not isinstance(r.get("responses_create_params"), dict)
+        or not (agent_name or (isinstance(r.get("agent_ref"), dict) and r["agent_ref"].get("name")))
     ]
     if bad:
-        raise ValueError(
-            f"{len(bad)} Gym row(s) lack responses_create_params or agent_ref.name: rows {bad[:20]}"
-        )
+        need = "responses_create_params" + ("" if agent_name else " or agent_ref.name")
+        hint = "" if agent_name else " (gym.agent_name names the agent of rows without agent_ref, like Gym's +agent_name)"
+        raise ValueError(f"{len(bad)} Gym row(s) lack {need}: rows {bad[:20]}{hint}")
+    prepared = []
+    for row in rows:
+        out = copy.deepcopy(dict(row))
+        if not (isinstance(out.get("agent_ref"), dict) and out["agent_ref"].get("name")):
+            out["agent_ref"] = {"name": agent_name}
+        out["responses_create_params"] = {**out["responses_create_params"], **copy.deepcopy(overrides)}
+        prepared.append(out)
+    return prepared
+
+
+def gym_task_indices(rows: Sequence[dict[str, Any]]) -> list[int]:
+    """Gym's `_ng_task_index` of each row, as Gym 0.7.0's collector assigns them: a row's own
+    `_ng_task_index` is kept; the others are deduplicated, identical rows (the same JSON as read) sharing
+    one index, numbered in order of first appearance."""
+    task_of: dict[bytes, int] = {}
     return [
-        DatumSpec(idx, message_log=(), task_name=NEMO_GYM_TASK, extra_env_info=row,
-                  agent_name=row["agent_ref"]["name"])
-        for idx, row in enumerate(rows)
+        int(r["_ng_task_index"]) if "_ng_task_index" in r
+        else task_of.setdefault(orjson.dumps(r, option=orjson.OPT_SORT_KEYS), len(task_of))
+        for r in rows
     ]
+
+
+def gym_datums(
+    rows: Sequence[dict[str, Any]],
+    *,
+    agent_name: str | None = None,
+    responses_create_params: Mapping[str, Any] | None = None,
+) -> list[DatumSpec]:
+    """Gym rows as datums: no prompt tokens (the agents build the prompt), the prepared row (see
+    `prepare_gym_rows`) as `extra_env_info`, and in `metadata` Gym's task index (`GYM_TASK_KEY`) and how
+    many identical rows came before it (`GYM_REPEAT_KEY`). Every row must carry `responses_create_params`
+    and an agent; all offenders in one error.
+    """
+    prepared = prepare_gym_rows(rows, agent_name=agent_name, responses_create_params=responses_create_params)
+    seen: Counter[int] = Counter()
+    datums = []
+    for idx, (row, task) in enumerate(zip(prepared, gym_task_indices(rows), strict=True)):
+        datums.append(
+            DatumSpec(idx, message_log=(), task_name=NEMO_GYM_TASK, extra_env_info=row,
+                      agent_name=row["agent_ref"]["name"],
+                      metadata={GYM_TASK_KEY: task, GYM_REPEAT_KEY: seen[task]})
+        )
+        seen[task] += 1
+    return datums

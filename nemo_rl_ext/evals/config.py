@@ -17,6 +17,7 @@ collected into one `ValidationError`, so one run of the CLI lists everything tha
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -31,7 +32,7 @@ from nemo_rl_ext.config import (
     raw_field,
 )
 from nemo_rl_ext.experience.generation_counts import DEFAULT_KEY, GenerationCounts
-from nemo_rl_ext.gym.config import GymConfig
+from nemo_rl_ext.gym.config import GymConfig, resolve_gym_path
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 
 RolloutMode = Literal["single_turn", "multi_turn", "nemo_gym"]
@@ -50,7 +51,8 @@ class EvalSettings(StrictModel):
     )
     dataset_path: str = Field(
         description="JSONL dataset: rows with question/answer (native modes) or Gym rows with "
-        "responses_create_params and agent_ref.name (nemo_gym). Relative paths are relative to the CWD."
+        "responses_create_params and agent_ref.name or gym.agent_name (nemo_gym). Relative paths are relative "
+        "to the CWD; in nemo_gym mode with gym.launch, one not found there is looked up in the Gym install."
     )
     save_path: str = Field(description="Output folder; re-running with the same folder resumes.")
     num_prompts: int | None = Field(default=None, ge=1, description="Evaluate only the first N rows.")
@@ -172,17 +174,29 @@ def input_problems(cfg: EvalConfig) -> list[str]:
 
     ev = cfg.eval
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
+    if ev.rollout_mode == "nemo_gym" and cfg.gym is not None and cfg.gym.launch is not None:
+        from nemo_rl_ext.gym.launcher import missing_config_paths
+
+        problems += missing_config_paths(cfg.gym.launch)
     problems += dataset_problems(
         "eval.dataset_path",
-        ev.dataset_path,
+        dataset_file(cfg),
         gym_rows=ev.rollout_mode == "nemo_gym",
         task_name=ev.resolved_environment,
         required=("question", "answer"),
         counts=ev.num_tests_per_prompt,
         counts_key="eval.num_tests_per_prompt",
         limit=ev.num_prompts,
+        gym_agent_name=cfg.gym.agent_name if ev.rollout_mode == "nemo_gym" and cfg.gym is not None else None,
     )
     return problems
+
+
+def dataset_file(cfg: EvalConfig) -> Path:
+    """`eval.dataset_path` from the CWD; in nemo_gym mode with `gym.launch`, a relative path that is not
+    there is looked up in the Gym install (e.g. resources_servers/mcqa/data/example.jsonl)."""
+    launch = cfg.gym.launch if cfg.eval.rollout_mode == "nemo_gym" and cfg.gym is not None else None
+    return resolve_gym_path(cfg.eval.dataset_path, launch.gym_venv if launch is not None else None)
 
 
 def check_inputs(cfg: EvalConfig) -> None:

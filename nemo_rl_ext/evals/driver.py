@@ -29,7 +29,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from nemo_rl_ext.config import dump_config
-from nemo_rl_ext.evals.config import EvalConfig
+from nemo_rl_ext.evals.config import EvalConfig, dataset_file
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, vote_key
 from nemo_rl_ext.evals.store import (
     CompletionStore,
@@ -60,10 +60,9 @@ def load_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
     from nemo_rl_ext.datasets import load_jsonl
 
     ev = cfg.eval
-    required = (
-        ("responses_create_params", "agent_ref") if ev.rollout_mode == "nemo_gym" else ("question", "answer")
-    )
-    return load_jsonl(ev.dataset_path, required=required)[: ev.num_prompts]
+    # a Gym row's agent may come from gym.agent_name: gym_datums names the rows that have none
+    required = ("responses_create_params",) if ev.rollout_mode == "nemo_gym" else ("question", "answer")
+    return load_jsonl(dataset_file(cfg), required=required)[: ev.num_prompts]
 
 
 def build_rollout_setup(
@@ -85,7 +84,10 @@ def build_rollout_setup(
         generation_config=cfg.policy.generation,
     )
     if ev.rollout_mode == "nemo_gym":
-        datums = gym_datums(rows)
+        assert cfg.gym is not None
+        datums = gym_datums(
+            rows, agent_name=cfg.gym.agent_name, responses_create_params=cfg.gym.responses_create_params
+        )
         manager = RolloutManager(**common, task_to_env=None, use_nemo_gym=True, gym_config=cfg.gym)
         return datums, manager
 
@@ -184,8 +186,14 @@ async def run_eval_async(
         todo = [d for d in datums if len(store.done(d.idx, expected[d.idx])) < expected[d.idx]]
         skipped = sum(len(store.done(d.idx, expected[d.idx])) for d in datums)
         retried = sum(len(store.failed(d.idx, expected[d.idx])) for d in datums)
-        if todo and paths.summary.exists():
-            paths.summary.unlink()  # stale until the missing groups are on disk
+        gym = cfg.eval.rollout_mode == "nemo_gym"
+        if gym:  # the rows Gym gets, on disk before the first is sent (a resume sends these again)
+            from nemo_rl_ext.evals import gym_eval
+
+            gym_eval.materialize_rows(manager.impl, datums, expected, paths.root, resuming)
+        if todo:
+            for stale in (paths.summary, paths.root / "gym_aggregate_metrics.json"):
+                stale.unlink(missing_ok=True)  # stale until the missing groups are on disk
         if skipped or retried:
             print(
                 f"resume: {skipped} completion(s) already in {paths.completions}, {retried} error sample(s) "
@@ -202,6 +210,10 @@ async def run_eval_async(
             stop_after_groups,
             f"eval {cfg.eval.rollout_mode}",
         )
+        if gym and all(store.line(d.idx, s) is not None for d in datums for s in range(expected[d.idx])):
+            await gym_eval.aggregate_metrics(  # while Gym is up: its own per-agent aggregate of the results
+                manager.impl, datums, expected, store, paths.root, reuse=not records
+            )
     finally:
         if manager is not None:
             await manager.shutdown()  # the nemo_gym mode stops its policy server and Gym here
@@ -233,6 +245,14 @@ async def run_eval_async(
     summary = None
     if complete:
         summary = summarize(cfg, datums, expected, store)
+        if cfg.eval.rollout_mode == "nemo_gym":
+            from nemo_rl_ext.evals.gym_eval import load_aggregate
+
+            gym_metrics = load_aggregate(paths.root) or {}
+            summary["gym_metrics"] = {  # group_level_metrics (per task) stay in gym_aggregate_metrics.json
+                agent: {k: v for k, v in entry.items() if k in ("agent_metrics", "key_metrics", "error")}
+                for agent, entry in gym_metrics.items()
+            }
         paths.summary.write_bytes(dumps(summary, indent=True) + b"\n")
         from nemo_rl_ext.evals.report import write_report
 

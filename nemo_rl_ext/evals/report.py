@@ -144,6 +144,23 @@ def plot_pass_at_k(summary: Mapping[str, Any], path: Any) -> None:
         plt.close(fig)
 
 
+def gym_metric_lines(summary: Mapping[str, Any]) -> list[str]:
+    """Markdown lines for Gym's own per-agent aggregate (`summary["gym_metrics"]`, nemo_gym mode): its
+    key metrics (every scalar one), or the error that kept Gym from answering; [] without one."""
+    gym = summary.get("gym_metrics")
+    if not gym:
+        return []
+    lines = ["", "## NeMo Gym's aggregate metrics (`/aggregate_metrics`)", ""]
+    for agent, entry in gym.items():
+        if entry.get("error"):
+            lines.append(f"- `{agent}`: not available ({entry['error']})")
+            continue
+        scalars = {k: v for k, v in (entry.get("key_metrics") or {}).items() if isinstance(v, int | float | str)}
+        shown = ", ".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in scalars.items())
+        lines.append(f"- `{agent}`: {shown or 'no key metrics'}")
+    return lines
+
+
 def markdown_report(summary: Mapping[str, Any], plot_name: str) -> str:
     """A short Markdown summary: what was run, the metric table and the plot."""
     header, rows = metric_rows(summary)
@@ -167,6 +184,7 @@ def markdown_report(summary: Mapping[str, Any], plot_name: str) -> str:
             *table,
             "",
             f"![pass@k against k]({plot_name})",
+            *gym_metric_lines(summary),
             "",
         ]
     )

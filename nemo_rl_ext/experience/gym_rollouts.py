@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from nemo_rl_ext.datasets import GYM_REPEAT_KEY, GYM_TASK_KEY
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
 from nemo_rl_ext.experience.generation_counts import GenerationCounts
 from nemo_rl_ext.experience.gym_results import gym_numeric_metrics, result_to_completion
@@ -101,6 +102,12 @@ class AsyncNemoGymRolloutImpl:
         self._start_lock = asyncio.Lock()
         self._life_lock = threading.Lock()  # start-up runs in a worker thread that a shutdown may overtake
         self._closed = False
+        self._pinned: dict[int, list[dict[str, Any]]] = {}
+
+    def pin_rows(self, rows_by_prompt: Mapping[int, Sequence[Mapping[str, Any]]]) -> None:
+        """Send exactly these rows for these prompt indices (e.g. read back from a materialized file on
+        resume) instead of building them with `_build_inputs`."""
+        self._pinned.update({idx: [copy.deepcopy(dict(r)) for r in rows] for idx, rows in rows_by_prompt.items()})
 
     def _validate_init_params(self) -> None:
         """Raise one ValueError naming every bad constructor argument (Gym owns turns, stops and top_k)."""
@@ -225,18 +232,29 @@ class AsyncNemoGymRolloutImpl:
     # ---- the hooks ------------------------------------------------------------------------------
 
     def _build_inputs(self, input_sample: DatumSpec) -> list[dict[str, Any]]:
-        """The N rows of one prompt: sampling parameters from the generation config, a seed per sample,
-        Gym's `_ng_task_index` / `_ng_rollout_index`, and `agent_ref` (the row's, else the datum's agent)."""
+        """The N rows of one prompt, as Gym's collector builds them (see `datasets.prepare_gym_rows`):
+        `agent_ref` (the row's, else the datum's agent, else `gym.agent_name`), `responses_create_params`
+        with `gym.responses_create_params` merged in, then the sampling parameters of the generation config
+        and a seed per sample in `metadata.extra_body`; Gym's `_ng_task_index` (from the datum's metadata,
+        shared by identical rows, else the datum's index) and `_ng_rollout_index` (counting on across
+        identical rows). Rows pinned with `pin_rows` are returned as pinned."""
+        if input_sample.idx in self._pinned:
+            return copy.deepcopy(self._pinned[input_sample.idx])
         row = input_sample.extra_env_info
-        if "responses_create_params" not in row:
+        if not isinstance(row.get("responses_create_params"), Mapping):
             raise ValueError(f"row {input_sample.idx}: missing 'responses_create_params' (keys: {sorted(row)})")
-        agent = agent_name_of(row) if "agent_ref" in row else input_sample.agent
+        if "agent_ref" in row:
+            agent = agent_name_of(row)
+        else:
+            agent = input_sample.agent_name or self.gym.agent_name or input_sample.agent
         config = self.generation_config
+        count = self.counts.for_agent(agent)
+        first_rollout = int(input_sample.metadata.get(GYM_REPEAT_KEY, 0)) * count
         rows = []
-        for sample in range(self.counts.for_agent(agent)):
+        for sample in range(count):
             r = copy.deepcopy(dict(row))
             r.setdefault("agent_ref", {"name": agent})
-            params = r["responses_create_params"]
+            params = {**r["responses_create_params"], **copy.deepcopy(self.gym.responses_create_params)}
             params["temperature"] = config.temperature
             params["top_p"] = config.top_p
             params["max_output_tokens"] = config.max_new_tokens
@@ -246,8 +264,9 @@ class AsyncNemoGymRolloutImpl:
                 extra = json.loads(metadata.get("extra_body") or "{}")
                 metadata["extra_body"] = json.dumps({**extra, "seed": seed})
                 params["metadata"] = metadata
-            r["_ng_task_index"] = input_sample.idx
-            r["_ng_rollout_index"] = sample
+            r["responses_create_params"] = params
+            r["_ng_task_index"] = input_sample.metadata.get(GYM_TASK_KEY, input_sample.idx)
+            r["_ng_rollout_index"] = first_rollout + sample
             rows.append(r)
         return rows
 

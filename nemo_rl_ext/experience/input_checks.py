@@ -23,12 +23,14 @@ def dataset_problems(
     counts: int | Mapping[str, int],
     counts_key: str,
     limit: int | None = None,
+    gym_agent_name: str | None = None,
 ) -> list[str]:
     """Every problem of the dataset at `path` (config key `key`) for a run with these sample `counts`.
 
     `gym_rows`: NeMo Gym rows (agent from `agent_ref.name`); else question/answer rows with the `required`
     keys, whose agent is their `agent_name`, else `task_name` (as `DatumSpec.agent`). `limit`: only the
-    first rows are rolled out, so only they need a count.
+    first rows are rolled out, so only they need a count. `gym_agent_name`: the agent of Gym rows without
+    `agent_ref` (`gym.agent_name`).
     """
     from nemo_rl_ext.datasets import gym_datums, load_jsonl
 
@@ -37,8 +39,8 @@ def dataset_problems(
         return [f"{key}: file not found: {path}"]
     try:
         if gym_rows:
-            rows = load_jsonl(path, required=("responses_create_params", "agent_ref"))[:limit]
-            agents = [d.agent for d in gym_datums(rows)]
+            rows = load_jsonl(path, required=("responses_create_params",))[:limit]
+            agents = [d.agent for d in gym_datums(rows, agent_name=gym_agent_name)]
         else:
             rows = load_jsonl(path, required=required)[:limit]
             agents = [str(row.get("agent_name") or task_name) for row in rows]

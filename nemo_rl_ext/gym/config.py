@@ -3,11 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nemo_rl_ext.config import StrictModel
+
+SAMPLING_PARAMS = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_new_tokens"}
+"""responses_create_params keys every row gets from policy.generation (key -> GenerationConfig field)."""
+
+
+def gym_site_packages(gym_venv: str | Path) -> Path | None:
+    """The Gym install's site-packages, where its servers ship as top-level packages (None if not found)."""
+    found = sorted(Path(gym_venv).glob("lib/python3*/site-packages"))
+    return found[-1] if found else None
+
+
+def resolve_gym_path(path: str | Path, gym_venv: str | Path | None) -> Path:
+    """`path` from the CWD; a relative one that is not there, from the Gym install when it is there (as
+    Gym's own CLI does); otherwise the CWD's path (absolute, for the error that names it)."""
+    path = Path(path)
+    if path.is_absolute() or path.exists() or gym_venv is None:
+        return path.resolve()
+    site = gym_site_packages(gym_venv)
+    if site is not None and (site / path).exists():
+        return site / path
+    return path.resolve()
 
 
 class GymLaunchConfig(StrictModel):
@@ -18,7 +39,11 @@ class GymLaunchConfig(StrictModel):
         description="direct: start each server's app.py (no Ray, loopback only); ng_run: Gym's own launcher.",
     )
     gym_venv: Path = Field(description="The NeMo Gym venv (scripts/setup_nemo_gym.sh prints it).")
-    config_paths: tuple[Path, ...] = Field(min_length=1, description="Gym server config YAML files.")
+    config_paths: tuple[Path, ...] = Field(
+        min_length=1,
+        description="Gym server config YAML files; a relative path not found from the CWD is looked up in the "
+        "Gym install (e.g. resources_servers/mcqa/configs/mcqa.yaml).",
+    )
     head_server_port: int = Field(default=11000, ge=1, le=65535, description="Port of Gym's head server.")
     startup_timeout_s: float = Field(default=180.0, gt=0, description="Deadline for every server to be healthy.")
     work_dir: Path | None = Field(default=None, description="Where env.yaml and logs go; a temp dir if None.")
@@ -41,6 +66,16 @@ class GymConfig(StrictModel):
     policy_host: str = Field(default="127.0.0.1", description="Where our policy server listens for Gym.")
     policy_port: int = Field(default=0, ge=0, le=65535, description="Policy server port; 0 picks a free one.")
     policy_model_name: str = Field(default="policy", description="Model name the policy server answers to.")
+    agent_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The agent of rows without agent_ref.name (Gym's +agent_name); rows with one keep theirs.",
+    )
+    responses_create_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Merged into every row's responses_create_params, replacing its top-level keys "
+        "(Gym's +responses_create_params); sampling parameters come from policy.generation instead.",
+    )
     max_concurrency: int = Field(default=64, ge=1, description="Most /run requests in flight at once.")
     row_timeout_s: float = Field(default=600.0, gt=0, description="Limit for one /run request.")
     max_attempts: int = Field(default=3, ge=1, description="Attempts per row before it becomes an error.")
@@ -54,6 +89,18 @@ class GymConfig(StrictModel):
         default=3, ge=1,
         description="Consecutive failed probes after which a server is down and the rows that need it fail.",
     )
+
+    @field_validator("responses_create_params")
+    @classmethod
+    def _no_sampling_overrides(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(value) & set(SAMPLING_PARAMS))
+        if owned:
+            raise ValueError(
+                f"{owned} are set from policy.generation ("
+                + ", ".join(f"{k} <- {SAMPLING_PARAMS[k]}" for k in owned)
+                + "); set them there"
+            )
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> GymConfig:

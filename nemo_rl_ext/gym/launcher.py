@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from nemo_rl_ext.gym.config import GymLaunchConfig
+from nemo_rl_ext.gym.config import GymLaunchConfig, gym_site_packages, resolve_gym_path
 from nemo_rl_ext.gym.health import GymServer, servers_from_config
 from nemo_rl_ext.lifecycle import on_force_stop
 
@@ -42,6 +42,61 @@ RESOLVER = Path(__file__).with_name("resolve_gym_config.py")
 WATCHDOG = Path(__file__).with_name("watchdog.py")
 DIRECT_TYPES = ("resources_servers", "responses_api_agents", "responses_api_models")
 _LOG_TAIL_CHARS = 3000
+
+
+POLICY_MODEL_BLOCK = {
+    "responses_api_models": {
+        "vllm_model": {
+            "entrypoint": "app.py",
+            "base_url": "${policy_base_url}",
+            "api_key": "${policy_api_key}",
+            "model": "${policy_model_name}",
+            "return_token_id_information": True,
+            "uses_reasoning_parser": False,
+        }
+    }
+}
+"""The model server the launcher defines for configs that call one they do not define: Gym's vllm_model
+server, asking our policy server for token ids (the launcher fills in ${policy_*})."""
+
+
+def missing_config_paths(cfg: GymLaunchConfig) -> list[str]:
+    """One message per config file of `cfg.config_paths` found neither from the CWD nor in the Gym install."""
+    site = gym_site_packages(cfg.gym_venv)
+    return [
+        f"gym.launch.config_paths: file not found: {p} (looked in {Path.cwd()}"
+        + (f" and in the Gym install {site})" if site is not None and not Path(p).is_absolute() else ")")
+        for p in cfg.config_paths
+        if not resolve_gym_path(p, cfg.gym_venv).is_file()
+    ]
+
+
+def undefined_model_servers(config_paths: list[Path]) -> list[str]:
+    """Names of the `responses_api_models` servers the configs refer to (`model_server: {type, name}`)
+    that none of them defines at the top level."""
+    defined: set[str] = set()
+    referenced: list[str] = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            ref = node.get("model_server")
+            if isinstance(ref, dict) and ref.get("type") == "responses_api_models" and isinstance(ref.get("name"), str):
+                referenced.append(ref["name"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    for path in config_paths:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # Gym's own parser reports it
+        if isinstance(data, dict):
+            defined.update(str(k) for k in data)
+            walk(data)
+    return sorted(set(referenced) - defined)
 
 
 class GymLaunchError(RuntimeError):
@@ -58,8 +113,8 @@ class GymLauncher:
         self.policy_model_name = policy_model_name
         self.policy_api_key = policy_api_key
         self.python = Path(cfg.gym_venv) / "bin" / "python"
-        # relative to the caller's working directory, not to Gym's scratch directory
-        self.config_paths = [Path(p).resolve() for p in cfg.config_paths]
+        # relative to the caller's working directory (not Gym's scratch directory), else to the Gym install
+        self.config_paths = [resolve_gym_path(p, cfg.gym_venv) for p in cfg.config_paths]
         self._procs: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, Path] = {}
         self.work_dir: Path | None = None
@@ -100,11 +155,12 @@ class GymLauncher:
                 f"no NeMo Gym venv at {self.cfg.gym_venv} ({self.python} is missing); "
                 "build one with scripts/setup_nemo_gym.sh"
             )
-        missing = [str(p) for p in self.config_paths if not p.exists()]
+        missing = missing_config_paths(self.cfg)
         if missing:
-            raise GymLaunchError(f"Gym config files not found: {missing}")
+            raise GymLaunchError("; ".join(missing))
         self.work_dir = Path(self.cfg.work_dir or tempfile.mkdtemp(prefix="nemo-gym-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._define_model_servers()
         resolved = self._resolve()
         try:
             self._start_watchdog()
@@ -116,6 +172,17 @@ class GymLauncher:
             raise
 
     # ---- resolving the config (in the Gym venv) ----------------------------------------------
+
+    def _define_model_servers(self) -> None:
+        """Define every model server the configs call but none defines (`policy_model` in Gym's shipped
+        resources-server configs) as a vllm_model server with token ids, pointed at our policy server, in
+        a config file of our own listed first; a block the user defines is left as it is."""
+        missing = undefined_model_servers(self.config_paths)
+        if missing:
+            path = self.work_dir / "nemo_rl_ext_policy_model.yaml"
+            path.write_text(yaml.safe_dump({name: POLICY_MODEL_BLOCK for name in missing}, sort_keys=False))
+            self.config_paths = [path, *self.config_paths]
+            logger.info("NeMo Gym: model server(s) %s defined as our policy server (%s)", missing, path)
 
     def _resolve(self) -> dict:
         cmd = [str(self.python), str(RESOLVER), "--policy-base-url", self.policy_base_url,
