@@ -72,7 +72,12 @@ VAL_SALT = 2
 def load_datums(cfg: GRPOConfig, tokenizer: PreTrainedTokenizerBase, path: Path) -> list[DatumSpec]:
     """The rows of `path`: Gym rows in nemo_gym mode, else question/answer rows for the environment."""
     if cfg.rollouts.mode == "nemo_gym":
-        return gym_datums(load_jsonl(path))
+        gym = cfg.rollouts.gym
+        return gym_datums(
+            load_jsonl(path),
+            agent_name=gym.agent_name if gym is not None else None,
+            responses_create_params=gym.responses_create_params if gym is not None else None,
+        )
     rows = load_jsonl(path, required=(cfg.data.question_key, cfg.data.answer_key))
     return qa_datums(
         tokenizer,

@@ -251,6 +251,7 @@ def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True, env
         problems.append(f"env.name: unknown environment {cfg.env.name!r}; known: {known}")
     common = dict(
         gym_rows=not native,
+        gym_agent_name=cfg.rollouts.gym.agent_name if cfg.rollouts.gym is not None else None,
         task_name=cfg.env.name,
         required=(cfg.data.question_key, cfg.data.answer_key),
     )

@@ -257,3 +257,29 @@ async def test_string_match_environment_scores_the_last_answer():
     assert out.rewards == [1.0, 0.0] and out.terminateds == [True, True] and out.answers == ["yes", "no"]
     with pytest.raises(ValueError, match="mode"):
         create_environment("string_match", mode="fuzzy")
+
+
+def test_gym_rows_without_agent_ref_take_the_gym_agent_name_in_grpo(tmp_path, tiny_model_dir):
+    """GRPO reads Gym rows as the eval does: `rollouts.gym.agent_name` is the agent of rows without
+    agent_ref (checked before the model loads, and in the datums), and the overrides reach every row."""
+    from nemo_rl_ext.algorithms.grpo import load_datums
+    from nemo_rl_ext.algorithms.grpo_config import input_problems
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        '{"responses_create_params": {"input": [{"role": "user", "content": "hi"}]}}\n'
+        '{"responses_create_params": {"input": [{"role": "user", "content": "ho"}]}, "agent_ref": {"name": "b"}}\n'
+    )
+    base = [
+        f"data.train_path={rows}", f"policy.model_name={tiny_model_dir}", "rollouts.mode=nemo_gym",
+        "rollouts.gym={head_server_url: 'http://127.0.0.1:9'}", "rollouts.gym.policy_port=9",
+        "grpo.num_generations_per_prompt={a: 2, b: 1}",
+    ]
+    without = load_config(None, base, GRPOConfig)
+    assert any("rows [0]" in p for p in input_problems(without, val=False)), input_problems(without, val=False)
+    cfg = load_config(None, [*base, "rollouts.gym.agent_name=a",
+                             "rollouts.gym.responses_create_params={parallel_tool_calls: false}"], GRPOConfig)
+    assert input_problems(cfg, val=False) == []
+    datums = load_datums(cfg, None, rows)
+    assert [d.agent for d in datums] == ["a", "b"]
+    assert all(d.extra_env_info["responses_create_params"]["parallel_tool_calls"] is False for d in datums)
