@@ -47,6 +47,8 @@ class StandInEngine:
         self.version = "0"
         self.paused = False
         self.fail_load = False
+        self.pause_gate: asyncio.Event | None = None
+        """When set by a test, `pause_generation` waits for it before pausing (a slow round trip)."""
         self.calls: list[tuple] = []
         self.requests: list[Request] = []
 
@@ -79,6 +81,8 @@ class StandInEngine:
 
     async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
         self.calls.append(("pause", mode))
+        if self.pause_gate is not None:
+            await self.pause_gate.wait()
         self.paused = True
         if mode == "abort":
             for req in self.live():
@@ -136,7 +140,8 @@ def engine_and_backend():
     gen._max_model_len, gen._vocab_size, gen._eos_ids = 128, 100, frozenset({EOS})
     gen._SamplingParams, gen._TokensPrompt, gen._final_only = dict, dict, None
     gen._checkpoint_names = frozenset(STATE)
-    gen._weight_version, gen._update_lock, gen._abort_epoch = 0, threading.Lock(), 0
+    gen._weight_version, gen._update_lock = 0, threading.Lock()
+    gen._in_flight, gen._aborting = {}, False
     gen._loop = asyncio.new_event_loop()
     gen._thread = threading.Thread(target=gen._loop.run_forever, name="stand-in-engine-loop", daemon=True)
     gen._thread.start()
@@ -230,3 +235,25 @@ def test_bad_arguments_are_refused_before_the_engine_pauses(engine_and_backend):
     with pytest.raises(ValueError, match=r"state_dict lacks 1: \['w'\]"):
         gen.update_weights({}, in_flight="abort")
     assert engine.calls == [] and gen.weight_version == 0
+
+
+async def test_a_request_sent_while_the_abort_reaches_the_engine_is_restarted_not_failed(engine_and_backend):
+    """Sent after update_weights(in_flight="abort") began but before the engine paused: the engine aborts it
+    too; it had no token yet, so it is sent again and runs on the new weights (no error, no ABORTED)."""
+    engine, gen = engine_and_backend
+
+    async def make_gate() -> asyncio.Event:
+        return asyncio.Event()
+
+    engine.pause_gate = gate = gen._call(make_gate())
+    update = asyncio.ensure_future(asyncio.to_thread(gen.update_weights, STATE, in_flight="abort"))
+    await until(lambda: ("pause", "abort") in engine.calls, "the pause to start")
+    late = asyncio.ensure_future(gen.generate_async([9, 9], CONFIG))
+    await until(lambda: len(engine.requests) == 1, "the late request")
+    gen._loop.call_soon_threadsafe(gate.set)
+    await asyncio.wait_for(update, 10)
+    await until(lambda: len(engine.requests) == 2, "the resubmitted request")
+    gen._call(engine.step())
+    gen._call(engine.finish_running())
+    out = await asyncio.wait_for(late, 10)
+    assert out.finish_reason is FinishReason.EOS and out.weight_version == 1

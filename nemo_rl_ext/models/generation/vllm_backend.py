@@ -126,7 +126,10 @@ class VllmGeneration(GenerationInterface):
         self._engine = None
         self._weight_version = 0
         self._update_lock = threading.Lock()  # one update at a time, whichever thread calls
-        self._abort_epoch = 0  # abort-mode updates started so far (read and written on the engine loop)
+        # engine loop only: request id -> whether an abort-mode update has hit it; the flag is set for the
+        # requests in flight when such an update starts and for those sent while it runs
+        self._in_flight: dict[str, bool] = {}
+        self._aborting = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
         self._thread.start()
@@ -284,9 +287,9 @@ class VllmGeneration(GenerationInterface):
     async def _generate(self, prompt: list[int], params):
         """The final `RequestOutput` and whether an abort-mode weight update ended it."""
         while True:
-            epoch = self._abort_epoch
             final = None
             request_id = f"nemo-rl-{uuid.uuid4().hex}"
+            self._in_flight[request_id] = self._aborting
             try:
                 async for output in self._engine.generate(
                     self._TokensPrompt(prompt_token_ids=prompt), params, request_id
@@ -295,10 +298,12 @@ class VllmGeneration(GenerationInterface):
             except asyncio.CancelledError:
                 await self._engine.abort(request_id)  # the caller went away: free the request's slot now
                 raise
+            finally:
+                hit_by_update = self._in_flight.pop(request_id)
             if final is None:
                 raise RuntimeError(f"vLLM returned no output for request {request_id}")
             completion = final.outputs[0]
-            aborted_by_update = completion.finish_reason == "abort" and self._abort_epoch != epoch
+            aborted_by_update = completion.finish_reason == "abort" and hit_by_update
             if aborted_by_update and not completion.token_ids:
                 # Caught before its first token: nothing ran on the old weights; the engine queues the
                 # resubmitted request while paused and runs it on the new weights.
@@ -306,15 +311,17 @@ class VllmGeneration(GenerationInterface):
             return final, aborted_by_update
 
     async def _update_weights(self, payload: bytes, mode: str, version: int) -> None:
-        if mode == "abort":
-            self._abort_epoch += 1  # before the pause: the aborted requests' outputs arrive after it
-        await self._engine.pause_generation(mode=mode, clear_cache=True)
+        if mode == "abort":  # before the pause: the aborted requests' outputs arrive after it
+            self._aborting = True
+            self._in_flight.update(dict.fromkeys(self._in_flight, True))
         try:
+            await self._engine.pause_generation(mode=mode, clear_cache=True)
             await self._engine.collective_rpc("nemo_rl_load_weights", args=(payload,))
             if not await self._engine.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache after the weight update")
             await self._engine.update_weight_version(str(version))
         finally:
+            self._aborting = False
             await self._engine.resume_generation()
 
     async def _shutdown_engine(self) -> None:
