@@ -24,11 +24,10 @@
 - **Versions.** The engine core stamps every step's tokens with its weight-version label (vLLM's
   `weight_versions` spans on the final output); the label is set while generation is paused, so an
   output's tokens carry exactly one version and `GenerationOutput.weight_version` is read from the spans.
-  A request the abort caught before it produced a token is resubmitted (it runs on the new weights). The
-  tensors
-  travel as one `torch.save` buffer through vLLM's RPC (its encoder would turn bare tensors into lists):
-  simple and exact, fine for small and mid-size models; large models on GPUs want vLLM's NCCL/IPC weight
-  transfer instead.
+  A request the abort caught before it produced a token is resubmitted (it runs on the new weights).
+- **Transfer.** The tensors travel as one `torch.save` buffer through vLLM's RPC (its encoder would turn
+  bare tensors into lists): simple and exact, fine for small and mid-size models; large models on GPUs
+  want vLLM's NCCL/IPC weight transfer instead.
 
 vLLM starts its engine core in another process; on platforms where it spawns (CUDA already initialised,
 Ray, `VLLM_WORKER_MULTIPROC_METHOD=spawn`) the entry script needs an `if __name__ == "__main__":` guard.
@@ -212,7 +211,8 @@ class VllmGeneration(GenerationInterface):
             budget,
             budget_reason,
             self._eos_ids,
-            weight_version=weight_version_of(completion),
+            # no tokens: an error below for every finish reason (token-less update aborts are resubmitted)
+            weight_version=weight_version_of(completion) if completion.token_ids else self._weight_version,
             aborted_by_update=aborted_by_update,
         )
 
