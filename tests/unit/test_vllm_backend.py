@@ -24,7 +24,7 @@ pytest.importorskip(
     "from scripts/setup_vllm_cpu.sh (docs/vllm.md); CI runs without it",
 )
 
-from backend_checks import chat_prompts, forward_logprobs  # noqa: E402
+from backend_checks import chat_prompts, forward_logprobs, not_greedy  # noqa: E402
 
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig  # noqa: E402
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration  # noqa: E402
@@ -267,14 +267,20 @@ async def test_update_weights_refits_in_place(engine, tiny_model_dir, tiny_model
     perturbed = HfGeneration(model, tokenizer, max_model_len=MAX_MODEL_LEN)
     long_config = GREEDY.model_copy(update={"max_new_tokens": MAX_MODEL_LEN - len(batch[0])})
     long_before = await engine.generate_async(batch[0], long_config)
+    v0 = engine.weight_version
+    assert long_before.weight_version == v0 and {b.weight_version for b in before} == {v0}
     try:
-        # a request in flight when the refit starts finishes on the old weights
+        # a request in flight when the refit starts finishes on the old weights (in_flight="finish")
         in_flight = asyncio.ensure_future(engine.generate_async(batch[0], long_config))
         while engine.num_unfinished_requests == 0:
             await asyncio.sleep(0.01)
-        await asyncio.to_thread(engine.update_weights, model.state_dict())
-        assert (await in_flight).output_ids == long_before.output_ids
+        await asyncio.to_thread(engine.update_weights, model.state_dict(), in_flight="finish")
+        finished = await in_flight
+        assert finished.output_ids == long_before.output_ids
+        assert finished.finish_reason is long_before.finish_reason and finished.weight_version == v0
+        assert engine.weight_version == v0 + 1
         after = await asyncio.gather(*(engine.generate_async(p, config) for p in batch))
+        assert {a.weight_version for a in after} == {v0 + 1}
         ref = await asyncio.gather(*(perturbed.generate_async(p, config) for p in batch))
         assert [a.output_ids for a in after] != [b.output_ids for b in before]
         matched = []
@@ -295,7 +301,72 @@ async def test_update_weights_refits_in_place(engine, tiny_model_dir, tiny_model
         engine.update_weights(original)  # the engine is shared by the module: put the weights back
     restored = await asyncio.gather(*(engine.generate_async(p, config) for p in batch))
     assert [r.output_ids for r in restored] == [b.output_ids for b in before]
-    assert engine.num_weight_updates >= 2
+    assert engine.weight_version == engine.num_weight_updates == v0 + 2
+    assert {r.weight_version for r in restored} == {v0 + 2}
+
+
+async def test_abort_update_keeps_the_partial_output_and_its_continuation_runs_on_the_new_weights(
+    engine, tiny_model_dir, tiny_model_and_tokenizer
+):
+    """in_flight="abort": the running request stops with ABORTED, its ids/logprobs are the old weights'
+    (a forward pass agrees), and prompt + partial continues on the new weights (a forward pass agrees)."""
+    old_model, tokenizer = tiny_model_and_tokenizer
+    prompt, other = chat_prompts(tokenizer, 2)
+    budget = MAX_MODEL_LEN - len(prompt)
+    long_config = GenerationConfig(max_new_tokens=budget, temperature=0.0)
+    new_model, _ = load_model_and_tokenizer(tiny_model_dir)
+    original = {k: v.clone() for k, v in new_model.state_dict().items()}
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5 * p.std())
+    v0 = engine.weight_version
+    try:
+        long_task = asyncio.ensure_future(engine.generate_async(prompt, long_config))
+        while engine.num_unfinished_requests == 0:
+            await asyncio.sleep(0.01)
+        # a one-token request sent after it: once it is done, the engine has run a step that held the
+        # long request too (FIFO), so the long one has at least one token when the abort comes
+        one = await engine.generate_async(other, GenerationConfig(max_new_tokens=1, temperature=0.0))
+        assert one.weight_version == v0
+        await asyncio.to_thread(engine.update_weights, new_model.state_dict(), in_flight="abort")
+        assert engine.weight_version == v0 + 1
+        partial = await asyncio.wait_for(long_task, 60)
+        assert partial.finish_reason is FinishReason.ABORTED and not partial.truncated
+        assert 1 <= len(partial.output_ids) < budget, len(partial.output_ids)
+        assert len(partial.logprobs) == len(partial.output_ids)
+        assert partial.weight_version == v0
+        assert not_greedy(old_model, prompt, partial.output_ids) == []
+        torch.testing.assert_close(
+            torch.tensor(partial.logprobs),
+            forward_logprobs(old_model, prompt, partial.output_ids, 0.0),
+            atol=LOGPROB_ATOL,
+            rtol=0,
+        )
+        context = prompt + list(partial.output_ids)
+        rest = await engine.generate_async(context, GenerationConfig(max_new_tokens=16, temperature=0.0))
+        assert rest.weight_version == v0 + 1 and rest.finish_reason is not FinishReason.ABORTED
+        assert not_greedy(new_model, context, rest.output_ids) == []
+        torch.testing.assert_close(
+            torch.tensor(rest.logprobs),
+            forward_logprobs(new_model, context, rest.output_ids, 0.0),
+            atol=LOGPROB_ATOL,
+            rtol=0,
+        )
+        # and they are not the old weights' tokens: the update did apply
+        assert not_greedy(old_model, context, rest.output_ids) != []
+        print(f"abort: {len(partial.output_ids)} of {budget} tokens kept (v{v0}), continued with v{v0 + 1}")
+    finally:
+        engine.update_weights(original)
+    assert engine.weight_version == v0 + 2
+
+
+def test_update_weights_rejects_an_unknown_in_flight_policy(engine, tiny_model_and_tokenizer):
+    model, _ = tiny_model_and_tokenizer
+    v0 = engine.weight_version
+    with pytest.raises(ValueError, match="in_flight must be 'finish' or 'abort', got 'drop'"):
+        engine.update_weights(model.state_dict(), in_flight="drop")
+    assert engine.weight_version == v0
 
 
 def test_update_weights_rejects_a_partial_state_dict(engine, tiny_model_and_tokenizer):

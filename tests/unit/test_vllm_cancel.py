@@ -38,6 +38,7 @@ def engine_and_backend():
     gen._closed, gen._engine = False, engine
     gen._max_model_len, gen._vocab_size, gen._eos_ids = 64, 100, frozenset({2})
     gen._SamplingParams, gen._TokensPrompt, gen._final_only = dict, dict, None
+    gen._weight_version, gen._in_flight, gen._aborting = 0, {}, False
     gen._loop = asyncio.new_event_loop()
     gen._thread = threading.Thread(target=gen._loop.run_forever, name="fake-engine-loop", daemon=True)
     gen._thread.start()

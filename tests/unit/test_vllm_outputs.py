@@ -12,7 +12,7 @@ import torch
 
 from nemo_rl_ext.config import ConfigError, PolicyConfig, load_config
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
-from nemo_rl_ext.models.generation.vllm_backend import to_generation_output
+from nemo_rl_ext.models.generation.vllm_backend import to_generation_output, weight_version_of
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict, unpack_state_dict
 
 EOS = 2
@@ -54,6 +54,43 @@ def test_finish_reasons_follow_the_hf_backend(ids, reason, stop, budget, budget_
 def test_engine_side_endings_raise(reason, ids):
     with pytest.raises(RuntimeError, match=f"finish_reason='{reason}'"):
         to_generation_output(completion(ids, reason), CFG, 4, FinishReason.MAX_NEW_TOKENS, frozenset({EOS}))
+
+
+def test_an_abort_by_a_weight_update_keeps_the_partial_output_with_its_version():
+    out = to_generation_output(
+        completion((5, 6, 9), "abort"),
+        CFG,
+        4,
+        FinishReason.MAX_NEW_TOKENS,
+        frozenset({EOS}),
+        weight_version=3,
+        aborted_by_update=True,
+    )
+    assert out.finish_reason is FinishReason.ABORTED and not out.truncated
+    assert out.output_ids == (5, 6, 9) and out.logprobs == (-0.5, -1.5, -2.5)
+    assert out.weight_version == 3 and out.matched_stop is None
+
+
+@pytest.mark.parametrize(
+    ("ids", "reason", "stop"), [((5, 6, 9, 9), "length", None), ((5, EOS), "stop", None), ((5, 7), "stop", 7)]
+)
+def test_every_finished_output_carries_its_weight_version(ids, reason, stop):
+    out = to_generation_output(
+        completion(ids, reason, stop), CFG, 4, FinishReason.MAX_NEW_TOKENS, frozenset({EOS}), weight_version=2
+    )
+    assert out.weight_version == 2
+
+
+def span(version, start, end):
+    return SimpleNamespace(version=version, start=start, end=end)
+
+
+def test_the_weight_version_is_read_from_vllms_spans():
+    assert weight_version_of(SimpleNamespace(token_ids=[5, 6], weight_versions=[span("4", 0, 2)])) == 4
+    with pytest.raises(RuntimeError, match=r"weight versions \['1', '2'\] for 3 tokens"):
+        weight_version_of(SimpleNamespace(token_ids=[5, 6, 7], weight_versions=[span("1", 0, 1), span("2", 1, 3)]))
+    with pytest.raises(RuntimeError, match=r"weight versions \[\] for 2 tokens"):
+        weight_version_of(SimpleNamespace(token_ids=[5, 6], weight_versions=None))  # no label reported
 
 
 def test_a_length_stop_short_of_the_budget_is_an_error():

@@ -6,7 +6,7 @@ import abc
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -65,6 +65,7 @@ class FinishReason(str, enum.Enum):
     STOP_STRING = "stop_string"
     MAX_NEW_TOKENS = "max_new_tokens"
     MAX_MODEL_LEN = "max_model_len"
+    ABORTED = "aborted"
 
     @property
     def truncated(self) -> bool:
@@ -89,6 +90,8 @@ class GenerationOutput:
     """Why the generation ended."""
     matched_stop: str | int | None = None
     """The stop string or stop token id that ended it, if any."""
+    weight_version: int = 0
+    """The policy version every token of this output was generated under (an output never spans an update)."""
 
     @property
     def truncated(self) -> bool:
@@ -122,11 +125,26 @@ class GenerationInterface(abc.ABC):
         the next decode step), and one request's failure never fails the others it is batched with.
         """
 
+    @property
+    def weight_version(self) -> int:
+        """The policy version new generations run under: 0 at start, +1 on each successful `update_weights`.
+
+        Backends that load weights override this; one that never changes its weights stays at 0.
+        """
+        return 0
+
     @abc.abstractmethod
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: Literal["finish", "abort"] = "finish"
+    ) -> None:
         """Serve new weights (transformers parameter names, every weight of the model) from the next request on.
 
-        Raises ValueError naming the missing weights if `state_dict` lacks any, before loading anything.
+        Safe to call while generations are in flight; returns once the new weights serve. `in_flight`:
+        "finish" = requests in flight finish on the old weights before the update applies; "abort" = they
+        stop promptly with `FinishReason.ABORTED`, keeping the tokens and logprobs generated so far (old
+        version; the caller may continue from prompt + partial output), then the update applies. Requests
+        arriving during the update wait and run on the new weights. Raises ValueError naming the missing
+        weights if `state_dict` lacks any, before loading anything.
         """
 
     @abc.abstractmethod

@@ -15,12 +15,19 @@
   the stopping token(s) stay in `output_ids` (`include_stop_str_in_output=True`; stop strings are matched
   on text decoded with special tokens, as in the hf backend). `max_tokens = min(max_new_tokens,
   max_model_len - len(prompt))`, which tells `max_new_tokens` from `max_model_len` truncation.
-- **Weights.** `update_weights(state_dict)` pauses scheduling (in-flight requests finish on the old
-  weights), loads the trainer's tensors into every worker with `collective_rpc` + `model.load_weights`,
-  resets the prefix cache (cached KV blocks were computed with the old weights) and resumes. The tensors
-  travel as one `torch.save` buffer through vLLM's RPC (its encoder would turn bare tensors into lists):
-  simple and exact, fine for small and mid-size models; large models on GPUs want vLLM's NCCL/IPC weight
-  transfer instead.
+- **Weights.** `update_weights(state_dict, in_flight=...)` pauses scheduling with vLLM's
+  `pause_generation`: mode "wait" for `in_flight="finish"` (running requests finish on the old weights),
+  mode "abort" for `"abort"` (the engine aborts them; each caller gets its partial ids and logprobs as
+  `FinishReason.ABORTED`). Requests that arrive meanwhile queue in the engine. It then loads the trainer's
+  tensors into every worker with `collective_rpc` + vLLM's in-place reload, resets the prefix cache (cached
+  KV blocks were computed with the old weights), labels the engine with the new version and resumes.
+- **Versions.** The engine core stamps every step's tokens with its weight-version label (vLLM's
+  `weight_versions` spans on the final output); the label is set while generation is paused, so an
+  output's tokens carry exactly one version and `GenerationOutput.weight_version` is read from the spans.
+  A request the abort caught before it produced a token is resubmitted (it runs on the new weights).
+- **Transfer.** The tensors travel as one `torch.save` buffer through vLLM's RPC (its encoder would turn
+  bare tensors into lists): simple and exact, fine for small and mid-size models; large models on GPUs
+  want vLLM's NCCL/IPC weight transfer instead.
 
 vLLM starts its engine core in another process; on platforms where it spawns (CUDA already initialised,
 Ray, `VLLM_WORKER_MULTIPROC_METHOD=spawn`) the entry script needs an `if __name__ == "__main__":` guard.
@@ -36,7 +43,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -116,6 +123,12 @@ class VllmGeneration(GenerationInterface):
         self.engine_args = AsyncEngineArgs(**(args | dict(engine_kwargs or {})))
         self._closed = False
         self._engine = None
+        self._weight_version = 0
+        self._update_lock = threading.Lock()  # one update at a time, whichever thread calls
+        # engine loop only: request id -> whether an abort-mode update has hit it; the flag is set for the
+        # requests in flight when such an update starts and for those sent while it runs
+        self._in_flight: dict[str, bool] = {}
+        self._aborting = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
         self._thread.start()
@@ -139,8 +152,6 @@ class VllmGeneration(GenerationInterface):
         self._eos_ids = _eos_ids(self._engine)
         self._checkpoint_names = _checkpoint_names(Path(self.model_path))
         atexit.register(self.shutdown)  # an engine left running would keep its processes alive
-        self.num_weight_updates = 0
-        """Weight refreshes done so far."""
         logger.info(
             "vLLM engine for %s ready (max_model_len=%d, logprobs %s)",
             self.model_path,
@@ -158,6 +169,15 @@ class VllmGeneration(GenerationInterface):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def num_weight_updates(self) -> int:
+        """Weight refreshes done so far (the same number as `weight_version`)."""
+        return self._weight_version
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -180,11 +200,21 @@ class VllmGeneration(GenerationInterface):
         params = self.sampling_params(config, budget)
         future = asyncio.run_coroutine_threadsafe(self._generate(prompt, params), self._loop)
         try:
-            output = await asyncio.wrap_future(future)
+            output, aborted_by_update = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             future.cancel()  # aborts the vLLM request on the engine loop
             raise
-        return to_generation_output(output.outputs[0], config, budget, budget_reason, self._eos_ids)
+        completion = output.outputs[0]
+        return to_generation_output(
+            completion,
+            config,
+            budget,
+            budget_reason,
+            self._eos_ids,
+            # no tokens: an error below for every finish reason (token-less update aborts are resubmitted)
+            weight_version=weight_version_of(completion) if completion.token_ids else self._weight_version,
+            aborted_by_update=aborted_by_update,
+        )
 
     def sampling_params(self, config: GenerationConfig, max_tokens: int):
         """vLLM `SamplingParams` for one request of `config` with `max_tokens` to generate."""
@@ -205,17 +235,26 @@ class VllmGeneration(GenerationInterface):
             output_kind=self._final_only,
         )
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: Literal["finish", "abort"] = "finish"
+    ) -> None:
         """Load new weights (transformers names) into the running engine; the next generation uses them.
 
-        In-flight requests finish on the old weights first (scheduling pauses with mode "wait"); requests
-        that arrive meanwhile wait and run on the new weights. The prefix cache is reset.
+        `in_flight="finish"`: requests in flight finish on the old weights first (vLLM pauses with mode
+        "wait"); `"abort"`: the engine aborts them (mode "abort") and each returns its partial output as
+        `FinishReason.ABORTED` with the old version. Requests that arrive meanwhile wait in the engine and
+        run on the new weights. The prefix cache is reset; `weight_version` goes up by one on success.
         """
+        if in_flight not in ("finish", "abort"):
+            raise ValueError(f"in_flight must be 'finish' or 'abort', got {in_flight!r}")
         if self._closed:
             raise RuntimeError("VllmGeneration was shut down")
         check_state_dict(self._checkpoint_names, state_dict)  # first: a partial reload leaves stale layers
-        self._call(self._update_weights(pack_state_dict(state_dict)))
-        self.num_weight_updates += 1
+        payload = pack_state_dict(state_dict)
+        with self._update_lock:
+            version = self._weight_version + 1
+            self._call(self._update_weights(payload, "abort" if in_flight == "abort" else "wait", version))
+            self._weight_version = version
 
     def shutdown(self) -> None:
         if self._closed:
@@ -233,34 +272,56 @@ class VllmGeneration(GenerationInterface):
 
     async def _start_engine(self):
         # Created on the engine loop so vLLM's output-handler task runs there.
-        return self._AsyncLLM.from_engine_args(self.engine_args)
+        engine = self._AsyncLLM.from_engine_args(self.engine_args)
+        try:
+            await engine.update_weight_version(str(self._weight_version))  # the label of every step's tokens
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
 
     async def _install_logprob_hook(self) -> str:
         kinds = set(await self._engine.collective_rpc("nemo_rl_install_logprob_hook"))
         return kinds.pop() if len(kinds) == 1 else "mixed: " + ", ".join(sorted(kinds))
 
     async def _generate(self, prompt: list[int], params):
-        final = None
-        request_id = f"nemo-rl-{uuid.uuid4().hex}"
-        try:
-            async for output in self._engine.generate(
-                self._TokensPrompt(prompt_token_ids=prompt), params, request_id
-            ):
-                final = output
-        except asyncio.CancelledError:
-            await self._engine.abort(request_id)  # the caller went away: free the request's slot now
-            raise
-        if final is None:
-            raise RuntimeError(f"vLLM returned no output for request {request_id}")
-        return final
+        """The final `RequestOutput` and whether an abort-mode weight update ended it."""
+        while True:
+            final = None
+            request_id = f"nemo-rl-{uuid.uuid4().hex}"
+            self._in_flight[request_id] = self._aborting
+            try:
+                async for output in self._engine.generate(
+                    self._TokensPrompt(prompt_token_ids=prompt), params, request_id
+                ):
+                    final = output
+            except asyncio.CancelledError:
+                await self._engine.abort(request_id)  # the caller went away: free the request's slot now
+                raise
+            finally:
+                hit_by_update = self._in_flight.pop(request_id)
+            if final is None:
+                raise RuntimeError(f"vLLM returned no output for request {request_id}")
+            completion = final.outputs[0]
+            aborted_by_update = completion.finish_reason == "abort" and hit_by_update
+            if aborted_by_update and not completion.token_ids:
+                # Caught before its first token: nothing ran on the old weights; the engine queues the
+                # resubmitted request while paused and runs it on the new weights.
+                continue
+            return final, aborted_by_update
 
-    async def _update_weights(self, payload: bytes) -> None:
-        await self._engine.pause_generation(mode="wait", clear_cache=True)
+    async def _update_weights(self, payload: bytes, mode: str, version: int) -> None:
+        if mode == "abort":  # before the pause: the aborted requests' outputs arrive after it
+            self._aborting = True
+            self._in_flight.update(dict.fromkeys(self._in_flight, True))
         try:
+            await self._engine.pause_generation(mode=mode, clear_cache=True)
             await self._engine.collective_rpc("nemo_rl_load_weights", args=(payload,))
             if not await self._engine.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache after the weight update")
+            await self._engine.update_weight_version(str(version))
         finally:
+            self._aborting = False
             await self._engine.resume_generation()
 
     async def _shutdown_engine(self) -> None:
@@ -292,13 +353,22 @@ class VllmGeneration(GenerationInterface):
 
 
 def to_generation_output(
-    completion, config: GenerationConfig, budget: int, budget_reason: FinishReason, eos_ids: frozenset[int]
+    completion,
+    config: GenerationConfig,
+    budget: int,
+    budget_reason: FinishReason,
+    eos_ids: frozenset[int],
+    *,
+    weight_version: int = 0,
+    aborted_by_update: bool = False,
 ) -> GenerationOutput:
     """Our `GenerationOutput` from a vLLM `CompletionOutput` (token_ids, logprobs, finish/stop reason).
 
     vLLM says "length" for both limits; `budget` (the max_tokens we asked for) and `budget_reason` say
     which one it was. For "stop" the precedence is the hf backend's: a requested stop token, then EOS,
-    then a stop string (vLLM's stop_reason is the string, the stop token id, or None for EOS).
+    then a stop string (vLLM's stop_reason is the string, the stop token id, or None for EOS). "abort" is
+    `FinishReason.ABORTED` (partial output kept) when an abort-mode weight update ended the request, and
+    an error otherwise.
     """
     ids = tuple(int(t) for t in completion.token_ids)
     steps = completion.logprobs
@@ -306,18 +376,37 @@ def to_generation_output(
         raise RuntimeError(f"vLLM returned {len(steps or ())} logprob entries for {len(ids)} tokens")
     logprobs = tuple(float(step[tok].logprob) for step, tok in zip(steps, ids, strict=True))
     reason, stop = completion.finish_reason, completion.stop_reason
+    v = weight_version
+    if reason == "abort" and aborted_by_update:
+        return GenerationOutput(ids, logprobs, FinishReason.ABORTED, weight_version=v)
     if reason == "length":
         if len(ids) != budget:
             raise RuntimeError(f"vLLM stopped for length after {len(ids)} tokens; max_tokens was {budget}")
-        return GenerationOutput(ids, logprobs, budget_reason)
+        return GenerationOutput(ids, logprobs, budget_reason, weight_version=v)
     if reason != "stop" or not ids:
         raise RuntimeError(f"vLLM ended the request with finish_reason={reason!r} (stop_reason={stop!r})")
     last = ids[-1]
     if last in config.stop_token_ids:
-        return GenerationOutput(ids, logprobs, FinishReason.STOP_TOKEN, last)
+        return GenerationOutput(ids, logprobs, FinishReason.STOP_TOKEN, last, v)
     if last in eos_ids or not isinstance(stop, str):
-        return GenerationOutput(ids, logprobs, FinishReason.EOS, last)
-    return GenerationOutput(ids, logprobs, FinishReason.STOP_STRING, stop)
+        return GenerationOutput(ids, logprobs, FinishReason.EOS, last, v)
+    return GenerationOutput(ids, logprobs, FinishReason.STOP_STRING, stop, v)
+
+
+def weight_version_of(completion) -> int:
+    """The one weight version a finished vLLM `CompletionOutput`'s tokens were sampled under.
+
+    Read from vLLM's `weight_versions` spans (the engine labels each step with the version set during the
+    last update); raises if the tokens span several versions or carry no label.
+    """
+    spans = getattr(completion, "weight_versions", None)
+    versions = {span.version for span in spans or () if span.end > span.start}
+    if len(versions) != 1:
+        raise RuntimeError(
+            f"vLLM reported weight versions {sorted(versions)} for {len(completion.token_ids)} tokens "
+            f"(spans {spans!r}); an output must carry exactly one"
+        )
+    return int(versions.pop())
 
 
 def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
