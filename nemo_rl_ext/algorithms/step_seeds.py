@@ -12,7 +12,7 @@ stay unseeded.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -47,8 +47,17 @@ class SaltedGeneration(GenerationInterface):
             config = config.model_copy(update={"seed": mix_seed(config.seed, self.salt)})
         return await self.inner.generate_async(prompt_token_ids, config)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self.inner.update_weights(state_dict)
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: Literal["finish", "abort"] = "finish"
+    ) -> None:
+        if in_flight == "finish":  # the default: also reaches backends and test doubles that predate `in_flight`
+            self.inner.update_weights(state_dict)
+        else:
+            self.inner.update_weights(state_dict, in_flight=in_flight)
 
     def shutdown(self) -> None:
         self.inner.shutdown()

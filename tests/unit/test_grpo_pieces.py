@@ -196,8 +196,13 @@ class SeedEcho(GenerationInterface):
     async def generate_async(self, prompt_token_ids, config):
         return GenerationOutput((config.seed if config.seed is not None else -1,), (0.0,), FinishReason.EOS)
 
-    def update_weights(self, state_dict):
-        self.loaded = state_dict
+    def update_weights(self, state_dict, *, in_flight="finish"):
+        self.loaded, self.in_flight = state_dict, in_flight
+        self.version = getattr(self, "version", 0) + 1
+
+    @property
+    def weight_version(self):
+        return getattr(self, "version", 0)
 
     def shutdown(self):
         pass
@@ -218,7 +223,9 @@ def test_salted_generation_mixes_the_step_into_seeds():
     assert seed_of(None) == -1  # unseeded requests stay unseeded
     weights = {"w": torch.zeros(1)}
     gen.update_weights(weights)  # forwarded to the inner backend
-    assert gen.inner.loaded is weights
+    assert gen.inner.loaded is weights and gen.weight_version == 1
+    gen.update_weights(weights, in_flight="abort")  # the in-flight policy and the version come through too
+    assert gen.inner.in_flight == "abort" and gen.weight_version == 2
 
 
 # ---- metrics file ---------------------------------------------------------------------------------
