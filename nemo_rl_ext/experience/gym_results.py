@@ -43,8 +43,9 @@ def result_to_completion(
         has_ids = all(item.get(k) is not None for k in TOKEN_KEYS)
         if _is_generated(item):
             last_generated_has_ids = has_ids
-        if not has_ids:
+        else:  # what came in between calls (a tool output, a user message) names the ids in between
             previous_type = item.get("type", previous_type)
+        if not has_ids:
             continue
         prompt, generated = tuple(item["prompt_token_ids"]), tuple(item["generation_token_ids"])
         if (prompt, generated) == last_call:  # several items from the same model call
@@ -66,7 +67,6 @@ def result_to_completion(
         text = tokenizer.decode(generated, skip_special_tokens=True)
         messages.append(Message("assistant", text, generated, tuple(float(x) for x in item["generation_log_probs"])))
         seen = list(prompt) + list(generated)
-        previous_type = item.get("type")
 
     turns = sum(m.role == "assistant" for m in messages)
     failure = result.get("failure_kind")

@@ -227,13 +227,16 @@ def question_row(idx: int, question: str, agent: str = "agent_beta") -> DatumSpe
 
 
 async def test_real_gym_tool_call_only_turns_over_three_model_calls(gym_manager):
-    """Three calls that only call tools, then an answer. Gym sends each earlier call back as an assistant
-    message with content null (and its token ids); the later prompts render them through the chat template."""
+    """Three calls that only call tools, a call with text before its tool call, then an answer. Gym sends
+    each earlier call back as an assistant message (content null for the tool-only ones) with its token ids;
+    the later prompts render them through the chat template. Of the items of one call, only the last
+    carries the token ids."""
     manager, policy = gym_manager
-    cities = ["sf", "nyc", "la"]
+    cities = ["sf", "nyc", "la", "sf"]
+    texts = [*(tool_call(c) for c in cities[:3]), "Once more." + tool_call(cities[3]), "Cold in all.<|im_end|>"]
     policy.script = lambda prompt: (
-        [*(tool_call(c) for c in cities), "Cold in all three.<|im_end|>"]
-        if " sf" in prompt.split("<|im_start|>user", 1)[-1].split("<|im_end|>", 1)[0] else ["No idea.<|im_end|>"]
+        texts if " sf" in prompt.split("<|im_start|>user", 1)[-1].split("<|im_end|>", 1)[0]
+        else ["No idea.<|im_end|>"]
     )
     policy.calls.clear()
     datums = gym_rows()
@@ -244,12 +247,17 @@ async def test_real_gym_tool_call_only_turns_over_three_model_calls(gym_manager)
         for c in record.completions:
             assert c.stop_reason is StopReason.NATURAL, c.error
             if tool:
-                assert c.num_turns == 4
-                assert [m.role for m in c.message_log] == ["user"] + ["assistant", "tool"] * 3 + ["assistant"]
+                assert c.num_turns == 5
+                assert [m.role for m in c.message_log] == ["user"] + ["assistant", "tool"] * 4 + ["assistant"]
                 tools = [m.content for m in c.message_log if m.role == "tool"]
                 assert [f"The weather in {city} is cold" in t for t, city in zip(tools, cities, strict=True)] == [
-                    True, True, True]
-                assert c.message_log[-1].content == "Cold in all three."
+                    True] * 4
+                assert c.message_log[-1].content == "Cold in all."
+                output = c.env_extras["gym_result"]["response"]["output"]
+                assert [(item["type"], item.get("prompt_token_ids") is not None) for item in output] == [
+                    *[("function_call", True), ("function_call_output", False)] * 3,
+                    ("message", False), ("function_call", True), ("function_call_output", False),  # one call
+                    ("message", True)]
             else:
                 assert c.num_turns == 1
             assert c.reward == (1.0 if tool else 0.0)  # Gym's verifier: a get_weather call was made
@@ -257,6 +265,7 @@ async def test_real_gym_tool_call_only_turns_over_three_model_calls(gym_manager)
     assert max(len(prompt) for prompt, _ in policy.calls) < MAX_MODEL_LEN
 
 
+@pytest.mark.filterwarnings("ignore:num_generations_per_prompt has keys that match no row")
 async def test_real_gym_rows_over_the_context_length_end_truncated(gym_manager):
     """A prompt over max_model_len is refused with vLLM's wording; Gym ends the rollout (an empty assistant
     message without token ids, status incomplete) and scores it; we keep it as a truncated completion with
@@ -289,6 +298,7 @@ async def test_real_gym_rows_over_the_context_length_end_truncated(gym_manager):
     assert fitted < MAX_MODEL_LEN < fitted + 2 * city_len
 
 
+@pytest.mark.filterwarnings("ignore:num_generations_per_prompt has keys that match no row")
 async def test_real_gym_errors_keep_their_innermost_cause(gym_manager):
     """Our 400 (not a context-length one) makes Gym's /run answer 500 with the cause nested two servers
     deep; the error completion names the cause and keeps the whole body."""

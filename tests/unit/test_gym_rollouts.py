@@ -235,16 +235,34 @@ def test_a_call_refused_for_context_length_is_a_truncated_completion(tiny_model_
 
 def test_only_the_last_item_of_a_model_call_carries_token_ids(tiny_model_and_tokenizer):
     """Gym 0.7.0 puts the token bundle on the last output item of a model call only (a message followed by
-    its function_call: on the function_call); the message before it is part of the same generation."""
+    its function_call: on the function_call); the message before it is part of the same generation, and
+    the ids between two calls are the tool output's, whatever the next call's first item is."""
     _, tok = tiny_model_and_tokenizer
+
+    def said(text: str) -> dict:  # an assistant message of a call that also called a tool: no ids
+        return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+
+    def called(prompt: list[int], generated: list[int]) -> dict:
+        return {"type": "function_call", "name": "get_weather", "arguments": "{}", "call_id": "c",
+                "prompt_token_ids": prompt, "generation_token_ids": generated,
+                "generation_log_probs": [-0.5] * len(generated)}
+
+    tool_output = {"type": "function_call_output", "call_id": "c", "output": "cold"}
+    gen_3, tool_2, final = [51, 52], [61, 62], [71, 2]
+    second = PROMPT + GEN_1 + TOOL
+    third = second + gen_3 + tool_2
+    answer = {**said("42"), "prompt_token_ids": third, "generation_token_ids": final,
+              "generation_log_probs": [-0.1, -0.2]}
     result = gym_result(1.0)
-    output = result["response"]["output"]
-    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]}
-    result["response"]["output"] = [said, *output]  # call 1: message (no ids) + function_call (ids)
+    result["response"]["output"] = [
+        said("Let me check."), called(PROMPT, GEN_1), tool_output,  # call 1: message + function_call
+        said("Once more."), called(second, gen_3), tool_output,  # call 2: the same, after a tool output
+        answer,
+    ]
     c = result_to_completion(result, "a", tok)
-    assert [m.role for m in c.message_log] == ["user", "assistant", "tool", "assistant"]
-    assert [list(m.token_ids) for m in c.message_log] == [PROMPT, GEN_1, TOOL, GEN_2]
-    assert c.num_turns == 2 and c.stop_reason is StopReason.NATURAL and c.reward == 1.0
+    assert [m.role for m in c.message_log] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert [list(m.token_ids) for m in c.message_log] == [PROMPT, GEN_1, TOOL, gen_3, tool_2, final]
+    assert c.num_turns == 3 and c.stop_reason is StopReason.NATURAL and c.reward == 1.0
 
 
 async def test_failed_rows_are_retried(tiny_model_and_tokenizer, agents):
