@@ -36,11 +36,14 @@ class ObservationFormatter:
         prefix, suffix = after.split(_CONTENT_MARK, 1)
         return prefix, suffix
 
-    def render(self, role: str, content: str, assistant_ended_with_eos: bool) -> str:
-        """Text to append after an assistant turn: closes the turn if the model didn't, then the observation."""
+    def render(self, role: str, content: str | None, assistant_ended_with_eos: bool) -> str:
+        """Text to append after an assistant turn: closes the turn if the model didn't, then the observation.
+
+        None content is rendered as "" (as vLLM's OpenAI server does), never as the text "None".
+        """
         prefix, suffix = self._frame(role)
         close = "" if assistant_ended_with_eos else self.eos_text
-        return f"{close}{prefix}{content}{suffix}"
+        return f"{close}{prefix}{content or ''}{suffix}"
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of rendered text, with no special tokens added (template tokens are in the text)."""

@@ -10,23 +10,31 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl_ext.experience.records import DatumSpec, Message
 
 
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `message` whose missing or None `content` is "": vLLM's OpenAI server renders it so, and
+    templates that read `message['content']` (SmolLM2's) fail on None."""
+    return {**message, "content": message.get("content") or ""}
+
+
 def tokenize_prompt(
     tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[Message, ...]:
     """Render `messages` with the chat template (generation prompt at the end) into token-carrying Messages.
 
     Each message gets the ids of the text its turn adds to the rendered prompt (the template's own
     default system prompt, if any, goes with the first message; the generation prompt with the last).
+    `content: None` (an assistant turn with only tool calls) is rendered as "" (see `template_message`).
     """
     if not messages:
         raise ValueError("a prompt needs at least one message")
+    messages = [template_message(m) for m in messages]
     rendered = [""]
     for i in range(1, len(messages) + 1):
         rendered.append(
             tokenizer.apply_chat_template(
-                [dict(m) for m in messages[:i]],
+                messages[:i],
                 tools=list(tools) if tools else None,
                 add_generation_prompt=i == len(messages),
                 tokenize=False,

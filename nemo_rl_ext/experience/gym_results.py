@@ -11,6 +11,8 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl_ext.experience.records import Completion, Message, StopReason
 
 TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+GENERATED_TYPES = frozenset({"function_call", "reasoning"})
+"""Output item types a model call produces (besides assistant messages); tool outputs are not among them."""
 
 
 class GymResultError(ValueError):
@@ -22,18 +24,28 @@ def result_to_completion(
 ) -> Completion:
     """One Gym result -> one Completion.
 
-    Each generated output item carries the prompt ids of its model call and the ids it generated. The
-    first call's prompt becomes the prompt message; later calls' prompts must start with everything
-    seen so far, and the ids in between (tool results, user turns) become one message each.
+    Of the items one model call produced, the last carries the prompt ids of that call and the ids it
+    generated (Gym 0.7.0; earlier items of the call carry none). The first call's prompt becomes the
+    prompt message; later calls' prompts must start with everything seen so far, and the ids in between
+    (tool results, user turns) become one message each.
+
+    A model call the policy server refused for context length comes back from Gym as an empty assistant
+    message without token ids and the response `incomplete`: the rollout is a truncated completion (with
+    the calls before it, possibly none, and Gym's reward), not an error.
     """
     response = result.get("response") or {}
     messages: list[Message] = []
     seen: list[int] = []
     last_call: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     previous_type = None
+    last_generated_has_ids: bool | None = None  # None: no generated item at all
     for n, item in enumerate(response.get("output") or []):
-        if not all(item.get(k) is not None for k in TOKEN_KEYS):
+        has_ids = all(item.get(k) is not None for k in TOKEN_KEYS)
+        if _is_generated(item):
+            last_generated_has_ids = has_ids
+        else:  # what came in between calls (a tool output, a user message) names the ids in between
             previous_type = item.get("type", previous_type)
+        if not has_ids:
             continue
         prompt, generated = tuple(item["prompt_token_ids"]), tuple(item["generation_token_ids"])
         if (prompt, generated) == last_call:  # several items from the same model call
@@ -55,14 +67,14 @@ def result_to_completion(
         text = tokenizer.decode(generated, skip_special_tokens=True)
         messages.append(Message("assistant", text, generated, tuple(float(x) for x in item["generation_log_probs"])))
         seen = list(prompt) + list(generated)
-        previous_type = item.get("type")
 
     turns = sum(m.role == "assistant" for m in messages)
     failure = result.get("failure_kind")
     incomplete = response.get("status") == "incomplete" or bool(response.get("incomplete_details"))
+    refused_for_length = incomplete and last_generated_has_ids is False
     if failure:
         reason, error = StopReason.ERROR, f"{failure}: {result.get('failure_reason')}"[:500]
-    elif turns == 0:
+    elif turns == 0 and not refused_for_length:
         reason, error = StopReason.ERROR, "Gym result has no output item with token ids"
     else:
         reason, error = (StopReason.TRUNCATED if incomplete else StopReason.NATURAL), None
@@ -77,6 +89,12 @@ def result_to_completion(
         env_extras={"answer": _final_answer(last_text), "gym_result": dict(result)},
         error=error,
     )
+
+
+def _is_generated(item: Mapping[str, Any]) -> bool:
+    """True for an output item a model call produced: an assistant message, a function call, reasoning."""
+    kind = item.get("type")
+    return kind in GENERATED_TYPES or (kind == "message" and item.get("role", "assistant") == "assistant")
 
 
 def _final_answer(text: str | None) -> str | None:

@@ -33,7 +33,7 @@ from nemo_rl_ext.experience.native_rollouts import rollout_seed
 from nemo_rl_ext.experience.records import Completion, DatumSpec, PromptGroupRecord, StopReason
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
-from nemo_rl_ext.gym.client import GymClient, agent_name_of
+from nemo_rl_ext.gym.client import GymClient, GymRowError, agent_name_of
 from nemo_rl_ext.gym.config import GymConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
 
@@ -311,7 +311,8 @@ class AsyncNemoGymRolloutImpl:
         except Exception as exc:
             if self.fault_policy.on_error == "raise":
                 raise RolloutError(f"{label}: {describe(exc)}") from exc
-            error = Completion((), 0.0, False, StopReason.ERROR, 0, agent, {"answer": None}, describe(exc))
+            extras = {"answer": None, **({"gym_error": exc.record()} if isinstance(exc, GymRowError) else {})}
+            error = Completion((), 0.0, False, StopReason.ERROR, 0, agent, extras, describe(exc))
             return error, False
         result = {**{k: row[k] for k in ROW_KEYS if k in row}, **result}
         try:

@@ -10,8 +10,11 @@ not retried against it.
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import json
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +33,82 @@ class GymError(RuntimeError):
 
 
 class GymRowError(GymError):
-    """A row failed on every attempt."""
+    """A row failed on every attempt; the message ends with the innermost cause of the last failure.
+
+    `status_code` and `body` are those of the last HTTP answer (None / "" when no answer came: a timeout, a
+    refused connection); `cause` is the innermost error text found in the body (see `innermost_gym_error`)
+    or the transport error; `servers` are the Gym servers the error passed through, outermost first.
+    """
+
+    def __init__(
+        self, message: str, *, status_code: int | None = None, body: str = "", cause: str = "",
+        servers: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+        self.cause = cause
+        self.servers = servers
+
+    def record(self) -> dict[str, Any]:
+        """What a completion keeps of the error (its `env_extras["gym_error"]`): the whole body included."""
+        return {"status_code": self.status_code, "cause": self.cause, "servers": list(self.servers),
+                "body": self.body}
+
+
+_INNER_SERVER = re.compile(
+    r"Hit an exception (?:in (?P<server>\S+) )?calling an inner server: (?P<inner>b(?P<q>['\"]).*(?P=q))\s*$",
+    re.DOTALL,
+)
+MAX_ERROR_NESTING = 32
+"""Most layers `innermost_gym_error` unwraps (Gym nests one per server; a cycle cannot occur, but bound it)."""
+
+
+def innermost_gym_error(body: str) -> tuple[str, tuple[str, ...]]:
+    """(the innermost error text, the Gym servers it passed through, outermost first) of a Gym error body.
+
+    Each Gym server that gets an error from a server it calls answers 500 with a JSON string
+    `"Hit an exception in <server> calling an inner server: b'<the inner body>'"`, so the policy server's
+    own `{"error": {"message": ...}}` ends up several escaped layers down. This unwraps the JSON strings and
+    bytes literals and reads the message of an OpenAI/FastAPI error object (`error.message`, `detail`).
+    Text that is none of these is returned as it is.
+    """
+    text, servers = body.strip(), []
+    for _ in range(MAX_ERROR_NESTING):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if isinstance(value, dict):
+            value = _error_message(value)
+        if not isinstance(value, str):
+            return text, tuple(servers)
+        match = _INNER_SERVER.match(value.strip())
+        if match is None:
+            return value.strip(), tuple(servers)
+        if match["server"]:
+            servers.append(match["server"])
+        try:
+            inner = ast.literal_eval(match["inner"])
+        except (ValueError, SyntaxError):
+            return value.strip(), tuple(servers)
+        text = (inner.decode("utf-8", errors="replace") if isinstance(inner, bytes) else str(inner)).strip()
+    return text, tuple(servers)
+
+
+def _error_message(value: Mapping[str, Any]) -> Any:
+    """The message of an error object: `{"error": {"message": m}}`, `{"error": m}`, `{"message": m}`,
+    `{"detail": d}` (FastAPI; a list of validation errors becomes JSON text); else the object itself."""
+    error = value.get("error")
+    if isinstance(error, Mapping) and isinstance(error.get("message"), str):
+        return error["message"]
+    for key in ("error", "message"):
+        if isinstance(value.get(key), str):
+            return value[key]
+    if "detail" in value:
+        detail = value["detail"]
+        return detail if isinstance(detail, str) else json.dumps(detail)
+    return value
 
 
 class GymServerDownError(GymError):
@@ -52,6 +130,15 @@ def agent_name_of(row: Mapping[str, Any]) -> str:
     if not isinstance(ref, Mapping) or not isinstance(ref.get("name"), str):
         raise ValueError(f"row has no agent_ref.name (agent_ref={ref!r})")
     return ref["name"]
+
+
+def _summary(failure: Mapping[str, Any], limit: int = 400) -> str:
+    """One readable line of a failed attempt: status, innermost cause, the servers it passed through."""
+    cause = failure.get("cause", "")
+    cause = cause if len(cause) <= limit else f"{cause[:limit]}... ({len(cause)} characters)"
+    status = f"HTTP {failure['status_code']}: " if failure.get("status_code") is not None else ""
+    servers = failure.get("servers") or ()
+    return status + cause + (f" (via {' -> '.join(servers)})" if servers else "")
 
 
 class GymClient:
@@ -173,7 +260,7 @@ class GymClient:
 
     async def _attempts(self, row: Mapping[str, Any], agent: str, url: str, label: str) -> dict[str, Any]:
         delay = self.retry_backoff_s
-        last: str = ""
+        last: dict[str, Any] = {}
         for attempt in range(1, self.max_attempts + 1):
             await self._down(agent, label)
             async with self._semaphore:
@@ -181,20 +268,24 @@ class GymClient:
                 try:
                     response = await self._post(url, row, agent, label)
                 except (httpx.HTTPError, TimeoutError) as exc:
-                    last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                    cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                    last = {"cause": cause}
                 else:
                     if response.status_code == 200:
                         return response.json()
-                    last = f"HTTP {response.status_code}: {response.text[:300]}"
+                    cause, servers = innermost_gym_error(response.text)
+                    last = {"status_code": response.status_code, "body": response.text, "cause": cause,
+                            "servers": servers}
                     if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
                         break  # the row itself is bad; retrying won't help
             if attempt < self.max_attempts:
-                logger.warning("%s -> %s failed (%s); attempt %d/%d in %.1fs", label, url, last, attempt + 1,
-                               self.max_attempts, delay)
+                logger.warning("%s -> %s failed (%s); attempt %d/%d in %.1fs", label, url, _summary(last),
+                               attempt + 1, self.max_attempts, delay)
                 await asyncio.sleep(delay)
                 delay *= 2
         await self._down(agent, label)  # say which server is down rather than the last symptom
-        raise GymRowError(f"{label} (agent {agent!r}) failed at {url} after {attempt} attempt(s): {last}")
+        raise GymRowError(f"{label} (agent {agent!r}): {_summary(last)} (at {url}, after {attempt} attempt(s))",
+                          **last)
 
     async def aggregate_metrics(self, agent: str, results: list[Mapping[str, Any]]) -> dict[str, Any]:
         """Gym's own aggregate of an agent's results (`POST /aggregate_metrics`)."""

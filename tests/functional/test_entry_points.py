@@ -307,7 +307,7 @@ def test_policy_server_cli(backend, tiny_model_dir, tiny_model_and_tokenizer):
     model, tokenizer = tiny_model_and_tokenizer
     cmd = [sys.executable, "-m", "nemo_rl_ext.models.generation.policy_server", "--model", str(tiny_model_dir),
            "--backend", backend, "--port", "0", "--dtype", "float32", "--max-model-len", "256",
-           "--served-model-name", "tiny", "--log-level", "info"]
+           "--served-model-name", "tiny", "--log-level", "info", "--max-tokens", "4"]
     if backend == "vllm":
         cmd.append("--enforce-eager")
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -341,6 +341,8 @@ def test_policy_server_cli(backend, tiny_model_dir, tiny_model_and_tokenizer):
         content = reply.choices[0].logprobs.content
         ids = [int(item.token.removeprefix("token_id:")) for item in content]
         assert ids and not_greedy(model, prompt, ids) == []
+        capped = client.chat.completions.create(model="tiny", messages=messages, temperature=0.0)  # no max_tokens
+        assert (capped.usage.completion_tokens, capped.choices[0].finish_reason) == (4, "length")  # --max-tokens
         torch.testing.assert_close(
             torch.tensor([item.logprob for item in content]), forward_logprobs(model, prompt, tuple(ids), 0.0),
             atol=LOGPROB_ATOL, rtol=0,

@@ -6,19 +6,28 @@ import asyncio
 import json
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError
 from nemo_rl_ext.experience.gym_results import GymResultError, result_to_completion
 from nemo_rl_ext.experience.records import DatumSpec, StopReason
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
-from nemo_rl_ext.gym.client import GymClient, GymError, agent_urls_from_server_instances
+from nemo_rl_ext.gym.client import (
+    GymClient,
+    GymError,
+    agent_urls_from_server_instances,
+    innermost_gym_error,
+)
 from nemo_rl_ext.models.generation import GenerationConfig, GenerationInterface
 from nemo_rl_ext.serving import ThreadedServer
 
+NESTED_ERROR_BODY = (Path(__file__).parent.parent / "data" / "gym" / "nested-error-body.txt").read_text()
+"""A 500 body of Gym 0.7.0's /run, captured in tests/functional/test_real_gym_rollouts.py."""
+NESTED_CAUSE = "the backend refused the request: token id 123456 is outside the vocabulary (scripted)"
 PROMPT = [1, 5, 9, 14]
 GEN_1, TOOL, GEN_2 = [21, 22, 23], [31, 32], [41, 42, 2]
 
@@ -73,6 +82,8 @@ class FakeAgents:
                 return JSONResponse("Hit an exception calling an inner server", status_code=500)
             if text == "hang":
                 await asyncio.sleep(30)
+            if text == "nested":  # a real /run body: our policy server's 400, nested by three Gym servers
+                return Response(NESTED_ERROR_BODY, status_code=500, media_type="application/json")
             if text == "badprefix":
                 return gym_result(1.0, second_prompt=[7, 7] + GEN_1)
             return gym_result(1.0 if agent == "agent_alpha" else 0.5)
@@ -189,9 +200,69 @@ def test_result_conversion_edge_cases(tiny_model_and_tokenizer):
     failed = result_to_completion({**gym_result(1.0), "failure_kind": "model_error", "failure_reason": "boom"},
                                   "a", tok)
     assert failed.stop_reason is StopReason.ERROR and failed.error == "model_error: boom" and failed.reward == 0
-    empty = {"response": {"status": "incomplete", "output": [{"type": "message", "content": []}]}, "reward": 0}
-    no_ids = result_to_completion(empty, "a", tok)
+    # a model server that does not return token ids (return_token_id_information off): nothing to train on
+    text = [{"type": "output_text", "text": "42"}]
+    no_ids = {"response": {"status": "completed", "output": [{"type": "message", "role": "assistant",
+                                                              "content": text}]}, "reward": 1.0}
+    no_ids = result_to_completion(no_ids, "a", tok)
     assert no_ids.stop_reason is StopReason.ERROR and "no output item with token ids" in no_ids.error
+
+
+def refused_call(reward: float, earlier_output: list) -> dict:
+    """A Gym result whose last model call our server refused for context length: Gym put an empty assistant
+    message without token ids after the earlier items, ended the rollout incomplete, and scored it."""
+    empty = {"type": "message", "role": "assistant", "status": "completed", "id": "msg_1",
+             "content": [{"type": "output_text", "text": "", "annotations": []}]}
+    return {"response": {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+                         "output": [*earlier_output, empty]},
+            "reward": reward, "failure_kind": None, "failure_reason": None}
+
+
+def test_a_call_refused_for_context_length_is_a_truncated_completion(tiny_model_and_tokenizer):
+    _, tok = tiny_model_and_tokenizer
+    # refused at the first call: nothing was generated, Gym's reward (0 here) is kept
+    first = result_to_completion(refused_call(0.0, []), "a", tok)
+    assert (first.stop_reason, first.truncated, first.error, first.num_turns) == (StopReason.TRUNCATED, True, None, 0)
+    assert first.message_log == () and first.reward == 0.0
+    # refused at the second call, after a tool call that Gym's verifier rewards: the reward is Gym's
+    before = gym_result(1.0)["response"]["output"][:2]  # function_call (with ids), function_call_output
+    second = result_to_completion(refused_call(1.0, before), "a", tok)
+    assert (second.stop_reason, second.truncated, second.error, second.num_turns) == (
+        StopReason.TRUNCATED, True, None, 1)
+    assert [list(m.token_ids) for m in second.message_log] == [PROMPT, GEN_1]
+    assert second.reward == 1.0
+
+
+def test_only_the_last_item_of_a_model_call_carries_token_ids(tiny_model_and_tokenizer):
+    """Gym 0.7.0 puts the token bundle on the last output item of a model call only (a message followed by
+    its function_call: on the function_call); the message before it is part of the same generation, and
+    the ids between two calls are the tool output's, whatever the next call's first item is."""
+    _, tok = tiny_model_and_tokenizer
+
+    def said(text: str) -> dict:  # an assistant message of a call that also called a tool: no ids
+        return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+
+    def called(prompt: list[int], generated: list[int]) -> dict:
+        return {"type": "function_call", "name": "get_weather", "arguments": "{}", "call_id": "c",
+                "prompt_token_ids": prompt, "generation_token_ids": generated,
+                "generation_log_probs": [-0.5] * len(generated)}
+
+    tool_output = {"type": "function_call_output", "call_id": "c", "output": "cold"}
+    gen_3, tool_2, final = [51, 52], [61, 62], [71, 2]
+    second = PROMPT + GEN_1 + TOOL
+    third = second + gen_3 + tool_2
+    answer = {**said("42"), "prompt_token_ids": third, "generation_token_ids": final,
+              "generation_log_probs": [-0.1, -0.2]}
+    result = gym_result(1.0)
+    result["response"]["output"] = [
+        said("Let me check."), called(PROMPT, GEN_1), tool_output,  # call 1: message + function_call
+        said("Once more."), called(second, gen_3), tool_output,  # call 2: the same, after a tool output
+        answer,
+    ]
+    c = result_to_completion(result, "a", tok)
+    assert [m.role for m in c.message_log] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert [list(m.token_ids) for m in c.message_log] == [PROMPT, GEN_1, TOOL, gen_3, tool_2, final]
+    assert c.num_turns == 3 and c.stop_reason is StopReason.NATURAL and c.reward == 1.0
 
 
 async def test_failed_rows_are_retried(tiny_model_and_tokenizer, agents):
@@ -207,6 +278,36 @@ async def test_failed_rows_are_retried(tiny_model_and_tokenizer, agents):
     assert "row 1, sample 0" in c.error and "after 2 attempt(s)" in c.error and "HTTP 500" in c.error
     assert f"{agents.url}/agent_alpha/run" in c.error
     assert record.rollout_metrics["rollout/errors"] == 1.0
+
+
+def test_the_innermost_cause_of_a_nested_gym_error():
+    assert NESTED_CAUSE not in NESTED_ERROR_BODY[:300]  # what the error kept before: no cause in sight
+    cause, servers = innermost_gym_error(NESTED_ERROR_BODY)
+    assert cause == NESTED_CAUSE
+    assert servers == ("SimpleAgent___agent_beta", "SimpleAgent___agent_beta", "VLLMModel___policy_model")
+    assert innermost_gym_error('{"detail": "Not Found"}') == ("Not Found", ())
+    assert innermost_gym_error('{"detail": [{"loc": ["body"], "msg": "Field required"}]}')[0] == (
+        '[{"loc": ["body"], "msg": "Field required"}]')
+    assert innermost_gym_error("<html>bad gateway</html>") == ("<html>bad gateway</html>", ())
+    assert innermost_gym_error('"RuntimeError(\'boom\')"') == ("RuntimeError('boom')", ())
+    # a bytes literal that does not parse: the text of the last layer that could be read
+    broken = "Hit an exception in SimpleAgent___a calling an inner server: b'\\xZZ'"
+    assert innermost_gym_error(json.dumps(broken)) == (broken, ("SimpleAgent___a",))
+    cut = "Hit an exception in SimpleAgent___a calling an inner server: b'{\"error"  # cut off: no closing quote
+    assert innermost_gym_error(json.dumps(cut)) == (cut, ())
+    assert innermost_gym_error("") == ("", ())
+
+
+async def test_a_nested_gym_error_names_its_cause_and_keeps_the_body(tiny_model_and_tokenizer, agents):
+    _, tok = tiny_model_and_tokenizer
+    record = await gym_manager(tok, agents, 1, max_attempts=2).run_rollout(gym_datum(3, "agent_beta", "nested"))
+    c = record.completions[0]
+    assert c.stop_reason is StopReason.ERROR
+    assert c.error.startswith(f"GymRowError: row 3, sample 0 (agent 'agent_beta'): HTTP 500: {NESTED_CAUSE} (via "
+                              "SimpleAgent___agent_beta -> SimpleAgent___agent_beta -> VLLMModel___policy_model)")
+    assert c.env_extras["gym_error"] == {
+        "status_code": 500, "cause": NESTED_CAUSE, "body": NESTED_ERROR_BODY,
+        "servers": ["SimpleAgent___agent_beta", "SimpleAgent___agent_beta", "VLLMModel___policy_model"]}
 
 
 async def test_row_timeout_gives_an_error_completion(tiny_model_and_tokenizer, agents):

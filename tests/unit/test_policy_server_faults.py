@@ -20,7 +20,12 @@ import openai
 import pytest
 
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
-from nemo_rl_ext.models.generation.policy_server import PolicyServer, build_parser
+from nemo_rl_ext.models.generation.policy_server import (
+    DEFAULT_MAX_TOKENS,
+    PolicyServer,
+    build_parser,
+    generation_defaults,
+)
 
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
 CHAT = "/v1/chat/completions"
@@ -322,3 +327,20 @@ def test_the_cli_reads_the_key_from_the_environment_in_process_servers_do_not(se
     server = serve()
     dummy = {"Authorization": "Bearer dummy"}
     assert post(server, CHAT, {"messages": QUESTION, "max_tokens": 2}, headers=dummy).status_code == 200
+
+
+def test_the_cli_caps_requests_that_set_no_max_tokens(serve) -> None:
+    """`--max-tokens` (default 256, like vLLM's `--override-generation-config max_tokens`) is what a request
+    without max_tokens may generate; without a cap one request generates until the context is full."""
+    assert build_parser().parse_args(["--model", "tiny"]).max_tokens == DEFAULT_MAX_TOKENS == 256
+    assert generation_defaults(0) is None  # --max-tokens 0: up to the context length, vLLM's own default
+    for bad in ("-1", "lots"):
+        with pytest.raises(SystemExit) as exited:
+            build_parser().parse_args(["--model", "tiny", "--max-tokens", bad])
+        assert exited.value.code == 2
+    args = build_parser().parse_args(["--model", "tiny", "--max-tokens", "3"])
+    server = serve(default_config=generation_defaults(args.max_tokens))
+    uncapped = post(server, CHAT, {"messages": QUESTION, "temperature": 0}).json()
+    assert (uncapped["usage"]["completion_tokens"], uncapped["choices"][0]["finish_reason"]) == (3, "length")
+    own = post(server, CHAT, {"messages": QUESTION, "temperature": 0, "max_tokens": 6}).json()
+    assert (own["usage"]["completion_tokens"], own["choices"][0]["finish_reason"]) == (6, "length")

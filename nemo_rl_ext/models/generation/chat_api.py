@@ -212,13 +212,15 @@ class ChatMessage(_Lenient):
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: string content, tool-call arguments as objects.
 
-        `developer` becomes `system` (OpenAI's meaning; most templates know only `system`). Token fields
-        are dropped; other extra keys (e.g. `reasoning_content`) pass through, as vLLM passes them.
+        `developer` becomes `system` (OpenAI's meaning; most templates know only `system`). `content: null`
+        (a tool-call-only assistant turn, or the empty turn Gym puts after a call refused for context
+        length) becomes "", as vLLM's OpenAI server renders it: templates that read `message['content']`
+        (SmolLM2's) fail on None. Token fields are dropped; other extra keys (e.g. `reasoning_content`)
+        pass through, as vLLM passes them.
         """
         extras = {k: v for k, v in (self.model_extra or {}).items() if k not in TOKEN_FIELDS}
         out: dict[str, Any] = {**extras, "role": "system" if self.role == "developer" else self.role}
-        text = self.text()
-        out["content"] = text if text is not None or self.role == "assistant" else ""
+        out["content"] = self.text() or ""
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:

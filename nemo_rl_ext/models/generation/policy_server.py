@@ -14,7 +14,8 @@ Endpoints, shaped like vLLM's OpenAI server as NeMo-RL extends it:
 Requests are served concurrently (each awaits `generate_async`), so a batching backend batches them.
 Refused requests get a 400 whose message names the field and value; unexpected failures a 500 with the
 message. In process: `with PolicyServer(generation, tokenizer) as srv: OpenAI(base_url=srv.base_url)`.
-From the shell: `python -m nemo_rl_ext.models.generation.policy_server --model tiny --port 8000`.
+From the shell: `python -m nemo_rl_ext.models.generation.policy_server --model tiny --port 8000`
+(`--max-tokens N`, default 256: what a request without max_tokens may generate).
 
 One request never harms another: sampling fields are bounded before anything is batched; parsing,
 chat-template rendering and tokenization run in worker threads, never on the event loop; bodies over
@@ -75,6 +76,8 @@ MIN_LOGPROB = -9999.0
 """Stand-in for a -inf logprob (JSON has no infinity); vLLM uses the same value."""
 API_KEY_ENV = "NEMO_RL_EXT_API_KEY"
 """Environment variable the CLI reads its `--api-key` default from (in-process servers never read it)."""
+DEFAULT_MAX_TOKENS = GenerationConfig().max_new_tokens
+"""The CLI's `--max-tokens` default: a request without max_tokens must not generate until the context is full."""
 
 
 class PolicyService:
@@ -432,6 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
     parser.add_argument(
+        "--max-tokens",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_TOKENS,
+        help="most tokens generated for a request that sets no max_tokens / max_completion_tokens (like "
+        "vLLM's --override-generation-config max_tokens); 0: up to the context length, as vLLM without it",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
         help=f"require 'Authorization: Bearer <key>' on every route but /health (default: ${API_KEY_ENV})",
@@ -449,6 +459,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="info")
     return parser
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def generation_defaults(max_tokens: int) -> GenerationConfig | None:
+    """The server's defaults for fields a request leaves out: `max_tokens` new tokens (0: None, i.e. a
+    request without max_tokens generates up to the context length, vLLM's default)."""
+    return GenerationConfig(max_new_tokens=max_tokens) if max_tokens else None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -476,6 +502,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         generation,
         generation.tokenizer,
         served_model_name=name,
+        default_config=generation_defaults(args.max_tokens),
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
@@ -483,9 +510,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]
     logger.info(
-        "policy server for %s (max_model_len=%d) listening on http://%s:%d/v1 (%s)",
+        "policy server for %s (max_model_len=%d, max_tokens=%s) listening on http://%s:%d/v1 (%s)",
         path,
         generation.max_model_len,
+        args.max_tokens or "up to the context length",
         url_host(args.host),
         port,
         "API key required" if args.api_key else "no API key",
