@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from omegaconf import OmegaConf
 
-from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.config import ConfigError, config_changes
 from nemo_rl_ext.experience.records import Completion, PromptGroupRecord
 
 RESUME_MAY_CHANGE = frozenset(
@@ -306,27 +306,15 @@ def check_dataset(fingerprint: Path, dataset_path: str, digests: Sequence[str], 
     os.replace(tmp, fingerprint)
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, Mapping):
-        out: dict[str, Any] = {}
-        for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: data}
-
-
 def check_resumable(saved_config: Path, current: Mapping[str, Any]) -> None:
     """Raise ConfigError when the config saved by an earlier run differs from `current` in a key that
     changes completions (anything outside RESUME_MAY_CHANGE)."""
     if not saved_config.exists():
         return
     saved = OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True)
-    old, new = _flatten(saved), _flatten(current)
-    changed = sorted(
-        k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUME_MAY_CHANGE
-    )
+    changed = config_changes(saved, current, RESUME_MAY_CHANGE)
     if changed:
-        listed = "\n  ".join(f"- {k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        listed = "\n  ".join(f"- {line}" for line in changed)
         raise ConfigError(
             f"{saved_config.parent} holds completions of a different config; resuming would mix them. "
             f"Changed keys:\n  {listed}\nUse another eval.save_path, or restore these values."
