@@ -112,6 +112,7 @@ class HfGeneration(GenerationInterface):
         self._updates: collections.deque[_Update] = collections.deque()
         self._closed = False
         self._weight_version = 0
+        self._held: list[tuple[Request, GenerationOutput | BaseException]] = []
         self.num_forward_passes = 0
         """Model forward passes run so far (prefill and decode steps): a measure of batching."""
         self.num_decode_steps = 0
@@ -225,6 +226,7 @@ class HfGeneration(GenerationInterface):
             self._closed = True
             pending, self._pending = list(self._pending), collections.deque()
             updates, self._updates = list(self._updates), collections.deque()
+        self._release_held()
         for request in pending + ([row.request for row in batch.rows] if batch else []):
             _deliver(request, error)
         for update in updates:
@@ -243,6 +245,7 @@ class HfGeneration(GenerationInterface):
                         self.num_aborted += 1
                 batch = self._settle(batch)
             if batch is None:
+                self._release_held()
                 self._apply(update)
                 return None
         elif batch is None or self.scheduler == "continuous":
@@ -256,15 +259,17 @@ class HfGeneration(GenerationInterface):
                     logger.exception("prefilling %d requests failed", len(admitted))
                     for request in admitted:
                         _deliver(request, exc)
-        if batch is None:
-            return None
-        try:
-            return self._decode(batch)
-        except Exception as exc:  # the whole step failed: every running row's caller hears why
-            logger.exception("a decode step over %d rows failed", len(batch.rows))
-            for row in batch.rows:
-                _deliver(row.request, exc)
-            return None
+        if batch is not None:
+            try:
+                batch = self._decode(batch)
+            except Exception as exc:  # the whole step failed: every running row's caller hears why
+                logger.exception("a decode step over %d rows failed", len(batch.rows))
+                for row in batch.rows:
+                    _deliver(row.request, exc)
+                batch = None
+        if batch is None and self._held:
+            self._release_held()
+        return batch
 
     def _apply(self, update: _Update) -> None:
         try:
@@ -369,11 +374,24 @@ class HfGeneration(GenerationInterface):
         return batch if batch.rows else None
 
     def _finish(self, row: Row) -> None:
-        """Hand a done row's result to its caller (a cancelled row is only counted)."""
+        """Hand a done row's result to its caller (a cancelled row is only counted); the static scheduler
+        holds it until its whole batch has finished, as a padded `generate` call does."""
         if row.request.cancelled:
             self.num_cancelled += 1
+        elif self.scheduler == "static":
+            self._held.append((row.request, row.output()))
         else:
-            _deliver(row.request, row.output())
+            self._hand_over(row.request, row.output())
+
+    def _release_held(self) -> None:
+        """Static scheduler: the batch has ended; hand over every result it held."""
+        held, self._held = self._held, []
+        for request, result in held:
+            self._hand_over(request, result)
+
+    def _hand_over(self, request: Request, result: GenerationOutput | BaseException) -> None:
+        """Resolve a request's future on its caller's loop (the moment its caller hears the result)."""
+        _deliver(request, result)
 
     def _select(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row; a row that cannot be sampled gets an error and the others draw as without it.

@@ -108,14 +108,16 @@ class KvBatch:
         """Keep only the rows at `positions` (their order), then trim columns no remaining row attends to."""
         if len(positions) == len(self.rows):
             return
-        index = torch.tensor(positions, device=self.tokens.device)
+        if not positions:  # the batch is over: the caller drops it
+            self.rows = []
+            return
+        index = torch.tensor(positions, dtype=torch.long, device=self.tokens.device)
         self.rows = [self.rows[p] for p in positions]
         self.cache.batch_select_indices(index)
         self.attention_mask = self.attention_mask[index]
         self.position_ids = self.position_ids[index]
         self.tokens = self.tokens[index]
-        if self.rows:
-            self._trim()
+        self._trim()
 
     def _trim(self) -> None:
         # the number of leading columns that every row masks: a cumulative max over columns
