@@ -12,13 +12,18 @@ stay unseeded.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
+from nemo_rl_ext.models.generation.interfaces import (
+    GenerationConfig,
+    GenerationInterface,
+    GenerationOutput,
+    InFlightPolicy,
+)
 
 
 def mix_seed(seed: int, salt: Sequence[int]) -> int:
@@ -47,17 +52,15 @@ class SaltedGeneration(GenerationInterface):
             config = config.model_copy(update={"seed": mix_seed(config.seed, self.salt)})
         return await self.inner.generate_async(prompt_token_ids, config)
 
-    @property
-    def weight_version(self) -> int:
-        return self.inner.weight_version
-
-    def update_weights(
-        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: Literal["finish", "abort"] = "finish"
-    ) -> None:
-        if in_flight == "finish":  # the default: also reaches backends and test doubles that predate `in_flight`
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+        if in_flight == "finish":  # the default: backends written before the in_flight policy take it too
             self.inner.update_weights(state_dict)
         else:
             self.inner.update_weights(state_dict, in_flight=in_flight)
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
 
     def shutdown(self) -> None:
         self.inner.shutdown()

@@ -21,7 +21,33 @@ from nemo_rl_ext.experience.generation_counts import GenerationCounts
 from nemo_rl_ext.experience.records import Completion, DatumSpec, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
+from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig, GenerationInterface
+
+_MAX_EMPTY_ABORTS = 8
+"""Consecutive aborted pieces without a token after which a turn gives up (updates that never let it run)."""
+
+
+@dataclass(frozen=True)
+class TurnOutput:
+    """One model turn's output: the engine's output, or the pieces of one cut by weight updates, joined."""
+
+    output_ids: tuple[int, ...]
+    """Every generated id, over all pieces."""
+    logprobs: tuple[float, ...]
+    """The logprob of each id, under the weights it was generated with."""
+    versions: tuple[int, ...]
+    """The weight version each id was generated under."""
+    finish_reason: FinishReason
+    """Why the last piece ended (never ABORTED unless the budget ran out with it)."""
+    matched_stop: str | int | None = None
+    """The stop string or id that ended the last piece, if any."""
+    aborted: int = 0
+    """How many pieces a weight update aborted (each continued from prompt + the ids so far)."""
+
+    @property
+    def truncated(self) -> bool:
+        """True when a length limit ended the turn."""
+        return self.finish_reason.truncated
 
 
 def rollout_seed(base: int | None, prompt_idx: int, sample_idx: int, turn: int) -> int | None:
@@ -171,13 +197,15 @@ class AsyncRolloutImpl:
 
     async def _generate_response(
         self, message_log: Sequence[Message], stop_strings: Sequence[str] | None
-    ) -> tuple[Message, GenerationOutput, dict[str, float]]:
-        """One model turn after `message_log`: (the assistant message, the engine's output, the turn's metrics).
+    ) -> tuple[Message, TurnOutput, dict[str, float]]:
+        """One model turn after `message_log`: (the assistant message, the turn's output, the turn's metrics).
 
         The prompt is the log's token ids as they are (never re-tokenized); `max_new_tokens` is capped by
         the room left under `max_seq_len`; `stop_strings` (None: the generation config's) end the turn.
-        Inside a rollout the request's seed is distinct per (prompt, sample, turn). NeMo-RL returns (message
-        dict, input lengths, metrics); ours gives our `Message` and the `GenerationOutput` (finish reason).
+        Inside a rollout the request's seed is distinct per (prompt, sample, turn). A generation that a weight
+        update aborts is continued on the new weights (`_generate_continuing`): the message holds every piece,
+        with the weight version of each id. NeMo-RL returns (message dict, input lengths, metrics); ours gives
+        our `Message` and the `TurnOutput` (finish reason, versions).
         """
         prompt = [t for m in message_log for t in m.token_ids]
         room = self.max_seq_len - len(prompt)
@@ -196,15 +224,43 @@ class AsyncRolloutImpl:
             update["stop_strings"] = tuple(stop_strings)
         config = self.generation_config.model_copy(update=update)
         start = time.perf_counter()
-        output = await self.fault_policy.call_generation(
-            lambda: self.policy_generation.generate_async(prompt, config), what
-        )
+        output = await self._generate_continuing(prompt, config, what)
         elapsed = time.perf_counter() - start
         text = self.tokenizer.decode(output.output_ids, skip_special_tokens=True)
-        message = Message("assistant", text, tuple(output.output_ids), tuple(output.logprobs))
+        message = Message("assistant", text, tuple(output.output_ids), tuple(output.logprobs), output.versions)
         metrics = {"generation_time_s": elapsed, "input_tokens": float(len(prompt)),
-                   "output_tokens": float(len(output.output_ids))}
+                   "output_tokens": float(len(output.output_ids)), "aborted_pieces": float(output.aborted)}
         return message, output, metrics
+
+    async def _generate_continuing(self, prompt: list[int], config: GenerationConfig, what: str) -> TurnOutput:
+        """Generate, and continue a generation that a weight update aborted: the request is re-issued with
+        prompt + the ids so far and the remaining budget (its seed moved on by the ids so far), until it
+        ends for another reason or the budget is spent; the pieces join into one output."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        aborted = empty = 0
+        while True:
+            piece_config = config
+            if ids:
+                update: dict[str, Any] = {"max_new_tokens": config.max_new_tokens - len(ids)}
+                if config.seed is not None:
+                    update["seed"] = (config.seed * 1_000_003 + len(ids)) % (2**31 - 1)
+                piece_config = config.model_copy(update=update)
+            context = prompt + ids
+            out = await self.fault_policy.call_generation(
+                lambda c=context, cfg=piece_config: self.policy_generation.generate_async(c, cfg), what
+            )
+            ids.extend(out.output_ids)
+            logprobs.extend(out.logprobs)
+            versions.extend([out.weight_version] * len(out.output_ids))
+            if out.finish_reason is not FinishReason.ABORTED or len(ids) >= config.max_new_tokens:
+                return TurnOutput(tuple(ids), tuple(logprobs), tuple(versions), out.finish_reason,
+                                  out.matched_stop, aborted)
+            aborted += 1
+            empty = 0 if out.output_ids else empty + 1
+            if empty >= _MAX_EMPTY_ABORTS:
+                raise RuntimeError(f"{what}: {empty} weight updates in a row aborted it before its first token")
 
     def _aggregate_rollout_metrics(
         self, completions: Sequence[Completion], all_sample_metrics: Sequence[Mapping[str, float]]

@@ -21,13 +21,17 @@ class Message:
     """The ids this message contributes to the context, chat-template tokens included."""
     generation_logprobs: tuple[float, ...] | None = None
     """For assistant messages: the engine's logprob of each id in `token_ids`; None otherwise."""
+    generation_weight_versions: tuple[int, ...] | None = None
+    """For assistant messages: the weight version each id was generated under (a message that crossed a
+    weight update shows its spans); None otherwise."""
 
     def __post_init__(self) -> None:
-        if self.generation_logprobs is not None and len(self.generation_logprobs) != len(self.token_ids):
-            raise ValueError(
-                f"{self.role} message has {len(self.token_ids)} token ids but "
-                f"{len(self.generation_logprobs)} generation logprobs"
-            )
+        for name in ("generation_logprobs", "generation_weight_versions"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.token_ids):
+                raise ValueError(
+                    f"{self.role} message has {len(self.token_ids)} token ids but {len(values)} {name.replace('_', ' ')}"
+                )
 
 
 class StopReason(str, enum.Enum):

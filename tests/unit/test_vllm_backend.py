@@ -364,7 +364,7 @@ async def test_abort_update_keeps_the_partial_output_and_its_continuation_runs_o
 def test_update_weights_rejects_an_unknown_in_flight_policy(engine, tiny_model_and_tokenizer):
     model, _ = tiny_model_and_tokenizer
     v0 = engine.weight_version
-    with pytest.raises(ValueError, match="in_flight must be 'finish' or 'abort', got 'drop'"):
+    with pytest.raises(ValueError, match="in_flight must be \"finish\" or \"abort\", got 'drop'"):
         engine.update_weights(model.state_dict(), in_flight="drop")
     assert engine.weight_version == v0
 

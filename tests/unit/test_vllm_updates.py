@@ -230,7 +230,7 @@ def test_a_failed_load_resumes_the_engine_and_keeps_the_version(engine_and_backe
 
 def test_bad_arguments_are_refused_before_the_engine_pauses(engine_and_backend):
     engine, gen = engine_and_backend
-    with pytest.raises(ValueError, match="in_flight must be 'finish' or 'abort', got 'later'"):
+    with pytest.raises(ValueError, match="in_flight must be \"finish\" or \"abort\", got 'later'"):
         gen.update_weights(STATE, in_flight="later")
     with pytest.raises(ValueError, match=r"state_dict lacks 1: \['w'\]"):
         gen.update_weights({}, in_flight="abort")

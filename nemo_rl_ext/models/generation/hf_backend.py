@@ -1,33 +1,47 @@
-"""The transformers generation backend: concurrent requests gathered into padded, KV-cached batches.
+"""The transformers generation backend: continuous batching over one KV-cached decode loop.
 
 FACTS.md measured transformers' continuous batching at ~25x slower than one padded `generate` on 2 CPU
-cores, without logprobs; so this backend runs its own batched decode loop: every request that arrives
-while a batch runs joins the next one, each row keeps its own sampling parameters and seeded generator,
-finished rows leave the batch (their KV cache rows are dropped), and one forward pass serves all rows.
+cores, without logprobs; so this backend runs its own decode loop, on one engine thread:
 
-One request never fails another: a row that fails alone (its sampler cannot be built, its logits cannot
-be sampled, its stop check raises) gets its own error and leaves the batch while the others go on, and
-a cancelled `generate_async` call (a client that went away) leaves at the next decode step.
+- **Continuous batching** (`scheduler="continuous"`, the default): between two decode steps, waiting
+  requests are prefilled together and join the running batch (`hf_batch.KvBatch.merge`), at most
+  `max_batch_size` rows and `max_prefill_tokens` padded prompt tokens per step; a row leaves, and its
+  caller's future resolves, at the step it finishes. `scheduler="static"` is the old behaviour (a batch
+  admits no one until all its rows finished), kept for comparison (`bench/continuous_batching.py`).
+- Each row keeps its own sampling parameters and seeded generator, so its tokens do not depend on what
+  else is in the batch, and its logprobs are those of a separate forward pass.
+- **Faults**: a row that fails alone (its sampler cannot be built, its logits cannot be sampled, its
+  stop check raises) gets its own error and leaves while the others go on; a cancelled `generate_async`
+  call (a client that went away, a rollout past its deadline) leaves at the next decode step.
+- **Weights**: `update_weights` runs between decode steps; rows in flight finish first (`in_flight="finish"`)
+  or stop with `FinishReason.ABORTED` (`"abort"`); every output carries the `weight_version` it ran under.
+- torch runs `num_threads` intra-op threads on the engine thread (default 1: on a shared 2-core machine
+  two threads ran 10-16x slower, FACTS.md); None leaves torch's setting alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from nemo_rl_ext.models.generation.hf_batch import KvBatch, Request, Row
 from nemo_rl_ext.models.generation.interfaces import (
     FinishReason,
     GenerationConfig,
     GenerationInterface,
     GenerationOutput,
+    InFlightPolicy,
+    check_in_flight,
     check_prompt,
     check_state_dict,
 )
@@ -37,41 +51,20 @@ logger = logging.getLogger(__name__)
 
 _STOP_STRING_TOKEN_SLACK = 8
 """Extra tokens decoded beyond a stop string's length when looking for it at the end of a generation."""
+_SHUTDOWN_JOIN_S = 60.0
+"""How long `shutdown` waits for the engine thread to finish its current step."""
+
+Scheduler = Literal["continuous", "static"]
 
 
 @dataclass
-class _Request:
-    """One pending `generate_async` call."""
+class _Update:
+    """One `update_weights` call waiting for the engine thread."""
 
-    prompt_ids: list[int]
-    config: GenerationConfig
-    future: asyncio.Future
-    cancelled: bool = False
-    """Set on the caller's loop when the caller stopped waiting; the decode loop then drops the row."""
-
-
-@dataclass
-class _Row:
-    """Decode state of one request inside a batch."""
-
-    request: _Request
-    budget: int
-    budget_reason: FinishReason
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: FinishReason | None = None
-    matched: str | int | None = None
-    error: Exception | None = None
-    """Why this row (and only this row) failed; set rows leave the batch."""
-
-    def output(self) -> GenerationOutput | Exception | None:
-        """The row's result: its output, its error, or None if it was cancelled."""
-        if self.error is not None:
-            return self.error
-        if self.finish is None:
-            return None
-        return GenerationOutput(tuple(self.output_ids), tuple(self.logprobs), self.finish, self.matched)
+    state_dict: Mapping[str, torch.Tensor]
+    in_flight: InFlightPolicy
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 class HfGeneration(GenerationInterface):
@@ -84,32 +77,60 @@ class HfGeneration(GenerationInterface):
         *,
         max_model_len: int | None = None,
         max_batch_size: int = 64,
+        max_prefill_tokens: int = 16384,
         batch_wait_s: float = 0.002,
+        scheduler: Scheduler = "continuous",
+        num_threads: int | None = 1,
     ) -> None:
+        problems = []
+        if scheduler not in ("continuous", "static"):
+            problems.append(f'scheduler must be "continuous" or "static", got {scheduler!r}')
+        for name, value in (("max_batch_size", max_batch_size), ("max_prefill_tokens", max_prefill_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be an int >= 1, got {value!r}")
+        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                        or num_threads < 1):
+            problems.append(f"num_threads must be None or an int >= 1, got {num_threads!r}")
+        if problems:
+            raise ValueError("HfGeneration: " + "; ".join(problems))
         self.model = model.eval()
         self._tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        """Most padded prompt tokens prefilled between two decode steps (one request always fits)."""
         self.batch_wait_s = batch_wait_s
+        """How long an idle engine waits after a first request for others made at the same time."""
+        self.scheduler: Scheduler = scheduler
+        self.num_threads = num_threads
         self._max_model_len = max_model_len or int(model.config.max_position_embeddings)
         self._vocab_size = int(model.get_input_embeddings().num_embeddings)
         self._eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else next(iter(self._eos_ids)))
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generation")
-        self._lock = threading.Lock()
-        self._queues: dict[asyncio.AbstractEventLoop, asyncio.Queue[_Request]] = {}
-        self._workers: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Request] = collections.deque()
+        self._updates: collections.deque[_Update] = collections.deque()
         self._closed = False
+        self._weight_version = 0
+        self._held: list[tuple[Request, GenerationOutput | BaseException]] = []
         self.num_forward_passes = 0
         """Model forward passes run so far (prefill and decode steps): a measure of batching."""
+        self.num_decode_steps = 0
+        """Decode steps run so far (forward passes that advance every running row by one token)."""
+        self.num_prefills = 0
+        """Prefill passes run so far (a group of requests joining the batch)."""
         self.num_batches = 0
-        """Batches run so far."""
+        """Times the engine started decoding from an empty batch."""
         self.num_generated_tokens = 0
-        """Tokens generated so far, over all rows (cancelled and failed rows included)."""
+        """Tokens generated so far, over all rows (cancelled, aborted and failed rows included)."""
         self.num_cancelled = 0
         """Requests whose caller cancelled them before they finished (they left the queue or the batch)."""
+        self.num_aborted = 0
+        """Requests stopped with FinishReason.ABORTED by `update_weights(..., in_flight="abort")`."""
         self.num_row_failures = 0
         """Requests that failed alone inside a batch (the rest of their batch went on)."""
+        self._thread = threading.Thread(target=self._engine, name="hf-generation", daemon=True)
+        self._thread.start()
 
     @classmethod
     def from_pretrained(
@@ -129,88 +150,159 @@ class HfGeneration(GenerationInterface):
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
     async def generate_async(self, prompt_token_ids: Sequence[int], config: GenerationConfig) -> GenerationOutput:
         if self._closed:
             raise RuntimeError("HfGeneration was shut down")
         prompt = [int(t) for t in prompt_token_ids]
         check_prompt(prompt, self._max_model_len, self._vocab_size)
         loop = asyncio.get_running_loop()
-        request = _Request(prompt, config, loop.create_future())
-        self._queue_for(loop).put_nowait(request)
+        request = Request(prompt, config, loop, loop.create_future())
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("HfGeneration was shut down")
+            self._pending.append(request)
+            self._cond.notify()
         try:
             return await request.future
         except asyncio.CancelledError:
-            request.cancelled = True  # read by the decode loop, which drops the row at its next step
+            request.cancelled = True  # read by the engine, which drops the row at its next step
             raise
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load new weights in place, between batches (never during one)."""
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+        """Load new weights in place between two decode steps (see `GenerationInterface.update_weights`)."""
         if self._closed:
             raise RuntimeError("HfGeneration was shut down")
+        check_in_flight(in_flight)
         check_state_dict(self.model.state_dict().keys(), state_dict)
-        self._executor.submit(self._load_state_dict, state_dict).result()
-
-    def _load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            self.model.load_state_dict(dict(state_dict), strict=True)
+        update = _Update(state_dict, in_flight)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("HfGeneration was shut down")
+            self._updates.append(update)
+            self._cond.notify()
+        while not update.done.wait(0.5):
+            if not self._thread.is_alive():
+                raise RuntimeError("HfGeneration's engine thread stopped before the weight update applied")
+        if update.error is not None:
+            raise update.error
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for loop, task in list(self._workers.items()):
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(task.cancel)
-        self._workers.clear()
-        self._queues.clear()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(_SHUTDOWN_JOIN_S)
+        if self._thread.is_alive():
+            logger.warning("the hf engine thread did not stop within %.0f s", _SHUTDOWN_JOIN_S)
 
-    # ---- batching -------------------------------------------------------------------------------
+    # ---- the engine thread ----------------------------------------------------------------------
 
-    def _queue_for(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[_Request]:
-        """The request queue of this event loop, with its worker task (one per loop that calls us)."""
-        with self._lock:
-            for stale in [lp for lp in self._queues if lp.is_closed()]:
-                self._queues.pop(stale)
-                self._workers.pop(stale, None)
-            if loop not in self._queues:
-                self._queues[loop] = asyncio.Queue()
-                self._workers[loop] = loop.create_task(self._worker(self._queues[loop]))
-            return self._queues[loop]
+    def _engine(self) -> None:
+        if self.num_threads is not None and self.model.device.type == "cpu":
+            torch.set_num_threads(self.num_threads)  # this thread's OpenMP pool
+        batch: KvBatch | None = None
+        try:
+            while True:
+                with self._cond:
+                    while not (self._closed or self._pending or self._updates or batch is not None):
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                if batch is None and not self._updates and self.batch_wait_s > 0:
+                    time.sleep(self.batch_wait_s)  # let requests made at the same time as the first join it
+                batch = self._step(batch)
+        finally:
+            self._close_out(batch)
 
-    async def _worker(self, queue: asyncio.Queue[_Request]) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = [await queue.get()]
-            await asyncio.sleep(self.batch_wait_s)  # let requests made in the same tick join
-            while len(batch) < self.max_batch_size and not queue.empty():
-                batch.append(queue.get_nowait())
-            waiting = [r for r in batch if not r.future.done()]  # a done future here was cancelled
-            self.num_cancelled += len(batch) - len(waiting)
-            batch = waiting
-            if not batch:
-                continue
+    def _close_out(self, batch: KvBatch | None) -> None:
+        """Fail every request and update still held: the engine is gone."""
+        error = RuntimeError("HfGeneration was shut down")
+        with self._cond:
+            self._closed = True
+            pending, self._pending = list(self._pending), collections.deque()
+            updates, self._updates = list(self._updates), collections.deque()
+        self._release_held()
+        for request in pending + ([row.request for row in batch.rows] if batch else []):
+            _deliver(request, error)
+        for update in updates:
+            update.error = error
+            update.done.set()
+
+    def _step(self, batch: KvBatch | None) -> KvBatch | None:
+        """One scheduling step: apply a due weight update, admit waiting requests, run one decode step."""
+        with self._cond:
+            update = self._updates[0] if self._updates else None
+        if update is not None:
+            if batch is not None and update.in_flight == "abort":
+                for row in batch.rows:
+                    if not row.done:
+                        row.finish = FinishReason.ABORTED
+                        self.num_aborted += 1
+                batch = self._settle(batch)
+            if batch is None:
+                self._release_held()
+                self._apply(update)
+                return None
+        elif batch is None or self.scheduler == "continuous":
+            admitted = self._admit(room=self.max_batch_size - (len(batch.rows) if batch else 0))
+            if admitted:
+                if batch is None:
+                    self.num_batches += 1
+                try:
+                    batch = self._prefill(batch, admitted)
+                except Exception as exc:  # the joining requests hear why; the running rows go on
+                    logger.exception("prefilling %d requests failed", len(admitted))
+                    for request in admitted:
+                        _deliver(request, exc)
+        if batch is not None:
             try:
-                outputs = await loop.run_in_executor(self._executor, self._run_batch, batch)
-            except Exception as exc:  # the whole batch failed: every caller hears why
-                logger.exception("generation batch of %d failed", len(batch))
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(exc)
-                continue
-            for r, out in zip(batch, outputs, strict=True):
-                if r.future.done():
+                batch = self._decode(batch)
+            except Exception as exc:  # the whole step failed: every running row's caller hears why
+                logger.exception("a decode step over %d rows failed", len(batch.rows))
+                for row in batch.rows:
+                    _deliver(row.request, exc)
+                batch = None
+        if batch is None and self._held:
+            self._release_held()
+        return batch
+
+    def _apply(self, update: _Update) -> None:
+        try:
+            with torch.no_grad():
+                self.model.load_state_dict(dict(update.state_dict), strict=True)
+            self._weight_version += 1
+        except Exception as exc:  # the caller hears why; the engine goes on serving
+            update.error = exc
+        with self._cond:
+            self._updates.popleft()
+        update.done.set()
+
+    def _admit(self, room: int) -> list[Request]:
+        """Take waiting requests within the row and prefill-token bounds (at least one); drop cancelled ones."""
+        admitted: list[Request] = []
+        width = 0
+        with self._cond:
+            while self._pending and len(admitted) < room:
+                request = self._pending[0]
+                if request.cancelled or request.future.done():
+                    self._pending.popleft()
+                    self.num_cancelled += 1
                     continue
-                if out is None:
-                    r.future.cancel()
-                elif isinstance(out, Exception):
-                    r.future.set_exception(out)
-                else:
-                    r.future.set_result(out)
+                wider = max(width, len(request.prompt_ids))
+                if admitted and wider * (len(admitted) + 1) > self.max_prefill_tokens:
+                    break
+                admitted.append(self._pending.popleft())
+                width = wider
+        return admitted
 
-    # ---- the decode loop (runs in the executor thread) -----------------------------------------
+    # ---- prefill and decode (on the engine thread) ----------------------------------------------
 
-    def _new_row(self, request: _Request) -> _Row:
+    def _new_row(self, request: Request) -> Row:
         room = self._max_model_len - len(request.prompt_ids)
         cfg = request.config
         budget, reason = (
@@ -218,72 +310,90 @@ class HfGeneration(GenerationInterface):
             if room < cfg.max_new_tokens
             else (cfg.max_new_tokens, FinishReason.MAX_NEW_TOKENS)
         )
+        row = Row(request, budget, reason, None, self._weight_version)
         try:
-            generator = None
             if not cfg.greedy:
-                generator = torch.Generator(device=self.model.device)
+                row.generator = torch.Generator(device=self.model.device)
                 if cfg.seed is None:
-                    generator.seed()
+                    row.generator.seed()
                 else:
-                    generator.manual_seed(cfg.seed)
+                    row.generator.manual_seed(cfg.seed)
         except Exception as exc:  # e.g. a seed torch cannot take: this request fails, not its batch
-            row = _Row(request, budget, reason, None)
             self._fail(row, "creating its sampler", exc)
-            return row
-        return _Row(request, budget, reason, generator)
+        return row
 
     @torch.inference_mode()
-    def _run_batch(self, requests: list[_Request]) -> list[GenerationOutput | Exception | None]:
-        """Decode one batch; per request its output, the error it failed with alone, or None if cancelled."""
-        self.num_batches += 1
+    def _prefill(self, batch: KvBatch | None, requests: list[Request]) -> KvBatch | None:
+        """Prefill `requests` together, sample their first tokens and merge the survivors into `batch`."""
         rows = [self._new_row(r) for r in requests]
-        active = self._still_running(rows, range(len(rows)))  # batch position -> row index
-        if not active:
-            return [row.output() for row in rows]
-        device = self.model.device
-        prompts = [rows[i].request.prompt_ids for i in active]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(active), width), self._pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(active), width), dtype=torch.long)
-        for pos, prompt in enumerate(prompts):
-            input_ids[pos, width - len(prompt) :] = torch.tensor(prompt)
-            attention_mask[pos, width - len(prompt) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        for row in rows:
+            if row.done:
+                self._finish(row)
+        rows = [row for row in rows if not row.done]
+        if not rows:
+            return batch
+        self.num_prefills += 1
+        input_ids, attention_mask, position_ids = KvBatch.prefill_inputs(
+            [row.request.prompt_ids for row in rows], self._pad_id, self.model.device
+        )
         cache = DynamicCache()
-        while True:
-            logits = self._forward(input_ids, attention_mask, position_ids, cache)
-            tokens, logprobs = self._select(logits, [rows[i] for i in active])
-            for pos, i in enumerate(active):
-                if rows[i].error is None:
-                    self._append(rows[i], int(tokens[pos]), float(logprobs[pos]))
-            running = self._still_running(rows, active)
-            if not running:
-                break
-            if len(running) < len(active):
-                still = set(running)
-                keep = [pos for pos, i in enumerate(active) if i in still]
-                index = torch.tensor(keep, device=device)
-                cache.batch_select_indices(index)
-                attention_mask, position_ids, tokens = attention_mask[index], position_ids[index], tokens[index]
-                active = running
-            input_ids = tokens[:, None]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
-            position_ids = position_ids[:, -1:] + 1
-        return [row.output() for row in rows]
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        tokens = self._sample(logits, rows)
+        joining = self._settle(KvBatch(rows, cache, attention_mask, position_ids[:, -1:], tokens))
+        if batch is None or joining is None:
+            return batch or joining
+        batch.merge(joining)
+        return batch
 
-    def _still_running(self, rows: list[_Row], indices: Sequence[int]) -> list[int]:
-        """The rows of `indices` that go on decoding; counts the ones whose caller cancelled them."""
-        running = []
-        for i in indices:
-            row = rows[i]
-            if row.request.cancelled:
-                self.num_cancelled += 1
-            elif row.finish is None and row.error is None:
-                running.append(i)
-        return running
+    @torch.inference_mode()
+    def _decode(self, batch: KvBatch) -> KvBatch | None:
+        """One decode step over every running row."""
+        self.num_decode_steps += 1
+        input_ids, attention_mask, position_ids = batch.decode_inputs()
+        logits = self._forward(input_ids, attention_mask, position_ids, batch.cache)
+        batch.tokens = self._sample(logits, batch.rows)
+        return self._settle(batch)
 
-    def _select(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Select and append one token per row (a failed row gets its error instead); returns the tokens."""
+        tokens, logprobs = self._select(logits, rows)
+        for pos, row in enumerate(rows):
+            if row.error is None:
+                self._append(row, int(tokens[pos]), float(logprobs[pos]))
+        return tokens
+
+    def _settle(self, batch: KvBatch) -> KvBatch | None:
+        """Deliver the results of rows that are done and drop them; None once no row is left."""
+        keep = []
+        for pos, row in enumerate(batch.rows):
+            if row.done:
+                self._finish(row)
+            else:
+                keep.append(pos)
+        batch.keep(keep)
+        return batch if batch.rows else None
+
+    def _finish(self, row: Row) -> None:
+        """Hand a done row's result to its caller (a cancelled row is only counted); the static scheduler
+        holds it until its whole batch has finished, as a padded `generate` call does."""
+        if row.request.cancelled:
+            self.num_cancelled += 1
+        elif self.scheduler == "static":
+            self._held.append((row.request, row.output()))
+        else:
+            self._hand_over(row.request, row.output())
+
+    def _release_held(self) -> None:
+        """Static scheduler: the batch has ended; hand over every result it held."""
+        held, self._held = self._held, []
+        for request, result in held:
+            self._hand_over(request, result)
+
+    def _hand_over(self, request: Request, result: GenerationOutput | BaseException) -> None:
+        """Resolve a request's future on its caller's loop (the moment its caller hears the result)."""
+        _deliver(request, result)
+
+    def _select(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row; a row that cannot be sampled gets an error and the others draw as without it.
 
         Each sampler's state is saved first: if the batch's draw raises, the rows that fail alone (tried
@@ -321,7 +431,7 @@ class HfGeneration(GenerationInterface):
             tokens[index], logprobs[index] = picked, picked_logprobs
         return tokens, logprobs
 
-    def _fail(self, row: _Row, stage: str, exc: Exception) -> None:
+    def _fail(self, row: Row, stage: str, exc: Exception) -> None:
         """Mark one row failed (it leaves the batch; its caller gets the error) and log why."""
         cfg = row.request.config
         row.error = RuntimeError(
@@ -344,7 +454,7 @@ class HfGeneration(GenerationInterface):
         )
         return out.logits[:, -1, :]
 
-    def _append(self, row: _Row, token: int, logprob: float) -> None:
+    def _append(self, row: Row, token: int, logprob: float) -> None:
         """Add a generated token to a row and decide whether the row is finished (or failed alone)."""
         row.output_ids.append(token)
         row.logprobs.append(logprob)
@@ -354,7 +464,7 @@ class HfGeneration(GenerationInterface):
         except Exception as exc:
             self._fail(row, "checking its stop conditions", exc)
 
-    def _check_finished(self, row: _Row, token: int) -> None:
+    def _check_finished(self, row: Row, token: int) -> None:
         cfg = row.request.config
         if token in cfg.stop_token_ids:
             row.finish, row.matched = FinishReason.STOP_TOKEN, token
@@ -385,3 +495,20 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> froz
     if not ids:
         raise ValueError("the model and tokenizer define no eos_token_id; generation could never stop naturally")
     return frozenset(ids)
+
+
+def _deliver(request: Request, result: GenerationOutput | BaseException) -> None:
+    """Resolve a request's future on its caller's loop (a closed loop or a caller gone is left alone)."""
+
+    def resolve() -> None:
+        if request.future.done():
+            return
+        if isinstance(result, BaseException):
+            request.future.set_exception(result)
+        else:
+            request.future.set_result(result)
+
+    try:
+        request.loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the caller's loop was closed
+        pass

@@ -66,6 +66,7 @@ class FinishReason(str, enum.Enum):
     MAX_NEW_TOKENS = "max_new_tokens"
     MAX_MODEL_LEN = "max_model_len"
     ABORTED = "aborted"
+    """A weight update (`update_weights(..., in_flight="abort")`) stopped it; continue from prompt + output."""
 
     @property
     def truncated(self) -> bool:
@@ -74,8 +75,14 @@ class FinishReason(str, enum.Enum):
 
     @property
     def openai(self) -> str:
-        """The OpenAI API's name for this reason: "stop" or "length"."""
+        """The OpenAI API's name for this reason: "stop", "length", or "abort" (vLLM's name) when aborted."""
+        if self is FinishReason.ABORTED:
+            return "abort"
         return "length" if self.truncated else "stop"
+
+
+InFlightPolicy = Literal["finish", "abort"]
+"""What `update_weights` does with generations in flight: let them finish on the old weights, or abort them."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,7 @@ class GenerationOutput:
     matched_stop: str | int | None = None
     """The stop string or stop token id that ended it, if any."""
     weight_version: int = 0
-    """The policy version every token of this output was generated under (an output never spans an update)."""
+    """The backend's `weight_version` that every token of this output was generated under (never spans an update)."""
 
     @property
     def truncated(self) -> bool:
@@ -125,32 +132,35 @@ class GenerationInterface(abc.ABC):
         the next decode step), and one request's failure never fails the others it is batched with.
         """
 
+    @abc.abstractmethod
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+        """Serve new weights (transformers parameter names, every weight of the model); returns once they serve.
+
+        Safe to call while generations are in flight. `in_flight="finish"`: they finish on the old weights,
+        then the update applies. `"abort"`: they stop at their next decode step with `FinishReason.ABORTED`,
+        keeping the tokens and logprobs made so far (under the old version), then the update applies.
+        Requests that arrive during the update wait and run on the new weights. `weight_version` then grows
+        by one. Raises ValueError naming the missing weights if `state_dict` lacks any, before loading anything.
+        """
+
     @property
     def weight_version(self) -> int:
-        """The policy version new generations run under: 0 at start, +1 on each successful `update_weights`.
+        """0 at start, +1 on each successful `update_weights`: what `GenerationOutput.weight_version` holds.
 
-        Backends that load weights override this; one that never changes its weights stays at 0.
+        Backends that serve weight updates override this; the default suits test doubles that never update.
         """
         return 0
-
-    @abc.abstractmethod
-    def update_weights(
-        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: Literal["finish", "abort"] = "finish"
-    ) -> None:
-        """Serve new weights (transformers parameter names, every weight of the model) from the next request on.
-
-        Safe to call while generations are in flight; returns once the new weights serve. `in_flight`:
-        "finish" = requests in flight finish on the old weights before the update applies; "abort" = they
-        stop promptly with `FinishReason.ABORTED`, keeping the tokens and logprobs generated so far (old
-        version; the caller may continue from prompt + partial output), then the update applies. Requests
-        arriving during the update wait and run on the new weights. Raises ValueError naming the missing
-        weights if `state_dict` lacks any, before loading anything.
-        """
 
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Release the engine's resources; idempotent. Later `generate_async` / `update_weights` calls raise
         RuntimeError."""
+
+
+def check_in_flight(in_flight: str) -> None:
+    """Raise a ValueError naming `in_flight` unless it is "finish" or "abort"."""
+    if in_flight not in ("finish", "abort"):
+        raise ValueError(f'update_weights: in_flight must be "finish" or "abort", got {in_flight!r}')
 
 
 def check_state_dict(expected: Iterable[str], state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -53,6 +53,8 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationConfig,
     GenerationInterface,
     GenerationOutput,
+    InFlightPolicy,
+    check_in_flight,
     check_prompt,
     check_state_dict,
 )
@@ -235,9 +237,7 @@ class VllmGeneration(GenerationInterface):
             output_kind=self._final_only,
         )
 
-    def update_weights(
-        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: Literal["finish", "abort"] = "finish"
-    ) -> None:
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
         """Load new weights (transformers names) into the running engine; the next generation uses them.
 
         `in_flight="finish"`: requests in flight finish on the old weights first (vLLM pauses with mode
@@ -245,8 +245,7 @@ class VllmGeneration(GenerationInterface):
         `FinishReason.ABORTED` with the old version. Requests that arrive meanwhile wait in the engine and
         run on the new weights. The prefix cache is reset; `weight_version` goes up by one on success.
         """
-        if in_flight not in ("finish", "abort"):
-            raise ValueError(f"in_flight must be 'finish' or 'abort', got {in_flight!r}")
+        check_in_flight(in_flight)
         if self._closed:
             raise RuntimeError("VllmGeneration was shut down")
         check_state_dict(self._checkpoint_names, state_dict)  # first: a partial reload leaves stale layers
