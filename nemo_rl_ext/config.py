@@ -185,6 +185,21 @@ class VllmConfig(StrictModel):
     )
 
 
+class HfConfig(StrictModel):
+    """Engine settings of the hf backend (`policy.backend: hf`); none of them changes a generated token."""
+
+    scheduler: Literal["continuous", "static"] = Field(
+        default="continuous",
+        description="continuous: requests join between decode steps and leave the step they finish; "
+        "static: padded batches that end together (kept for comparison).",
+    )
+    max_prefill_tokens: int = Field(default=16384, ge=1, description="Padded prompt tokens prefilled per step.")
+    num_threads: int | None = Field(
+        default=1, ge=1, description="torch threads of the engine thread (1: measured fastest on shared CPUs); "
+        "null leaves torch's setting alone."
+    )
+
+
 class PolicyConfig(StrictModel):
     """Which model generates, and how it is served."""
 
@@ -197,6 +212,7 @@ class PolicyConfig(StrictModel):
     device: str = Field(default="cpu", description='torch device of the hf backend, e.g. "cpu" or "cuda".')
     max_model_len: int = Field(default=1024, ge=16, description="Most tokens (prompt + generation) per request.")
     max_batch_size: int = Field(default=64, ge=1, description="Most requests the hf backend decodes together.")
+    hf: HfConfig = Field(default_factory=HfConfig, description="Engine settings of the hf backend.")
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="Engine settings of the vllm backend.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling parameters.")
     seed: int = Field(default=0, description="Seed of the tiny model's weights when model_name is 'tiny'.")

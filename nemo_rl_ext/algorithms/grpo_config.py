@@ -35,6 +35,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "output_dir",
     "resume",
     "policy.max_batch_size",
+    "policy.hf",
     "rollouts.gym.head_server_url",
     "rollouts.gym.agent_urls",
     "rollouts.gym.policy_host",

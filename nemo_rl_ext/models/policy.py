@@ -58,4 +58,12 @@ def build_generation(cfg: PolicyConfig, model=None, tokenizer=None) -> Generatio
         model, tokenizer = load_model_and_tokenizer(
             resolve_model_path(cfg), dtype=getattr(torch, cfg.dtype), device=cfg.device
         )
-    return HfGeneration(model, tokenizer, max_model_len=cfg.max_model_len, max_batch_size=cfg.max_batch_size)
+    return HfGeneration(
+        model,
+        tokenizer,
+        max_model_len=cfg.max_model_len,
+        max_batch_size=cfg.max_batch_size,
+        scheduler=cfg.hf.scheduler,
+        max_prefill_tokens=cfg.hf.max_prefill_tokens,
+        num_threads=cfg.hf.num_threads,
+    )

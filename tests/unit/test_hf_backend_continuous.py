@@ -199,3 +199,27 @@ def test_bad_engine_settings_are_reported_together(tiny_model_and_tokenizer):
     message = str(err.value)
     for part in ("scheduler", "'fifo'", "max_batch_size", "max_prefill_tokens", "num_threads"):
         assert part in message, message
+
+
+def test_policy_config_sets_the_engine(tiny_model_dir) -> None:
+    """`policy.hf.*` reaches the engine that `build_generation` makes (and a typo is an error)."""
+    from nemo_rl_ext.config import ConfigError, PolicyConfig, load_config
+    from nemo_rl_ext.models.policy import build_generation
+
+    cfg = load_config(
+        None,
+        [f"model_name={tiny_model_dir}", "hf.scheduler=static", "hf.num_threads=2", "hf.max_prefill_tokens=64"],
+        PolicyConfig,
+    )
+    gen = build_generation(cfg)
+    try:
+        assert (gen.scheduler, gen.num_threads, gen.max_prefill_tokens) == ("static", 2, 64)
+    finally:
+        gen.shutdown()
+    default = build_generation(load_config(None, [f"model_name={tiny_model_dir}"], PolicyConfig))
+    try:
+        assert (default.scheduler, default.num_threads) == ("continuous", 1)
+    finally:
+        default.shutdown()
+    with pytest.raises(ConfigError, match="hf.scheduler"):
+        load_config(None, ["hf.scheduler=dynamic"], PolicyConfig)
