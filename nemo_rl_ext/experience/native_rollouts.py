@@ -213,13 +213,14 @@ class AsyncRolloutImpl:
             raise ValueError(f"the message log holds {len(prompt)} tokens: no room under max_seq_len={self.max_seq_len}")
         sample = _CURRENT_SAMPLE.get()
         base = self.generation_config.seed
+        update: dict[str, Any] = {"max_new_tokens": min(self.generation_config.max_new_tokens, room)}
         if sample is None:
-            seed, what = base, "generation"
+            update["seed"], what = base, "generation"
         else:
             turn = sum(m.role == "assistant" for m in message_log[sample.prompt_messages :])
-            seed = rollout_seed(base, sample.prompt_idx, sample.sample_idx, turn)
+            update["seed"] = rollout_seed(base, sample.prompt_idx, sample.sample_idx, turn)
+            update["session"] = (sample.prompt_idx, sample.sample_idx)  # a replica pool keeps its turns together
             what = f"generation for row {sample.prompt_idx}, sample {sample.sample_idx}, turn {turn}"
-        update: dict[str, Any] = {"max_new_tokens": min(self.generation_config.max_new_tokens, room), "seed": seed}
         if stop_strings is not None:
             update["stop_strings"] = tuple(stop_strings)
         config = self.generation_config.model_copy(update=update)

@@ -18,3 +18,19 @@ def gym_venv() -> Path:
     )
     assert out.returncode == 0, f"setup_nemo_gym.sh failed:\n{out.stderr[-3000:]}"
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray for the whole test session: 2 CPUs, no dashboard, usage stats off; shut down at the end."""
+    import os
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    import ray
+
+    from nemo_rl_ext.cluster import ClusterConfig, init_ray
+
+    started = init_ray(ClusterConfig(local_num_cpus=2))
+    yield ray
+    if started:
+        ray.shutdown()

@@ -42,6 +42,12 @@ class GenerationConfig(BaseModel):
     seed: int | None = Field(
         default=None, ge=0, lt=SEED_LIMIT, description="Seed of this request's sampler; None = unseeded."
     )
+    session: tuple[int, ...] | None = Field(
+        default=None,
+        exclude=True,
+        description="Routing key, e.g. (prompt index, sample index): a replica pool keeps a session's turns on "
+        "one replica (its prefix cache); engines ignore it, and it is left out of dumped configs.",
+    )
 
     @field_validator("stop_strings")
     @classmethod

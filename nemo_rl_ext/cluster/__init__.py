@@ -1,0 +1,12 @@
+"""Ray: a pool of generation replicas routed in the caller's process, and environments hosted in actors.
+
+Layer 3: imports models/ and environments/, never experience/, evals/ or algorithms/. `ray` is imported
+when a pool, a remote environment or `init_ray` is used, not by importing this package.
+"""
+
+from nemo_rl_ext.cluster.config import ClusterConfig, ReplicaResources
+from nemo_rl_ext.cluster.ray_runtime import init_ray
+from nemo_rl_ext.cluster.remote_environment import RemoteEnvironment
+from nemo_rl_ext.cluster.routed_generation import RoutedGeneration
+
+__all__ = ["ClusterConfig", "RemoteEnvironment", "ReplicaResources", "RoutedGeneration", "init_ray"]
