@@ -15,11 +15,13 @@ def init_ray(cfg: ClusterConfig | None = None) -> bool:
 
     Already initialized (a test fixture, a script that called `ray.init` itself): nothing changes, False.
     `address` null starts a local Ray with `local_num_cpus` CPUs, no dashboard, usage stats off, its node
-    named 127.0.0.1 (Ray 2.60 still binds its gRPC ports on every interface; see the README).
+    on 127.0.0.1 only (`keep_ray_on_loopback`).
     Otherwise `ray.init(address=...)` connects to the running cluster.
     """
     cfg = cfg or ClusterConfig()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before `import ray`: it reads this at import
+    if cfg.address is None:
+        keep_ray_on_loopback()
     import ray
 
     if ray.is_initialized():
@@ -37,3 +39,19 @@ def init_ray(cfg: ClusterConfig | None = None) -> bool:
         ray.init(address=cfg.address, log_to_driver=True, configure_logging=False)
         logger.info("joined the Ray cluster at %s: %s", cfg.address, ray.cluster_resources())
     return True
+
+
+def keep_ray_on_loopback() -> None:
+    """Make a local Ray use 127.0.0.1 for every server it binds and every address it connects to.
+
+    On Linux, Ray 2.60 replaces a loopback node address with the machine's outward IP, and its gRPC servers
+    then listen on every interface. With cluster mode off (what Ray does by default on macOS and Windows)
+    the node address stays 127.0.0.1: the environment variable reaches the processes Ray starts, and the
+    constant covers a `ray` imported before this call. Only for a local Ray: a cluster needs its node IPs.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import sys
+
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False

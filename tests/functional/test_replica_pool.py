@@ -297,3 +297,30 @@ def test_a_hung_environment_step_is_killed_and_restarted_within_the_timeout(ray_
         assert not _alive(pid), "the hung actor's process is still running"
     finally:
         env.shutdown()
+
+
+def test_the_local_ray_listens_and_connects_on_loopback_only(hf_pool):
+    """Every socket of the session's Ray processes (GCS, raylet, workers, the pool's actors) is bound to
+    127.0.0.1 and talks to 127.0.0.1: nothing listens on another interface of the machine."""
+    import psutil
+    import ray
+
+    assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {"127.0.0.1"}
+    ray_procs = [
+        p for p in psutil.process_iter(["name", "cmdline"])
+        if any(k in (p.info["name"] or "") for k in ("gcs_server", "raylet", "ray::"))
+        or "ray/_private/workers" in " ".join(p.info["cmdline"] or ())
+    ]
+    assert len(ray_procs) >= 3  # GCS, raylet and the replicas at least
+    seen = []
+    for proc in ray_procs:
+        try:
+            conns = proc.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for c in conns:
+            addrs = [c.laddr.ip] + ([c.raddr.ip] if c.raddr else [])
+            seen += [(proc.info["name"], a) for a in addrs]
+    assert seen, "no socket of a Ray process was found"
+    off_loopback = [(name, a) for name, a in seen if a not in ("127.0.0.1", "::ffff:127.0.0.1")]
+    assert not off_loopback, off_loopback
