@@ -35,7 +35,7 @@ class SleepGeneration(GenerationInterface):
         self._max_model_len = max_model_len
         self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
         self.updates = 0
-        """update_weights calls served."""
+        """update_weights calls served (its `weight_version`)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -54,10 +54,15 @@ class SleepGeneration(GenerationInterface):
                 await asyncio.sleep(self.token_s)
         base = (sum(prompt_token_ids) + (config.seed or 0)) % 1000
         ids = (self.tag, *((base + i) % 1000 for i in range(1, n)))
-        return GenerationOutput(ids[:n], tuple(-0.5 for _ in ids[:n]), FinishReason.MAX_NEW_TOKENS)
+        return GenerationOutput(ids[:n], tuple(-0.5 for _ in ids[:n]), FinishReason.MAX_NEW_TOKENS,
+                                weight_version=self.updates)
 
     def update_weights(self, state_dict: Mapping[str, Any], *, in_flight: str = "finish") -> None:
         self.updates += 1
+
+    @property
+    def weight_version(self) -> int:
+        return self.updates
 
     def shutdown(self) -> None:
         pass

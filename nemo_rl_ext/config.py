@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from nemo_rl_ext.cluster.config import ClusterConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 
 M = TypeVar("M", bound=BaseModel)
@@ -216,6 +217,11 @@ class PolicyConfig(StrictModel):
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="Engine settings of the vllm backend.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling parameters.")
     seed: int = Field(default=0, description="Seed of the tiny model's weights when model_name is 'tiny'.")
+    cluster: ClusterConfig | None = Field(
+        default=None,
+        description="null: one engine in this process; set: a Ray pool of `cluster.num_replicas` engines "
+        "(local Ray, or an existing cluster by `cluster.address`) behind one generation interface.",
+    )
 
     def model_folder_problem(self) -> str | None:
         """Why `model_name` names no model (not a built-in name nor a folder with config.json), or None.

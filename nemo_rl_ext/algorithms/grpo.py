@@ -51,6 +51,7 @@ from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
+from nemo_rl_ext.cluster import RoutedGeneration, build_policy_generation, loads_model_folder
 from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
 from nemo_rl_ext.datasets import gym_datums, load_jsonl, qa_datums
 from nemo_rl_ext.environments import create_environment
@@ -58,7 +59,7 @@ from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
 from nemo_rl_ext.experience.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.experience.rollout_manager import RolloutManager, batch_metrics
-from nemo_rl_ext.models.policy import build_generation, resolve_model_path
+from nemo_rl_ext.models.policy import resolve_model_path
 from nemo_rl_ext.models.tiny import load_model_and_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -166,11 +167,11 @@ class GRPO:
         reference = None
         if cfg.loss.kl_coef > 0:
             reference, _ = load_model_and_tokenizer(initial_path, dtype=dtype, device=cfg.policy.device)
-        if cfg.policy.backend == "hf":  # the engine's own copy of the weights
+        if not loads_model_folder(cfg.policy):  # an in-process hf engine: its own copy of the weights
             engine_model, _ = load_model_and_tokenizer(model_path, dtype=dtype, device=cfg.policy.device)
-            self.generation = SaltedGeneration(build_generation(cfg.policy, engine_model, self.tokenizer))
-        else:  # vllm loads the initial model folder itself; a resumed run refits it below
-            self.generation = SaltedGeneration(build_generation(cfg.policy))
+            self.generation = SaltedGeneration(build_policy_generation(cfg.policy, engine_model, self.tokenizer))
+        else:  # vllm, or a Ray pool, loads the initial model folder itself; a resumed run refits it below
+            self.generation = SaltedGeneration(build_policy_generation(cfg.policy, tokenizer=self.tokenizer))
         pad = self.tokenizer.pad_token_id
         self.trainer = PolicyTrainer(
             model,
@@ -202,7 +203,7 @@ class GRPO:
         self.step = 0
         self.logger = MetricsLogger(self.output_dir, tensorboard=cfg.logger.tensorboard)
         if checkpoint is not None:
-            if cfg.policy.backend != "hf":
+            if loads_model_folder(cfg.policy):
                 self.generation.update_weights(self.trainer.state_dict())
             self.trainer.optimizer.load_state_dict(checkpoint.optimizer_state(self.trainer.device))
             self.train_data.load_state_dict(checkpoint.data_state)
@@ -296,6 +297,9 @@ class GRPO:
         if metrics.get("train/optimizer_steps", 0.0) > 0:
             self.generation.update_weights(self.trainer.state_dict())
         refit_done = time.perf_counter()
+        if isinstance(self.generation.inner, RoutedGeneration):  # a Ray pool: per-replica counters
+            metrics.update(self.generation.inner.metrics())
+            metrics["cluster/weight_version"] = float(self.generation.inner.weight_version)
         metrics["timing/rollout_s"] = rollout_done - start
         metrics["timing/train_s"] = train_done - rollout_done
         metrics["timing/refit_s"] = refit_done - train_done

@@ -36,6 +36,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "resume",
     "policy.max_batch_size",
     "policy.hf",
+    "policy.cluster",
     "rollouts.gym.head_server_url",
     "rollouts.gym.agent_urls",
     "rollouts.gym.policy_host",

@@ -5,8 +5,17 @@ when a pool, a remote environment or `init_ray` is used, not by importing this p
 """
 
 from nemo_rl_ext.cluster.config import ClusterConfig, ReplicaResources
+from nemo_rl_ext.cluster.policy_generation import build_policy_generation, loads_model_folder
 from nemo_rl_ext.cluster.ray_runtime import init_ray
 from nemo_rl_ext.cluster.remote_environment import RemoteEnvironment
 from nemo_rl_ext.cluster.routed_generation import RoutedGeneration
 
-__all__ = ["ClusterConfig", "RemoteEnvironment", "ReplicaResources", "RoutedGeneration", "init_ray"]
+__all__ = [
+    "ClusterConfig",
+    "RemoteEnvironment",
+    "ReplicaResources",
+    "RoutedGeneration",
+    "build_policy_generation",
+    "init_ray",
+    "loads_model_folder",
+]

@@ -16,12 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from nemo_rl_ext.cluster.config import ReplicaResources
-from nemo_rl_ext.models.generation.interfaces import (
-    FinishReason,
-    GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
-)
+from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +25,13 @@ BackendFactory = Callable[[], GenerationInterface]
 
 
 class GenerationReplica:
-    """Hosts one backend in a Ray actor; labels every output with the pool's weight version.
+    """Hosts one backend in a Ray actor; shifts the backend's weight versions to the pool's numbering.
 
-    Backends that keep no version (hf) get one here: an update waits for the requests in flight (or, with
-    `in_flight="abort"`, cancels them: they return `FinishReason.ABORTED` with no tokens, since hf keeps no
-    partial output), new requests wait for the update, and each output carries the version it ran under.
-    Backends that keep their own (vLLM) do this themselves; their count is shifted to the pool's numbering.
+    The backend does the in-flight handling itself (`update_weights(..., in_flight=...)`: requests in
+    flight finish on the old weights, or stop `FinishReason.ABORTED` with their partial tokens; requests
+    arriving during an update wait for it) and labels each output with its own `weight_version`. A
+    replica restarted at pool version v loads the pool's weights once (backend version 1), so the replica
+    adds `offset` = pool version - backend version to every version it reports.
     """
 
     def __init__(
@@ -53,14 +49,8 @@ class GenerationReplica:
             torch.set_num_threads(torch_threads)  # Ray does not cap torch threads
         self.index = index
         self.backend = factory()
-        self._own_versions = type(self.backend).weight_version is GenerationInterface.weight_version
-        self._version = 0
-        """The pool's version of the weights served (when the backend keeps none)."""
         self._offset = 0
-        """Pool version minus the backend's own version (backends that keep one)."""
-        self._tasks: set[asyncio.Task] = set()
-        self._aborted: set[asyncio.Task] = set()
-        self._update_done: asyncio.Event | None = None
+        """Pool version minus the backend's own version."""
         self._update_lock: asyncio.Lock | None = None
         if weights is not None:  # a restarted replica serves the pool's current weights from its first request
             self._load_sync(weights, weight_version, "finish")
@@ -73,27 +63,11 @@ class GenerationReplica:
                 "weight_version": self.weight_version()}
 
     def weight_version(self) -> int:
-        return self._version if self._own_versions else self.backend.weight_version + self._offset
+        return self.backend.weight_version + self._offset
 
     async def generate(self, prompt_token_ids: Sequence[int], config: GenerationConfig) -> GenerationOutput:
-        while self._update_done is not None:  # requests arriving during an update run on the new weights
-            await self._update_done.wait()
-        if not self._own_versions:
-            out = await self.backend.generate_async(prompt_token_ids, config)
-            return dataclasses.replace(out, weight_version=out.weight_version + self._offset)
-        version = self._version
-        task = asyncio.ensure_future(self.backend.generate_async(prompt_token_ids, config))
-        self._tasks.add(task)
-        try:
-            out = await task
-        except asyncio.CancelledError:
-            if task in self._aborted:  # cancelled by an abort-mode update, not by the caller
-                return GenerationOutput((), (), FinishReason.ABORTED, weight_version=version)
-            raise
-        finally:
-            self._tasks.discard(task)
-            self._aborted.discard(task)
-        return dataclasses.replace(out, weight_version=version)
+        out = await self.backend.generate_async(prompt_token_ids, config)
+        return dataclasses.replace(out, weight_version=out.weight_version + self._offset)
 
     async def update_weights(
         self, state_dict: Mapping[str, Any], version: int, in_flight: Literal["finish", "abort"] = "finish"
@@ -101,33 +75,21 @@ class GenerationReplica:
         """Serve `state_dict` as pool version `version`; returns the version now served."""
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
-        async with self._update_lock:
-            if not self._own_versions:
-                await asyncio.to_thread(self._load_sync, state_dict, version, in_flight)
-                return self.weight_version()
-            self._update_done = asyncio.Event()
-            try:
-                if in_flight == "abort":
-                    for task in self._tasks:
-                        self._aborted.add(task)
-                        task.cancel()
-                while self._tasks:
-                    await asyncio.wait(set(self._tasks))
-                await asyncio.to_thread(self._load_sync, state_dict, version, in_flight)
-            finally:
-                done, self._update_done = self._update_done, None
-                done.set()
-            return self._version
+        async with self._update_lock:  # the backend's call blocks: run it off the loop that serves requests
+            await asyncio.to_thread(self._load_sync, state_dict, version, in_flight)
+            return self.weight_version()
 
     def _load_sync(self, state_dict: Mapping[str, Any], version: int, in_flight: str) -> None:
-        if self._own_versions:
-            self.backend.update_weights(state_dict)
-            self._version = version
-            return
+        before = self.backend.weight_version
         if in_flight == "finish":
             self.backend.update_weights(state_dict)
         else:
             self.backend.update_weights(state_dict, in_flight=in_flight)
+        if self.backend.weight_version != before + 1:
+            raise RuntimeError(
+                f"{type(self.backend).__name__}.update_weights did not advance its weight_version "
+                f"({before} -> {self.backend.weight_version}): a pool's backend must count its updates"
+            )
         self._offset = version - self.backend.weight_version
 
     def shutdown(self) -> None:

@@ -81,6 +81,7 @@ class RoutedGeneration(GenerationInterface):
         max_failures: int = 3,
         torch_threads: int | None = 1,
         ready_timeout_s: float = 600.0,
+        owns_ray: bool = False,
     ) -> None:
         import ray
 
@@ -110,6 +111,8 @@ class RoutedGeneration(GenerationInterface):
         self._weight_version = 0
         self._spread_max = 0
         self._closed = False
+        self._owns_ray = owns_ray
+        """True when `init_ray` started or joined Ray for this pool: `shutdown` then also ends Ray."""
         self._replicas = [_Replica(i, None) for i in range(num_replicas)]
         try:
             for replica in self._replicas:
@@ -124,16 +127,21 @@ class RoutedGeneration(GenerationInterface):
             raise
 
     @classmethod
-    def from_policy(cls, policy_cfg: Any, cluster_cfg: ClusterConfig, **kwargs: Any) -> RoutedGeneration:
+    def from_policy(
+        cls, policy_cfg: Any, cluster_cfg: ClusterConfig, tokenizer: Any = None, **kwargs: Any
+    ) -> RoutedGeneration:
         """A pool of `cluster_cfg.num_replicas` replicas of the backend `policy_cfg` names (a PolicyConfig).
 
-        The model folder must be readable at the same path on every node (a shared file system)."""
-        from transformers import AutoTokenizer
-
+        The model folder must be readable at the same path on every node (a shared file system).
+        `tokenizer`: the caller's (default: the model folder's)."""
         from nemo_rl_ext.cluster.replica import policy_backend_factory
         from nemo_rl_ext.models.policy import resolve_model_path
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(policy_cfg))
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(policy_cfg))
+            tokenizer.padding_side = "left"  # as models.tiny.load_model_and_tokenizer sets it
         return cls(
             policy_backend_factory(policy_cfg),
             tokenizer=tokenizer,
@@ -238,6 +246,8 @@ class RoutedGeneration(GenerationInterface):
         self._closed = True
         for replica in self._replicas:
             self._kill(replica)
+        if self._owns_ray:
+            self._ray.shutdown()
 
     # ---- routing ------------------------------------------------------------------------------
 

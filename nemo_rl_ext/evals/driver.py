@@ -161,7 +161,7 @@ async def run_eval_async(
     stop_after_groups: int | None = None,
 ) -> EvalResult:
     """`run_eval` inside a running event loop."""
-    from nemo_rl_ext.models.policy import build_generation
+    from nemo_rl_ext.cluster import build_policy_generation
 
     start = time.perf_counter()
     paths = EvalPaths(Path(cfg.eval.save_path))
@@ -177,7 +177,7 @@ async def run_eval_async(
     paths.config.write_text(dump_config(cfg))
 
     own_generation = generation is None
-    gen = build_generation(cfg.policy) if generation is None else generation
+    gen = build_policy_generation(cfg.policy) if generation is None else generation
     manager = None
     try:
         datums, manager = build_rollout_setup(cfg, gen, rows)

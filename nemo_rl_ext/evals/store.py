@@ -32,7 +32,8 @@ from nemo_rl_ext.config import ConfigError, config_changes
 from nemo_rl_ext.experience.records import Completion, PromptGroupRecord
 
 RESUME_MAY_CHANGE = frozenset(
-    {"eval.num_prompts", "eval.max_concurrent_prompts", "eval.max_error_rate", "policy.max_batch_size", "policy.hf"}
+    {"eval.num_prompts", "eval.max_concurrent_prompts", "eval.max_error_rate", "policy.max_batch_size", "policy.hf",
+     "policy.cluster"}
 )
 """Config keys that may differ between a run and its resumption (they change no completion)."""
 
