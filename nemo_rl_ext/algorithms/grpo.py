@@ -51,10 +51,14 @@ from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
-from nemo_rl_ext.cluster import RoutedGeneration, build_policy_generation, loads_model_folder
+from nemo_rl_ext.cluster import (
+    RoutedGeneration,
+    build_environment,
+    build_policy_generation,
+    loads_model_folder,
+)
 from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
 from nemo_rl_ext.datasets import gym_datums, load_jsonl, qa_datums
-from nemo_rl_ext.environments import create_environment
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
 from nemo_rl_ext.experience.records import DatumSpec, PromptGroupRecord
@@ -182,8 +186,15 @@ class GRPO:
             reference_model=reference,
         )
 
+        self._own_envs: list[EnvironmentInterface] = []
+        """Environments this run built (and shuts down); a given `task_to_env` is the caller's."""
         if task_to_env is None and cfg.rollouts.mode == "native":
-            task_to_env = {cfg.env.name: create_environment(cfg.env.name, **cfg.env.kwargs)}
+            env = build_environment(
+                cfg.env.name, cfg.env.kwargs, remote=cfg.env.remote, step_timeout_s=cfg.env.step_timeout_s,
+                cluster=cfg.policy.cluster,
+            )
+            task_to_env = {cfg.env.name: env}
+            self._own_envs.append(env)
         self.task_to_env = task_to_env
         if train_datums is None:
             train_datums = load_datums(cfg, self.tokenizer, cfg.data.train_path)
@@ -382,7 +393,8 @@ class GRPO:
         tqdm.write(line)
 
     def close(self) -> None:
-        """Stop the rollout managers (servers they started), the generation backend and the metrics writer."""
+        """Stop the rollout managers (servers they started), the environments this run built, the generation
+        backend and the metrics writer."""
         try:
             for manager in (self.manager, self._val_manager):
                 stop = getattr(manager, "shutdown", None)
@@ -390,9 +402,13 @@ class GRPO:
                 if inspect.isawaitable(result):
                     self._runner.run(result)
         finally:
-            self.generation.shutdown()
-            self._runner.close()
-            self.logger.close()
+            try:
+                for env in self._own_envs:  # a remote one's actor (and a Ray only it started)
+                    env.shutdown()
+            finally:
+                self.generation.shutdown()
+                self._runner.close()
+                self.logger.close()
 
     def __enter__(self) -> GRPO:
         return self

@@ -34,6 +34,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "logger",
     "output_dir",
     "resume",
+    "env.remote",
     "policy.max_batch_size",
     "policy.hf",
     "policy.cluster",
@@ -157,6 +158,14 @@ class EnvSettings(StrictModel):
 
     name: str = Field(default="math", description="A registered environment name.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of its constructor.")
+    remote: bool = Field(
+        default=False,
+        description="Host it in a Ray actor (policy.cluster's Ray, or a local one) that a step past "
+        "step_timeout_s kills and restarts; false: in this process (cheap environments).",
+    )
+    step_timeout_s: float = Field(
+        default=300.0, gt=0.0, description="remote: deadline of one environment step, in seconds."
+    )
 
 
 class RolloutSettings(StrictModel):
@@ -236,6 +245,9 @@ class GRPOConfig(CheckedConfig):
             problems.append((("rollouts", "gym"), "is required with rollouts.mode=nemo_gym", None))
         if mode == "native" and gym is not None:
             problems.append((("rollouts", "gym"), "is only used with rollouts.mode=nemo_gym", gym))
+        remote = raw_field(EnvSettings, section("env"), "remote")
+        if mode == "nemo_gym" and remote is True:
+            problems.append((("env", "remote"), "is only used with rollouts.mode=native (Gym agents score)", remote))
         return problems
 
 

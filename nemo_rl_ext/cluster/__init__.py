@@ -5,6 +5,7 @@ when a pool, a remote environment or `init_ray` is used, not by importing this p
 """
 
 from nemo_rl_ext.cluster.config import ClusterConfig, ReplicaResources
+from nemo_rl_ext.cluster.environment_hosting import build_environment
 from nemo_rl_ext.cluster.policy_generation import build_policy_generation, loads_model_folder
 from nemo_rl_ext.cluster.ray_runtime import init_ray
 from nemo_rl_ext.cluster.remote_environment import RemoteEnvironment
@@ -15,6 +16,7 @@ __all__ = [
     "RemoteEnvironment",
     "ReplicaResources",
     "RoutedGeneration",
+    "build_environment",
     "build_policy_generation",
     "init_ray",
     "loads_model_folder",

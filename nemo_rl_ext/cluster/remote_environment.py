@@ -53,7 +53,10 @@ def _registered(name: str, kwargs: Mapping[str, Any]) -> EnvironmentInterface:
 
 
 class RemoteEnvironment(EnvironmentInterface):
-    """Forwards `step` / `vote_keys` to an actor; kills and restarts it when a call passes `step_timeout_s`."""
+    """Forwards `step` / `vote_keys` to an actor; kills and restarts it when a call passes `step_timeout_s`.
+
+    `owns_ray`: `shutdown` also ends Ray (the builder started it for this environment alone).
+    """
 
     def __init__(
         self,
@@ -63,6 +66,7 @@ class RemoteEnvironment(EnvironmentInterface):
         max_restarts: int = 3,
         num_cpus: float = 0.0,
         ready_timeout_s: float = 300.0,
+        owns_ray: bool = False,
     ) -> None:
         import ray
 
@@ -82,6 +86,7 @@ class RemoteEnvironment(EnvironmentInterface):
         self.timeouts = 0
         """Calls that passed `step_timeout_s`."""
         self._failures_in_a_row = 0
+        self._owns_ray = owns_ray
         self._actor = self._actor_class.remote(factory)
         try:
             ray.get(self._actor.ready.remote(), timeout=ready_timeout_s)
@@ -150,3 +155,6 @@ class RemoteEnvironment(EnvironmentInterface):
                 self._ray.kill(actor, no_restart=True)
             except Exception:
                 pass
+        if self._owns_ray:  # this environment's builder started Ray: nothing else uses it
+            self._owns_ray = False
+            self._ray.shutdown()

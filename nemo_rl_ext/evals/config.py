@@ -76,6 +76,14 @@ class EvalSettings(StrictModel):
         description="Native modes: the registered environment; null: math (single_turn) or "
         "tool_calculator (multi_turn).",
     )
+    remote_environment: bool = Field(
+        default=False,
+        description="Native modes: host the environment in a Ray actor (policy.cluster's Ray, or a local one) "
+        "that a step past environment_step_timeout_s kills and restarts; false: in this process.",
+    )
+    environment_step_timeout_s: float = Field(
+        default=300.0, gt=0.0, description="remote_environment: deadline of one environment step, in seconds."
+    )
     system_prompt: str | None = Field(
         default=None,
         description="Native modes: system message of every prompt; null: the environment's default "
@@ -288,6 +296,10 @@ def rule_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
                         raw(ev, name, value),
                     )
                 )
+        if e("remote_environment") is True:
+            problems.append(
+                (("eval", "remote_environment"), "must be false in nemo_gym mode: the Gym agents score", True)
+            )
     try:
         parsed = GenerationCounts.parse(counts) if counts is not INVALID else None
     except ValueError:

@@ -91,17 +91,19 @@ def build_rollout_setup(
         manager = RolloutManager(**common, task_to_env=None, use_nemo_gym=True, gym_config=cfg.gym)
         return datums, manager
 
+    from nemo_rl_ext.cluster import build_environment
     from nemo_rl_ext.datasets import qa_datums
-    from nemo_rl_ext.environments import create_environment
 
     env_name = ev.resolved_environment
     assert env_name is not None
     system_prompt = ev.system_prompt if ev.system_prompt is not None else default_system_prompt(env_name)
     datums = qa_datums(tokenizer, rows, task_name=env_name, system_prompt=system_prompt or None)
     turns = 1 if ev.rollout_mode == "single_turn" else ev.max_rollout_turns
-    manager = RolloutManager(
-        **common, task_to_env={env_name: create_environment(env_name)}, max_rollout_turns=turns
+    env = build_environment(
+        env_name, remote=ev.remote_environment, step_timeout_s=ev.environment_step_timeout_s,
+        cluster=cfg.policy.cluster,
     )
+    manager = RolloutManager(**common, task_to_env={env_name: env}, max_rollout_turns=turns)
     return datums, manager
 
 
@@ -215,10 +217,14 @@ async def run_eval_async(
                 manager.impl, datums, expected, store, paths.root, reuse=not records
             )
     finally:
-        if manager is not None:
-            await manager.shutdown()  # the nemo_gym mode stops its policy server and Gym here
-        if own_generation:
-            gen.shutdown()
+        try:
+            if manager is not None:
+                await manager.shutdown()  # the nemo_gym mode stops its policy server and Gym here
+                for env in (getattr(manager.impl, "task_to_env", None) or {}).values():  # build_rollout_setup's
+                    env.shutdown()  # a remote one: its actor (and a Ray only it started)
+        finally:
+            if own_generation:
+                gen.shutdown()
     wall = time.perf_counter() - start
     metrics = batch_metrics(records, wall) if records else {}
     with open(paths.runs, "ab") as f:

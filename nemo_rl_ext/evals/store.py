@@ -33,7 +33,7 @@ from nemo_rl_ext.experience.records import Completion, PromptGroupRecord
 
 RESUME_MAY_CHANGE = frozenset(
     {"eval.num_prompts", "eval.max_concurrent_prompts", "eval.max_error_rate", "policy.max_batch_size", "policy.hf",
-     "policy.cluster"}
+     "policy.cluster", "eval.remote_environment"}
 )
 """Config keys that may differ between a run and its resumption (they change no completion)."""
 
