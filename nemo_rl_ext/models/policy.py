@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,11 +35,14 @@ def resolve_model_path(cfg: PolicyConfig) -> Path:
     return Path(cfg.model_name).expanduser()
 
 
-def build_generation(cfg: PolicyConfig, model=None, tokenizer=None) -> GenerationInterface:
+def build_generation(
+    cfg: PolicyConfig, model=None, tokenizer=None, vllm_engine_kwargs: Mapping[str, Any] | None = None
+) -> GenerationInterface:
     """The generation backend for `cfg`; pass `model`/`tokenizer` to share weights with a trainer.
 
     The vllm backend always loads the model folder itself (its engine runs in other processes); a trainer
-    keeps it in step with `update_weights(model.state_dict())`.
+    keeps it in step with `update_weights(model.state_dict())`. `vllm_engine_kwargs`: extra engine
+    arguments of the vllm backend (a Ray replica sets its executor backend this way).
     """
     if cfg.backend == "vllm":
         from nemo_rl_ext.models.generation.vllm_backend import VllmGeneration
@@ -50,6 +55,7 @@ def build_generation(cfg: PolicyConfig, model=None, tokenizer=None) -> Generatio
             tensor_parallel_size=cfg.vllm.tensor_parallel_size,
             enforce_eager=cfg.vllm.enforce_eager,
             enable_prefix_caching=cfg.vllm.enable_prefix_caching,
+            engine_kwargs=vllm_engine_kwargs,
         )
     from nemo_rl_ext.models.generation.hf_backend import HfGeneration
     from nemo_rl_ext.models.tiny import load_model_and_tokenizer
