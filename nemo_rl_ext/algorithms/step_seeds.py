@@ -53,10 +53,7 @@ class SaltedGeneration(GenerationInterface):
         return await self.inner.generate_async(prompt_token_ids, config)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
-        if in_flight == "finish":  # the default: backends written before the in_flight policy take it too
-            self.inner.update_weights(state_dict)
-        else:
-            self.inner.update_weights(state_dict, in_flight=in_flight)
+        self.inner.update_weights(state_dict, in_flight=in_flight)
 
     @property
     def weight_version(self) -> int:

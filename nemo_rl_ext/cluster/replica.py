@@ -13,10 +13,15 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from nemo_rl_ext.cluster.config import ReplicaResources
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
+from nemo_rl_ext.models.generation.interfaces import (
+    GenerationConfig,
+    GenerationInterface,
+    GenerationOutput,
+    InFlightPolicy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +75,7 @@ class GenerationReplica:
         return dataclasses.replace(out, weight_version=out.weight_version + self._offset)
 
     async def update_weights(
-        self, state_dict: Mapping[str, Any], version: int, in_flight: Literal["finish", "abort"] = "finish"
+        self, state_dict: Mapping[str, Any], version: int, in_flight: InFlightPolicy = "finish"
     ) -> int:
         """Serve `state_dict` as pool version `version`; returns the version now served."""
         if self._update_lock is None:
@@ -126,23 +131,11 @@ def build_policy_backend(policy_cfg: Any, tensor_parallel_ray: bool = False) -> 
     `tensor_parallel_ray`: a vLLM engine spanning several GPUs runs its workers as Ray actors in the
     replica's placement group (`distributed_executor_backend="ray"`). NOT TESTED here (no GPU).
     """
-    if policy_cfg.backend == "vllm" and tensor_parallel_ray:
-        from nemo_rl_ext.models.generation.vllm_backend import VllmGeneration
-        from nemo_rl_ext.models.policy import resolve_model_path
-
-        return VllmGeneration(
-            resolve_model_path(policy_cfg),
-            max_model_len=policy_cfg.max_model_len,
-            dtype=policy_cfg.dtype,
-            gpu_memory_utilization=policy_cfg.vllm.gpu_memory_utilization,
-            tensor_parallel_size=policy_cfg.vllm.tensor_parallel_size,
-            enforce_eager=policy_cfg.vllm.enforce_eager,
-            enable_prefix_caching=policy_cfg.vllm.enable_prefix_caching,
-            engine_kwargs={"distributed_executor_backend": "ray"},
-        )
     from nemo_rl_ext.models.policy import build_generation
 
-    return build_generation(policy_cfg)
+    return build_generation(
+        policy_cfg, vllm_engine_kwargs={"distributed_executor_backend": "ray"} if tensor_parallel_ray else None
+    )
 
 
 def policy_backend_factory(policy_cfg: Any) -> BackendFactory:

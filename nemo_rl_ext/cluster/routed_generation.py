@@ -28,11 +28,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from nemo_rl_ext.cluster.config import ClusterConfig, ReplicaResources
 from nemo_rl_ext.cluster.replica import BackendFactory, GenerationReplica, replica_actor_options
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
+from nemo_rl_ext.models.generation.interfaces import (
+    GenerationConfig,
+    GenerationInterface,
+    GenerationOutput,
+    InFlightPolicy,
+    check_in_flight,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -201,14 +207,11 @@ class RoutedGeneration(GenerationInterface):
             return out
         raise RuntimeError(f"generation failed on every replica after {len(exclude)} replica failures")
 
-    def update_weights(
-        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: Literal["finish", "abort"] = "finish"
-    ) -> None:
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
         """One `ray.put` of `state_dict`, the same reference to every live replica; returns when all serve it."""
         if self._closed:
             raise RuntimeError("RoutedGeneration was shut down")
-        if in_flight not in ("finish", "abort"):
-            raise ValueError(f"in_flight must be 'finish' or 'abort', got {in_flight!r}")
+        check_in_flight(in_flight)
         ray = self._ray
         ref = ray.put(dict(state_dict))
         version = self._weight_version + 1
