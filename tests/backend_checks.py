@@ -1,9 +1,12 @@
-"""Helpers shared by the generation-backend tests (hf and vLLM): chat prompts and a reference forward pass.
+"""Helpers shared by the generation-backend tests (hf and vLLM): chat prompts, a reference forward pass, and a
+gate that holds the hf decode loop at a chosen forward pass.
 
 Importable from any test module because pytest puts this folder (the one holding conftest.py) on sys.path.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -73,3 +76,17 @@ def not_greedy(model, context: list[int], generated: list[int] | tuple[int, ...]
         logits = model(input_ids=ids).logits[0, len(context) - 1 : -1].float()
     chosen = logits.gather(-1, torch.tensor(list(generated))[:, None])[:, 0]
     return [i for i, gap in enumerate((logits.max(-1).values - chosen).tolist()) if gap > GREEDY_LOGIT_SLACK]
+
+
+def gate_forward(backend, at_pass: int) -> tuple[threading.Event, threading.Event]:
+    """Make the hf backend's forward pass number `at_pass` wait: returns (reached, proceed) events."""
+    forward, reached, proceed = backend._forward, threading.Event(), threading.Event()
+
+    def gated(*args):
+        if backend.num_forward_passes == at_pass - 1:
+            reached.set()
+            assert proceed.wait(60), "the test never released the decode loop"
+        return forward(*args)
+
+    backend._forward = gated
+    return reached, proceed

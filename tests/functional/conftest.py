@@ -1,4 +1,5 @@
-"""Fixtures of the functional tests: the NeMo Gym venv (built once by scripts/setup_nemo_gym.sh)."""
+"""Fixtures of the functional tests: the NeMo Gym venv (built once by scripts/setup_nemo_gym.sh), one local Ray
+for the session, and the hf backend over the tiny model."""
 
 from __future__ import annotations
 
@@ -34,3 +35,14 @@ def local_ray():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def generation(tiny_model_and_tokenizer):
+    """The hf backend over the session's tiny model (max_model_len 512), one per test module."""
+    from nemo_rl_ext.models.generation.hf_backend import HfGeneration
+
+    model, tokenizer = tiny_model_and_tokenizer
+    gen = HfGeneration(model, tokenizer, max_model_len=512)
+    yield gen
+    gen.shutdown()

@@ -77,16 +77,6 @@ class TwoStepEnv(EnvironmentInterface):
 # ---- helpers ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def generation(tiny_model_and_tokenizer):
-    from nemo_rl_ext.models.generation.hf_backend import HfGeneration
-
-    model, tokenizer = tiny_model_and_tokenizer
-    gen = HfGeneration(model, tokenizer, max_model_len=512)
-    yield gen
-    gen.shutdown()
-
-
 def make_cfg(
     tiny_model_dir: Path, save_path: Path, policy: Mapping[str, Any] | None = None, **ev: Any
 ) -> EvalConfig:

@@ -135,16 +135,6 @@ class FailingGeneration(GenerationInterface):
 # ---- helpers ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def generation(tiny_model_and_tokenizer):
-    from nemo_rl_ext.models.generation.hf_backend import HfGeneration
-
-    model, tokenizer = tiny_model_and_tokenizer
-    gen = HfGeneration(model, tokenizer, max_model_len=512)
-    yield gen
-    gen.shutdown()
-
-
 def cli_args(tiny_model_dir: Path, save_path: Path) -> list[str]:
     return [
         "--config",

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nemo_rl_ext.environments import MathEnvironment, ToolCalculatorEnvironment
@@ -41,6 +42,7 @@ HOSTILE = [
 CHILD = r"""
 import asyncio, json, os, sys, time
 from pathlib import Path
+import psutil
 from nemo_rl_ext.environments import MathEnvironment
 from nemo_rl_ext.experience.records import Message
 
@@ -48,19 +50,7 @@ def log(text):
     return (Message("user", "q", ()), Message("assistant", text, ()))
 
 def descendants():
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    found, todo = [], [os.getpid()]
-    while todo:
-        parent = todo.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent]
-        found += children
-        todo += children
-    return found
+    return [p.pid for p in psutil.Process().children(recursive=True)]
 
 async def main(hostile, deadline):
     env = MathEnvironment(grading_timeout_s=deadline, grading_workers=6)
@@ -151,19 +141,8 @@ def test_workers_busy_with_hostile_answers_die_with_a_killed_caller(tmp_path: Pa
 
 
 def descendants(root: int) -> list[int]:
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    found, todo = [], [root]
-    while todo:
-        parent = todo.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent]
-        found += children
-        todo += children
-    return found
+    """Every process below `root` (children, grandchildren, ...)."""
+    return [p.pid for p in psutil.Process(root).children(recursive=True)]
 
 
 def wait_until_gone(pids: list[int], timeout_s: float) -> list[int]:

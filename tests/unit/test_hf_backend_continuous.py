@@ -7,11 +7,10 @@ the moment a row finished, so nothing depends on the machine's speed.
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
-from backend_checks import chat_prompts, forward_logprobs
+from backend_checks import chat_prompts, forward_logprobs, gate_forward
 
 from nemo_rl_ext.models.generation import GenerationConfig, GenerationOutput
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
@@ -47,20 +46,6 @@ def record_finish_steps(backend: HfGeneration) -> dict[int, int]:
 
     backend._hand_over = recording
     return steps
-
-
-def gate_forward(backend: HfGeneration, at_pass: int) -> tuple[threading.Event, threading.Event]:
-    """Make forward pass number `at_pass` wait: (reached, proceed) events."""
-    forward, reached, proceed = backend._forward, threading.Event(), threading.Event()
-
-    def gated(*args):
-        if backend.num_forward_passes == at_pass - 1:
-            reached.set()
-            assert proceed.wait(60), "the test never released the decode loop"
-        return forward(*args)
-
-    backend._forward = gated
-    return reached, proceed
 
 
 async def alone(make_backend, prompt, config) -> GenerationOutput:

@@ -4,13 +4,12 @@ continuation of an aborted turn (its ids and logprobs equal a forward pass under
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
 import torch
-from backend_checks import chat_prompts, forward_logprobs
+from backend_checks import chat_prompts, forward_logprobs, gate_forward
 
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.experience.datum import datum_from_messages
@@ -43,19 +42,6 @@ def backend(models):
     gen._eos_ids = frozenset({-1})  # rows run to their budget
     yield gen
     gen.shutdown()
-
-
-def gate_forward(backend: HfGeneration, at_pass: int) -> tuple[threading.Event, threading.Event]:
-    forward, reached, proceed = backend._forward, threading.Event(), threading.Event()
-
-    def gated(*args):
-        if backend.num_forward_passes == at_pass - 1:
-            reached.set()
-            assert proceed.wait(60), "the test never released the decode loop"
-        return forward(*args)
-
-    backend._forward = gated
-    return reached, proceed
 
 
 async def update_during_pass(backend: HfGeneration, state_dict, in_flight: str, at_pass: int,
