@@ -147,12 +147,15 @@ def test_abandoned_requests_leave_the_batch_and_the_next_request_is_quick(tiny_m
 
 def check_abandoned_requests_are_cancelled(server: PolicyServer, backend: HfGeneration) -> None:
     n, long_tokens = 16, 2000
-    passes = backend.num_forward_passes
+    passes, requests = backend.num_forward_passes, backend.num_requests
     body = {"messages": QUESTION, "max_tokens": long_tokens, "temperature": 1.0}
     clients = []
     for i in range(n):
         clients.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
         clients[-1].sendall(raw_request(CHAT, {**body, "seed": i}))
+    # every long request is in the engine (the continuous batcher starts decoding with the first one), and
+    # decoding has started: only then do the clients give up
+    wait_until(lambda: backend.num_requests >= requests + n, 60, "the long requests to reach the engine")
     wait_until(lambda: backend.num_forward_passes >= passes + 3, 60, "the long requests to start decoding")
     for sock in clients:  # the clients give up
         sock.close()

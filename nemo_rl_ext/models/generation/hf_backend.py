@@ -113,6 +113,8 @@ class HfGeneration(GenerationInterface):
         self._closed = False
         self._weight_version = 0
         self._held: list[tuple[Request, GenerationOutput | BaseException]] = []
+        self.num_requests = 0
+        """Requests accepted by `generate_async` so far."""
         self.num_forward_passes = 0
         """Model forward passes run so far (prefill and decode steps): a measure of batching."""
         self.num_decode_steps = 0
@@ -165,6 +167,7 @@ class HfGeneration(GenerationInterface):
             if self._closed:
                 raise RuntimeError("HfGeneration was shut down")
             self._pending.append(request)
+            self.num_requests += 1
             self._cond.notify()
         try:
             return await request.future
