@@ -45,6 +45,7 @@ grpo-demo: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 # pytest exits 5 when it collects no test: that is a failure here, never a silent pass.
 define run_pytest

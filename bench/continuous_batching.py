@@ -128,9 +128,9 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> None:
     args = ARGS
     torch.set_num_threads(args.threads)
-    from nemo_rl_ext.config import PolicyConfig
+    from nemo_rl_ext.models.config import PolicyConfig
+    from nemo_rl_ext.models.loading import load_model_and_tokenizer
     from nemo_rl_ext.models.policy import resolve_model_path
-    from nemo_rl_ext.models.tiny import load_model_and_tokenizer
 
     path = resolve_model_path(PolicyConfig(model_name=args.model))
     model, tokenizer = load_model_and_tokenizer(path, dtype=torch.float32, device="cpu")

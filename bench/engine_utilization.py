@@ -68,13 +68,13 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from _common import alternate_rounds, machine_line, median, print_table, spread  # noqa: E402
 
+from nemo_rl_ext.data.datasets import datum_from_messages  # noqa: E402
+from nemo_rl_ext.data.records import Message  # noqa: E402
 from nemo_rl_ext.environments.interfaces import (  # noqa: E402
     EnvironmentInterface,
     EnvironmentReturn,
     Observation,
 )
-from nemo_rl_ext.experience.datum import datum_from_messages  # noqa: E402
-from nemo_rl_ext.experience.records import Message  # noqa: E402
 from nemo_rl_ext.experience.rollout_manager import RolloutManager  # noqa: E402
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration  # noqa: E402
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig  # noqa: E402
@@ -126,9 +126,9 @@ def full_length_runs(generation, manager, datums, row_prompts, row_configs, max_
 def main() -> None:
     args = ARGS
     torch.set_num_threads(args.threads)
-    from nemo_rl_ext.config import PolicyConfig
+    from nemo_rl_ext.models.config import PolicyConfig
+    from nemo_rl_ext.models.loading import load_model_and_tokenizer
     from nemo_rl_ext.models.policy import resolve_model_path
-    from nemo_rl_ext.models.tiny import load_model_and_tokenizer
 
     path = resolve_model_path(PolicyConfig(model_name=args.model))
     model, tokenizer = load_model_and_tokenizer(path, dtype=torch.float32, device=args.device)

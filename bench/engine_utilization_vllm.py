@@ -42,9 +42,9 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
 
-    from nemo_rl_ext.config import PolicyConfig
-    from nemo_rl_ext.experience.datum import datum_from_messages
+    from nemo_rl_ext.data.datasets import datum_from_messages
     from nemo_rl_ext.experience.rollout_manager import RolloutManager
+    from nemo_rl_ext.models.config import PolicyConfig
     from nemo_rl_ext.models.generation.interfaces import GenerationConfig
     from nemo_rl_ext.models.generation.vllm_backend import VllmGeneration
     from nemo_rl_ext.models.policy import resolve_model_path

@@ -101,7 +101,7 @@ class InstantToolPolicy(GenerationInterface):
 def tiny_tokenizer():
     from transformers import AutoTokenizer
 
-    from nemo_rl_ext.config import PolicyConfig
+    from nemo_rl_ext.models.config import PolicyConfig
     from nemo_rl_ext.models.policy import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(PolicyConfig(model_name="tiny")))
@@ -109,7 +109,7 @@ def tiny_tokenizer():
 
 def serve_policy(port: int) -> None:
     """Entry point of the policy-server process: serve until SIGTERM."""
-    from nemo_rl_ext.models.generation.policy_server import PolicyServer
+    from nemo_rl_ext.serving.policy_server import PolicyServer
 
     tokenizer = tiny_tokenizer()
     server = PolicyServer(InstantToolPolicy(tokenizer), tokenizer, port=port, served_model_name="policy")
@@ -190,7 +190,7 @@ async def run_gym_client(head_url: str, rows: list[dict], concurrency: int) -> d
 
 async def run_manager(head_url: str, rows: list[dict], repeats: dict[str, int], concurrency: int,
                       tokenizer) -> dict:
-    from nemo_rl_ext.experience.records import DatumSpec, StopReason
+    from nemo_rl_ext.data.records import DatumSpec, StopReason
     from nemo_rl_ext.experience.rollout_manager import RolloutManager
 
     manager = RolloutManager(

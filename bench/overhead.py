@@ -45,14 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine_line, median, print_table, spread  # noqa: E402
 
+from nemo_rl_ext.data.chat import ObservationFormatter  # noqa: E402
+from nemo_rl_ext.data.datasets import datum_from_messages  # noqa: E402
+from nemo_rl_ext.data.records import DatumSpec, Message  # noqa: E402
 from nemo_rl_ext.environments.interfaces import (  # noqa: E402
     EnvironmentInterface,
     EnvironmentReturn,
     Observation,
 )
-from nemo_rl_ext.experience.chat_format import ObservationFormatter  # noqa: E402
-from nemo_rl_ext.experience.datum import datum_from_messages  # noqa: E402
-from nemo_rl_ext.experience.records import DatumSpec, Message  # noqa: E402
 from nemo_rl_ext.models.generation.interfaces import (  # noqa: E402
     FinishReason,
     GenerationConfig,
@@ -328,7 +328,7 @@ def main() -> None:
         worker(args)
         return
 
-    from nemo_rl_ext.config import PolicyConfig
+    from nemo_rl_ext.models.config import PolicyConfig
     from nemo_rl_ext.models.policy import resolve_model_path
 
     args.model_dir = str(resolve_model_path(PolicyConfig(model_name="tiny")))  # built once, then cached

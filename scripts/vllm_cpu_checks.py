@@ -140,7 +140,7 @@ def make_recorder(engine, tokenizer):
 
 
 def gym_datums():
-    from nemo_rl_ext.experience.records import DatumSpec
+    from nemo_rl_ext.data.records import DatumSpec
 
     rows = [json.loads(line) for line in GYM_ROWS.read_text().splitlines() if line.strip()]
     datums = []
@@ -165,7 +165,7 @@ def assistant_turns(completion) -> list[tuple[list[int], object]]:
 
 def check_records(name, datums, records, metrics, recorder, hf_model, *, min_turns: int) -> dict:
     """The acceptance checks of one rollout batch; returns numbers for the report."""
-    from nemo_rl_ext.experience.records import StopReason
+    from nemo_rl_ext.data.records import StopReason
 
     sizes = [len(r.completions) for r in records]
     assert sizes == [COUNTS[d.agent] for d in datums], sizes
@@ -262,7 +262,8 @@ async def run_gym(args) -> None:
 
     from nemo_rl_ext.experience.rollout_manager import RolloutManager
     from nemo_rl_ext.models.generation import GenerationConfig
-    from nemo_rl_ext.models.tiny import build_tiny_model, load_model_and_tokenizer
+    from nemo_rl_ext.models.loading import load_model_and_tokenizer
+    from nemo_rl_ext.models.tiny import build_tiny_model
 
     gym_venv = Path(args.gym_venv or _gym_venv())
     work = Path(tempfile.mkdtemp(prefix="vllm_cpu_gym_"))

@@ -19,6 +19,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_and_tokenizer(tiny_model_dir: Path) -> tuple[Any, Any]:
     """(model, tokenizer) loaded fp32 on CPU from `tiny_model_dir`; shared, so never train or mutate it."""
-    from nemo_rl_ext.models.tiny import load_model_and_tokenizer
+    from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer(tiny_model_dir)

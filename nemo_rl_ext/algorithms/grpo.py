@@ -58,13 +58,13 @@ from nemo_rl_ext.cluster import (
     loads_model_folder,
 )
 from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
-from nemo_rl_ext.datasets import gym_datums, load_jsonl, qa_datums
+from nemo_rl_ext.data.datasets import gym_datums, load_jsonl, qa_datums
+from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
-from nemo_rl_ext.experience.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.experience.rollout_manager import RolloutManager, batch_metrics
+from nemo_rl_ext.models.loading import load_model_and_tokenizer
 from nemo_rl_ext.models.policy import resolve_model_path
-from nemo_rl_ext.models.tiny import load_model_and_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from nemo_rl_ext.algorithms.advantages import (
     flatten_group_advantages,
 )
 from nemo_rl_ext.algorithms.loss import CompletionTensors, completion_to_tensors
-from nemo_rl_ext.experience.records import Completion, PromptGroupRecord, StopReason
+from nemo_rl_ext.data.records import Completion, PromptGroupRecord, StopReason
 
 
 @dataclass(frozen=True, eq=False)

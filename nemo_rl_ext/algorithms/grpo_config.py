@@ -17,10 +17,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
-from nemo_rl_ext.config import INVALID, CheckedConfig, PolicyConfig, RuleProblem, StrictModel, raw_field
+from nemo_rl_ext.config import INVALID, CheckedConfig, RuleProblem, StrictModel, raw_field
+from nemo_rl_ext.data.generation_counts import GenerationCounts
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
-from nemo_rl_ext.experience.generation_counts import GenerationCounts
 from nemo_rl_ext.gym.config import GymConfig
+from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 
 RESUME_MAY_CHANGE: tuple[str, ...] = (

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from nemo_rl_ext.experience.records import Completion, StopReason
+from nemo_rl_ext.data.records import Completion, StopReason
 
 
 @dataclass(frozen=True)

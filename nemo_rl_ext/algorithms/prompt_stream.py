@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_rl_ext.experience.records import DatumSpec
+from nemo_rl_ext.data.records import DatumSpec
 
 
 class PromptStream:

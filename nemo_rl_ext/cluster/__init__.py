@@ -4,12 +4,12 @@ Layer 3: imports models/ and environments/, never experience/, evals/ or algorit
 when a pool, a remote environment or `init_ray` is used, not by importing this package.
 """
 
-from nemo_rl_ext.cluster.config import ClusterConfig, ReplicaResources
 from nemo_rl_ext.cluster.environment_hosting import build_environment
 from nemo_rl_ext.cluster.policy_generation import build_policy_generation, loads_model_folder
 from nemo_rl_ext.cluster.ray_runtime import init_ray
 from nemo_rl_ext.cluster.remote_environment import RemoteEnvironment
 from nemo_rl_ext.cluster.routed_generation import RoutedGeneration
+from nemo_rl_ext.models.config import ClusterConfig, ReplicaResources
 
 __all__ = [
     "ClusterConfig",

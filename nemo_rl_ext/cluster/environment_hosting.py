@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from nemo_rl_ext.cluster.ray_runtime import init_ray
 
 if TYPE_CHECKING:
-    from nemo_rl_ext.cluster.config import ClusterConfig
     from nemo_rl_ext.environments.interfaces import EnvironmentInterface
+    from nemo_rl_ext.models.config import ClusterConfig
 
 
 def build_environment(

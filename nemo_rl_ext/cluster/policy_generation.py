@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from nemo_rl_ext.cluster.ray_runtime import init_ray
 
 if TYPE_CHECKING:
-    from nemo_rl_ext.config import PolicyConfig
+    from nemo_rl_ext.models.config import PolicyConfig
     from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
 

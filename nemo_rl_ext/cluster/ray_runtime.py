@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from nemo_rl_ext.cluster.config import ClusterConfig
+from nemo_rl_ext.models.config import ClusterConfig
 
 logger = logging.getLogger(__name__)
 

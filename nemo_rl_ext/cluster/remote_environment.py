@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 
 if TYPE_CHECKING:
-    from nemo_rl_ext.experience.records import Message
+    from nemo_rl_ext.data.records import Message
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nemo_rl_ext.cluster.config import ReplicaResources
+from nemo_rl_ext.models.config import ReplicaResources
 from nemo_rl_ext.models.generation.interfaces import (
     GenerationConfig,
     GenerationInterface,

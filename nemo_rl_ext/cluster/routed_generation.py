@@ -30,8 +30,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nemo_rl_ext.cluster.config import ClusterConfig, ReplicaResources
 from nemo_rl_ext.cluster.replica import BackendFactory, GenerationReplica, replica_actor_options
+from nemo_rl_ext.models.config import ClusterConfig, ReplicaResources
 from nemo_rl_ext.models.generation.interfaces import (
     GenerationConfig,
     GenerationInterface,

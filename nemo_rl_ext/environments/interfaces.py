@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl_ext.experience.records import Message
+from nemo_rl_ext.data.records import Message
 
 
 @dataclass(frozen=True)

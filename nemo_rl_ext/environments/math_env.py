@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nemo_rl_ext.data.records import Message
 from nemo_rl_ext.environments.grading_pool import (
     DEFAULT_GRADING_TIMEOUT_S,
     DEFAULT_GRADING_WORKERS,
@@ -31,7 +32,6 @@ from nemo_rl_ext.environments.math_grading import (
     math_vote_key,
 )
 from nemo_rl_ext.environments.registry import register_environment
-from nemo_rl_ext.experience.records import Message
 
 __all__ = [
     "Grade",

@@ -10,10 +10,10 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from nemo_rl_ext.data.records import Message
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.environments.math_env import ground_truth_of, last_assistant_content
 from nemo_rl_ext.environments.registry import register_environment
-from nemo_rl_ext.experience.records import Message
 
 MatchMode = Literal["exact", "similarity", "prefix"]
 

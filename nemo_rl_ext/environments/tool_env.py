@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nemo_rl_ext.data.records import Message
+from nemo_rl_ext.data.tool_calls import MAX_TOOL_CALL_CHARS, MAX_TOOL_CALL_DEPTH, ToolCall, parse_tool_calls
 from nemo_rl_ext.environments.calculator import CalculatorError, evaluate_expression, format_number
 from nemo_rl_ext.environments.grading_pool import DEFAULT_GRADING_TIMEOUT_S, DEFAULT_GRADING_WORKERS
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
@@ -15,8 +17,6 @@ from nemo_rl_ext.environments.math_env import (
     last_assistant_content,
 )
 from nemo_rl_ext.environments.registry import register_environment
-from nemo_rl_ext.experience.records import Message
-from nemo_rl_ext.models.tool_calls import MAX_TOOL_CALL_CHARS, MAX_TOOL_CALL_DEPTH, ToolCall, parse_tool_calls
 
 CALCULATOR_TOOL_NAME = "calculator"
 """The one tool this environment offers."""

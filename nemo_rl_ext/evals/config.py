@@ -22,17 +22,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from nemo_rl_ext.config import (
-    INVALID,
-    CheckedConfig,
-    PolicyConfig,
-    RuleProblem,
-    StrictModel,
-    raise_problems,
-    raw_field,
-)
-from nemo_rl_ext.experience.generation_counts import DEFAULT_KEY, GenerationCounts
+from nemo_rl_ext.config import INVALID, CheckedConfig, RuleProblem, StrictModel, raise_problems, raw_field
+from nemo_rl_ext.data.generation_counts import DEFAULT_KEY, GenerationCounts
 from nemo_rl_ext.gym.config import GymConfig, resolve_gym_path
+from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 
 RolloutMode = Literal["single_turn", "multi_turn", "nemo_gym"]

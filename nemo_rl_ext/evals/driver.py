@@ -29,6 +29,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from nemo_rl_ext.config import dump_config
+from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.evals.config import EvalConfig, dataset_file
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, vote_key
 from nemo_rl_ext.evals.store import (
@@ -41,7 +42,6 @@ from nemo_rl_ext.evals.store import (
     is_error,
     row_digests,
 )
-from nemo_rl_ext.experience.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.experience.rollout_manager import RolloutManager, batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
@@ -57,7 +57,7 @@ def default_system_prompt(environment: str | None) -> str | None:
 
 def load_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
     """The dataset rows the eval evaluates: the first `eval.num_prompts` rows of `eval.dataset_path`."""
-    from nemo_rl_ext.datasets import load_jsonl
+    from nemo_rl_ext.data.datasets import load_jsonl
 
     ev = cfg.eval
     # a Gym row's agent may come from gym.agent_name: gym_datums names the rows that have none
@@ -71,7 +71,7 @@ def build_rollout_setup(
     """The datums and the RolloutManager for `cfg.eval.rollout_mode` (the only function that branches on it).
 
     `rows`: the rows to evaluate (default: `load_rows(cfg)`)."""
-    from nemo_rl_ext.datasets import gym_datums
+    from nemo_rl_ext.data.datasets import gym_datums
 
     ev = cfg.eval
     rows = load_rows(cfg) if rows is None else rows
@@ -92,7 +92,7 @@ def build_rollout_setup(
         return datums, manager
 
     from nemo_rl_ext.cluster import build_environment
-    from nemo_rl_ext.datasets import qa_datums
+    from nemo_rl_ext.data.datasets import qa_datums
 
     env_name = ev.resolved_environment
     assert env_name is not None

@@ -17,9 +17,9 @@ from typing import Any
 import orjson
 
 from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.evals.store import CompletionStore, is_error
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
-from nemo_rl_ext.experience.records import DatumSpec
 from nemo_rl_ext.gym.client import agent_name_of
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_ext.data.records import PromptGroupRecord, StopReason
 from nemo_rl_ext.environments.interfaces import default_vote_key
-from nemo_rl_ext.experience.records import PromptGroupRecord, StopReason
 
 
 def _as_int(name: str, value: int) -> int:

@@ -29,7 +29,7 @@ import orjson
 from omegaconf import OmegaConf
 
 from nemo_rl_ext.config import ConfigError, config_changes
-from nemo_rl_ext.experience.records import Completion, PromptGroupRecord
+from nemo_rl_ext.data.records import Completion, PromptGroupRecord
 
 RESUME_MAY_CHANGE = frozenset(
     {"eval.num_prompts", "eval.max_concurrent_prompts", "eval.max_error_rate", "policy.max_batch_size", "policy.hf",

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl_ext.experience.records import Completion, Message, StopReason
+from nemo_rl_ext.data.records import Completion, Message, StopReason
 
 TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 GENERATED_TYPES = frozenset({"function_call", "reasoning"})

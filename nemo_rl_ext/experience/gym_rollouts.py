@@ -25,12 +25,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from nemo_rl_ext.datasets import GYM_REPEAT_KEY, GYM_TASK_KEY
+from nemo_rl_ext.data.datasets import GYM_REPEAT_KEY, GYM_TASK_KEY
+from nemo_rl_ext.data.generation_counts import GenerationCounts
+from nemo_rl_ext.data.records import Completion, DatumSpec, PromptGroupRecord, StopReason
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
-from nemo_rl_ext.experience.generation_counts import GenerationCounts
 from nemo_rl_ext.experience.gym_results import gym_numeric_metrics, result_to_completion
 from nemo_rl_ext.experience.native_rollouts import rollout_seed
-from nemo_rl_ext.experience.records import Completion, DatumSpec, PromptGroupRecord, StopReason
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
 from nemo_rl_ext.gym.client import GymClient, GymRowError, agent_name_of
@@ -173,7 +173,7 @@ class AsyncNemoGymRolloutImpl:
 
     def start_policy_server(self) -> str:
         """Serve `policy_generation` over the OpenAI-compatible API; returns its base URL."""
-        from nemo_rl_ext.models.generation.policy_server import PolicyServer
+        from nemo_rl_ext.serving.policy_server import PolicyServer
 
         with self._life_lock:
             server = self._server

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from nemo_rl_ext.experience.generation_counts import GenerationCountError, GenerationCounts
+from nemo_rl_ext.data.generation_counts import GenerationCountError, GenerationCounts
 
 
 def dataset_problems(
@@ -32,7 +32,7 @@ def dataset_problems(
     first rows are rolled out, so only they need a count. `gym_agent_name`: the agent of Gym rows without
     `agent_ref` (`gym.agent_name`).
     """
-    from nemo_rl_ext.datasets import gym_datums, load_jsonl
+    from nemo_rl_ext.data.datasets import gym_datums, load_jsonl
 
     path = Path(path)
     if not path.is_file():

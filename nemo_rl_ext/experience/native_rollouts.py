@@ -14,11 +14,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_rl_ext.data.chat import ObservationFormatter
+from nemo_rl_ext.data.generation_counts import GenerationCounts
+from nemo_rl_ext.data.records import Completion, DatumSpec, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
-from nemo_rl_ext.experience.chat_format import ObservationFormatter
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
-from nemo_rl_ext.experience.generation_counts import GenerationCounts
-from nemo_rl_ext.experience.records import Completion, DatumSpec, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
 from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig, GenerationInterface

@@ -12,12 +12,12 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+from nemo_rl_ext.data.generation_counts import GenerationCounts
+from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, gather_or_cancel
-from nemo_rl_ext.experience.generation_counts import GenerationCounts
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
-from nemo_rl_ext.experience.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface

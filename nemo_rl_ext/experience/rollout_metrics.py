@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from nemo_rl_ext.experience.records import Completion, StopReason
+from nemo_rl_ext.data.records import Completion, StopReason
 
 
 def token_counts(completion: Completion, prompt_len: int) -> tuple[int, int, int]:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl_ext.experience.generation_counts import GenerationCounts
+from nemo_rl_ext.data.generation_counts import GenerationCounts
 
 TokenizerType = PreTrainedTokenizerBase
 """What rollouts tokenize with (NeMo-RL's `rollout_manager.TokenizerType`)."""

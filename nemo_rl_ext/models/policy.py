@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from nemo_rl_ext.config import ConfigError, PolicyConfig
+from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
 
@@ -58,7 +59,7 @@ def build_generation(
             engine_kwargs=vllm_engine_kwargs,
         )
     from nemo_rl_ext.models.generation.hf_backend import HfGeneration
-    from nemo_rl_ext.models.tiny import load_model_and_tokenizer
+    from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
     if model is None or tokenizer is None:
         model, tokenizer = load_model_and_tokenizer(

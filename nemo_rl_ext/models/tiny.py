@@ -21,16 +21,14 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
     GenerationConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT_REGEX
+
+from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -203,16 +201,6 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def load_model_and_tokenizer(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM folder (tiny or SmolLM2) in eval mode, with a left-padding tokenizer."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"
-    return model, tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -144,8 +144,8 @@ def test_remote_environment_config_errors_come_in_one_message():
 @pytest.mark.gym
 @pytest.mark.timeout(900)
 def test_one_nemo_gym_grpo_step_on_a_two_replica_pool_refits_both(local_ray, gym_venv, tmp_path, monkeypatch):
-    from nemo_rl_ext.models.generation.policy_server import PolicyServer
     from nemo_rl_ext.models.tiny import build_tiny_model
+    from nemo_rl_ext.serving.policy_server import PolicyServer
 
     servers = []  # (server, the generation it serves) of every policy server built: Gym's one URL
     real_init = PolicyServer.__init__

@@ -39,7 +39,7 @@ from nemo_rl_ext.environments.registry import register_environment
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
 from nemo_rl_ext.models.generation import GenerationConfig
-from nemo_rl_ext.models.tiny import load_model_and_tokenizer
+from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 ARITHMETIC = REPO / "examples" / "data" / "arithmetic.jsonl"
@@ -305,7 +305,7 @@ def test_run_grpo_nemo_gym(backend, gym_venv, tmp_path):
 def test_policy_server_cli(backend, tiny_model_dir, tiny_model_and_tokenizer):
     openai = pytest.importorskip("openai", reason="the openai client is a dev dependency")
     model, tokenizer = tiny_model_and_tokenizer
-    cmd = [sys.executable, "-m", "nemo_rl_ext.models.generation.policy_server", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "nemo_rl_ext.serving.policy_server", "--model", str(tiny_model_dir),
            "--backend", backend, "--port", "0", "--dtype", "float32", "--max-model-len", "256",
            "--served-model-name", "tiny", "--log-level", "info", "--max-tokens", "4"]
     if backend == "vllm":

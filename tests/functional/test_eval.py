@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.data.records import Message
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.environments.registry import register_environment
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
-from nemo_rl_ext.experience.records import Message
 
 REPO = Path(__file__).resolve().parents[2]
 ARITHMETIC = REPO / "examples" / "data" / "arithmetic.jsonl"

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from nemo_rl_ext.data.records import Message
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.environments.registry import register_environment
 from nemo_rl_ext.evals.config import EvalConfig
@@ -33,7 +34,6 @@ from nemo_rl_ext.evals.driver import EvalResult, run_eval
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.native_rollouts import rollout_seed
-from nemo_rl_ext.experience.records import Message
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from gym_processes import gone, gym_servers_under
 
-from nemo_rl_ext.experience.records import DatumSpec, StopReason
+from nemo_rl_ext.data.records import DatumSpec, StopReason
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation import (
     FinishReason,

@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 from transformers import AutoTokenizer
 
-from nemo_rl_ext.experience.records import Completion, DatumSpec, StopReason
+from nemo_rl_ext.data.records import Completion, DatumSpec, StopReason
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation import (
     FinishReason,

@@ -19,8 +19,8 @@ import torch
 from backend_checks import chat_prompts, forward_logprobs, not_greedy
 
 from nemo_rl_ext.cluster import RemoteEnvironment, ReplicaResources, RoutedGeneration
+from nemo_rl_ext.data.records import Message
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
-from nemo_rl_ext.experience.records import Message
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 

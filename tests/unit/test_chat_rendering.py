@@ -11,11 +11,10 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from nemo_rl_ext.experience.chat_format import ObservationFormatter
-from nemo_rl_ext.experience.datum import tokenize_prompt
+from nemo_rl_ext.data.chat import ObservationFormatter, tokenize_prompt
 from nemo_rl_ext.models.generation import FinishReason, GenerationInterface, GenerationOutput
-from nemo_rl_ext.models.generation.policy_server import PolicyServer, PolicyService
 from nemo_rl_ext.models.smollm2 import smollm2_path
+from nemo_rl_ext.serving.policy_server import PolicyServer, PolicyService
 
 TOKENIZERS = ["tiny", "smollm2"]
 WEATHER_TOOL = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from nemo_rl_ext.cluster.config import ClusterConfig
+from nemo_rl_ext.models.config import ClusterConfig
 
 
 def test_defaults_start_a_local_ray_with_one_replica():

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from nemo_rl_ext.data.records import Message
 from nemo_rl_ext.environments import (
     EnvironmentInterface,
     EnvironmentReturn,
@@ -20,7 +21,6 @@ from nemo_rl_ext.environments import (
     register_environment,
 )
 from nemo_rl_ext.environments.math_env import extract_answer, grade_answer
-from nemo_rl_ext.experience.records import Message
 
 
 def msg(role: str, content: str) -> Message:

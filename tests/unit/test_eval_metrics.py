@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 
+from nemo_rl_ext.data.records import Completion, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.evals.metrics import (
     PromptSamples,
     aggregate_eval_metrics,
@@ -21,7 +22,6 @@ from nemo_rl_ext.evals.metrics import (
     prompt_samples_from_record,
     vote_key,
 )
-from nemo_rl_ext.experience.records import Completion, Message, PromptGroupRecord, StopReason
 
 # ---- brute-force references (tests only) -------------------------------------------------------------
 
@@ -388,10 +388,10 @@ def test_vote_key_of_a_sample() -> None:
 
 def test_the_eval_summary_votes_with_the_keys_written_to_completions_jsonl(tmp_path) -> None:
     from nemo_rl_ext.config import load_config
+    from nemo_rl_ext.data.records import DatumSpec
     from nemo_rl_ext.evals.config import EvalConfig
     from nemo_rl_ext.evals.driver import summarize
     from nemo_rl_ext.evals.store import CompletionStore, completion_line
-    from nemo_rl_ext.experience.records import DatumSpec
 
     record = record_of([
         (1.0, "21", {"vote_key": "21", "grading": "ok"}),

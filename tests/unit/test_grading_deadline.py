@@ -14,11 +14,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from nemo_rl_ext.data.datasets import datum_from_messages
+from nemo_rl_ext.data.records import Completion, Message, StopReason
 from nemo_rl_ext.environments import MathEnvironment, ToolCalculatorEnvironment
 from nemo_rl_ext.environments.grading_pool import GradingPool
 from nemo_rl_ext.environments.math_grading import extract_answer, grade_answer
-from nemo_rl_ext.experience.datum import datum_from_messages
-from nemo_rl_ext.experience.records import Completion, Message, StopReason
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.models.generation import (
@@ -44,7 +44,7 @@ import asyncio, json, os, sys, time
 from pathlib import Path
 import psutil
 from nemo_rl_ext.environments import MathEnvironment
-from nemo_rl_ext.experience.records import Message
+from nemo_rl_ext.data.records import Message
 
 def log(text):
     return (Message("user", "q", ()), Message("assistant", text, ()))

@@ -25,7 +25,7 @@ from nemo_rl_ext.algorithms.checkpoint import (
     save_checkpoint,
 )
 from nemo_rl_ext.config import ConfigError
-from nemo_rl_ext.models.tiny import load_model_and_tokenizer
+from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
 
 def trained_model_and_optimizer(model):

@@ -18,9 +18,9 @@ from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration, mix_seed
 from nemo_rl_ext.config import ConfigError, load_config
+from nemo_rl_ext.data.records import Completion, DatumSpec, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.environments import create_environment
 from nemo_rl_ext.environments.string_match import match_reward
-from nemo_rl_ext.experience.records import Completion, DatumSpec, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.models.generation import (
     FinishReason,
     GenerationConfig,

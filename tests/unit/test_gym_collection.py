@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from test_gym_rollouts import FakeAgents, UnusedPolicy, gym_manager
 
 from nemo_rl_ext.config import ConfigError
-from nemo_rl_ext.datasets import gym_datums
+from nemo_rl_ext.data.datasets import gym_datums
 from nemo_rl_ext.evals.config import EvalConfig, input_problems
 from nemo_rl_ext.evals.driver import run_eval_async
 from nemo_rl_ext.gym.config import GymConfig, GymLaunchConfig, resolve_gym_path

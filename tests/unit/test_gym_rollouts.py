@@ -12,9 +12,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from nemo_rl_ext.data.records import DatumSpec, StopReason
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError
 from nemo_rl_ext.experience.gym_results import GymResultError, result_to_completion
-from nemo_rl_ext.experience.records import DatumSpec, StopReason
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.gym.client import (
     GymClient,
@@ -23,7 +23,7 @@ from nemo_rl_ext.gym.client import (
     innermost_gym_error,
 )
 from nemo_rl_ext.models.generation import GenerationConfig, GenerationInterface
-from nemo_rl_ext.serving import ThreadedServer
+from nemo_rl_ext.serving.threaded_server import ThreadedServer
 
 NESTED_ERROR_BODY = (Path(__file__).parent.parent / "data" / "gym" / "nested-error-body.txt").read_text()
 """A 500 body of Gym 0.7.0's /run, captured in tests/functional/test_real_gym_rollouts.py."""

@@ -11,13 +11,13 @@ import pytest
 import torch
 from backend_checks import chat_prompts, forward_logprobs, gate_forward
 
+from nemo_rl_ext.data.datasets import datum_from_messages
+from nemo_rl_ext.data.records import Message
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
-from nemo_rl_ext.experience.datum import datum_from_messages
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
-from nemo_rl_ext.experience.records import Message
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
-from nemo_rl_ext.models.tiny import load_model_and_tokenizer
+from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
 LONG = GenerationConfig(max_new_tokens=40, temperature=1.0, seed=5)
 

@@ -15,7 +15,7 @@ from nemo_rl_ext.algorithms.loss import (
     kl_penalty,
     pad_completion_tensors,
 )
-from nemo_rl_ext.experience.records import Completion, Message, StopReason
+from nemo_rl_ext.data.records import Completion, Message, StopReason
 
 NO_IS = ClippedPGLossConfig(importance_sampling_correction=False)
 

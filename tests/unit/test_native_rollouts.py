@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 import pytest
 
+from nemo_rl_ext.data.datasets import datum_from_messages
+from nemo_rl_ext.data.generation_counts import GenerationCountError
+from nemo_rl_ext.data.records import Completion, StopReason
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.environments.tool_env import ToolCalculatorEnvironment
-from nemo_rl_ext.experience.datum import datum_from_messages
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError
-from nemo_rl_ext.experience.generation_counts import GenerationCountError
-from nemo_rl_ext.experience.records import Completion, StopReason
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation import (
     FinishReason,

@@ -12,15 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nemo_rl_ext.models import smollm2
-from nemo_rl_ext.models.tiny import (
-    IM_END,
-    IM_START,
-    PAD_TOKEN,
-    build_tiny_model,
-    build_tokenizer,
-    load_model_and_tokenizer,
-    main,
-)
+from nemo_rl_ext.models.loading import load_model_and_tokenizer
+from nemo_rl_ext.models.tiny import IM_END, IM_START, PAD_TOKEN, build_tiny_model, build_tokenizer, main
 
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>'
 STRINGS = [

@@ -26,8 +26,8 @@ from nemo_rl_ext.models.generation import (
     GenerationOutput,
 )
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
-from nemo_rl_ext.models.generation.policy_server import PolicyServer
 from nemo_rl_ext.models.tiny import IM_END, TOOLS_PREAMBLE
+from nemo_rl_ext.serving.policy_server import PolicyServer
 
 MAX_MODEL_LEN = 1024
 GYM_REQUESTS = Path(__file__).parent.parent / "data" / "gym_vllm_model_requests.jsonl"

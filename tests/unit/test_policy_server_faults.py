@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
-from nemo_rl_ext.models.generation.policy_server import (
+from nemo_rl_ext.serving.policy_server import (
     DEFAULT_MAX_TOKENS,
     PolicyServer,
     build_parser,

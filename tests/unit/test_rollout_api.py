@@ -18,11 +18,11 @@ from test_native_rollouts import TOOL_SCRIPT, EchoEnv, ScriptedPolicy, datum
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.algorithms.grpo_batch import build_training_batch
+from nemo_rl_ext.data.records import Completion, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.environments.tool_env import ToolCalculatorEnvironment
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
-from nemo_rl_ext.experience.records import Completion, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationOutput
 
@@ -69,7 +69,7 @@ def test_the_documented_names_import_from_the_rollout_manager_module():
 
     assert TokenizerType is PreTrainedTokenizerBase
     assert rollout_manager.AsyncRolloutImpl.__module__ == "nemo_rl_ext.experience.native_rollouts"
-    assert rollout_manager.PromptGroupRecord.__module__ == "nemo_rl_ext.experience.records"
+    assert rollout_manager.PromptGroupRecord.__module__ == "nemo_rl_ext.data.records"
 
 
 def params(fn) -> list[tuple[str, object]]:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from nemo_rl_ext.models.tool_calls import (
+from nemo_rl_ext.data.tool_calls import (
     MAX_TOOL_CALL_CHARS,
     MAX_TOOL_CALL_DEPTH,
     ToolCall,

@@ -29,7 +29,7 @@ from backend_checks import chat_prompts, forward_logprobs, not_greedy  # noqa: E
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig  # noqa: E402
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration  # noqa: E402
 from nemo_rl_ext.models.generation.vllm_backend import VllmGeneration  # noqa: E402
-from nemo_rl_ext.models.tiny import load_model_and_tokenizer  # noqa: E402
+from nemo_rl_ext.models.loading import load_model_and_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -225,7 +225,7 @@ def test_requests_from_another_thread_and_loop(engine, tiny_model_and_tokenizer)
 
 def test_policy_server_serves_the_vllm_backend(engine, tiny_model_and_tokenizer):
     openai = pytest.importorskip("openai", reason="the openai client is a dev dependency")
-    from nemo_rl_ext.models.generation.policy_server import PolicyServer
+    from nemo_rl_ext.serving.policy_server import PolicyServer
 
     _, tokenizer = tiny_model_and_tokenizer
     messages = [{"role": "user", "content": "What is 2 + 3?"}]

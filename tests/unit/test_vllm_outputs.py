@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nemo_rl_ext.config import ConfigError, PolicyConfig, load_config
+from nemo_rl_ext.config import ConfigError, load_config
+from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
 from nemo_rl_ext.models.generation.vllm_backend import to_generation_output, weight_version_of
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict, unpack_state_dict

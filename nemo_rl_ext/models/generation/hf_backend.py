@@ -139,7 +139,7 @@ class HfGeneration(GenerationInterface):
         cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", **kwargs
     ) -> HfGeneration:
         """Load a model folder (as written by `save_pretrained`) and serve it."""
-        from nemo_rl_ext.models.tiny import load_model_and_tokenizer
+        from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(path, dtype=dtype, device=device)
         return cls(model, tokenizer, **kwargs)

@@ -11,10 +11,10 @@ from typing import Any
 import orjson
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl_ext.experience.datum import datum_from_messages
-from nemo_rl_ext.experience.records import DatumSpec
+from nemo_rl_ext.data.chat import tokenize_prompt
+from nemo_rl_ext.data.records import DatumSpec
 
-SHIPPED_ARITHMETIC = Path(__file__).resolve().parent.parent / "examples" / "data" / "arithmetic.jsonl"
+SHIPPED_ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "data" / "arithmetic.jsonl"
 
 
 def load_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[dict[str, Any]]:
@@ -38,6 +38,27 @@ def load_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[dict[str,
     if problems:
         raise ValueError(f"{path}: {len(problems)} bad row(s):\n  " + "\n  ".join(problems))
     return rows
+
+
+def datum_from_messages(
+    tokenizer: PreTrainedTokenizerBase,
+    idx: int,
+    messages: Sequence[Mapping[str, str]],
+    task_name: str,
+    extra_env_info: Mapping[str, Any] | None = None,
+    agent_name: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> DatumSpec:
+    """A ready-to-roll-out row from plain chat messages."""
+    return DatumSpec(
+        idx=idx,
+        message_log=tokenize_prompt(tokenizer, messages, tools),
+        task_name=task_name,
+        extra_env_info=dict(extra_env_info or {}),
+        agent_name=agent_name,
+        metadata=dict(metadata or {}),
+    )
 
 
 def qa_datums(

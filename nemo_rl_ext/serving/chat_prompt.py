@@ -5,7 +5,7 @@ Token-in, token-out: when the request holds an assistant message that carries th
 ids followed by the template's text for everything after that turn, tokenized on its own. Earlier turns
 are never re-rendered or re-tokenized, so where the ids and the rendered text disagree, the ids win.
 
-The text after that turn is found the way `experience.chat_format.ObservationFormatter` frames
+The text after that turn is found the way `data.chat.ObservationFormatter` frames
 observations: render the real conversation with a marker as that assistant turn's content and take what
 follows the marker (the close of the turn, any number of tool/user messages, the tools block if the
 template puts it there, the generation prompt). If the generation already ended with the EOS token that
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl_ext.models.generation.chat_api import ApiError, PromptParams
+from nemo_rl_ext.serving.openai_schemas import ApiError, PromptParams
 
 CONTINUATION_MARK = "@@NEMO_RL_EXT_ASSISTANT_TURN_5b1e9c@@"
 """Content that stands in for the continued assistant turn while rendering (no whitespace: templates trim)."""

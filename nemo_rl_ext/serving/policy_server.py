@@ -14,7 +14,7 @@ Endpoints, shaped like vLLM's OpenAI server as NeMo-RL extends it:
 Requests are served concurrently (each awaits `generate_async`), so a batching backend batches them.
 Refused requests get a 400 whose message names the field and value; unexpected failures a 500 with the
 message. In process: `with PolicyServer(generation, tokenizer) as srv: OpenAI(base_url=srv.base_url)`.
-From the shell: `python -m nemo_rl_ext.models.generation.policy_server --model tiny --port 8000`
+From the shell: `python -m nemo_rl_ext.serving.policy_server --model tiny --port 8000`
 (`--max-tokens N`, default 256: what a request without max_tokens may generate).
 
 One request never harms another: sampling fields are bounded before anything is batched; parsing,
@@ -45,21 +45,22 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl_ext.models.generation.chat_api import (
-    ApiError,
-    ChatCompletionRequest,
-    TokenizePromptRequest,
-    TokenizeRequest,
-    validation_api_error,
-)
-from nemo_rl_ext.models.generation.chat_prompt import ChatPrompt, build_chat_prompt
+from nemo_rl_ext.data.tool_calls import parse_tool_calls
 from nemo_rl_ext.models.generation.interfaces import (
     FinishReason,
     GenerationConfig,
     GenerationInterface,
     GenerationOutput,
 )
-from nemo_rl_ext.models.generation.request_guards import (
+from nemo_rl_ext.serving.chat_prompt import ChatPrompt, build_chat_prompt
+from nemo_rl_ext.serving.openai_schemas import (
+    ApiError,
+    ChatCompletionRequest,
+    TokenizePromptRequest,
+    TokenizeRequest,
+    validation_api_error,
+)
+from nemo_rl_ext.serving.request_guards import (
     DEFAULT_MAX_REQUEST_BYTES,
     ClientDisconnected,
     cancel_on_disconnect,
@@ -67,8 +68,7 @@ from nemo_rl_ext.models.generation.request_guards import (
     parse_json_object,
     read_body,
 )
-from nemo_rl_ext.models.tool_calls import parse_tool_calls
-from nemo_rl_ext.serving import ThreadedServer, bind_socket, url_host
+from nemo_rl_ext.serving.threaded_server import ThreadedServer, bind_socket, url_host
 
 logger = logging.getLogger(__name__)
 
@@ -421,7 +421,7 @@ class PolicyServer(ThreadedServer):
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments."""
-    from nemo_rl_ext.config import PolicyConfig
+    from nemo_rl_ext.models.config import PolicyConfig
 
     defaults = PolicyConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -479,7 +479,7 @@ def generation_defaults(max_tokens: int) -> GenerationConfig | None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI: load the model, then serve it in the foreground until SIGINT / SIGTERM."""
-    from nemo_rl_ext.config import PolicyConfig, VllmConfig
+    from nemo_rl_ext.models.config import PolicyConfig, VllmConfig
     from nemo_rl_ext.models.policy import build_generation, resolve_model_path
 
     args = build_parser().parse_args(argv)

@@ -1,0 +1,98 @@
+"""The one chat renderer: prompts tokenized per message, and observations framed after an assistant turn.
+
+Both use the tokenizer's own chat template; earlier turns are never re-rendered or re-tokenized. The policy
+server's token-exact continuation (`serving.chat_prompt`) uses `text_after_marker` the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl_ext.data.records import Message
+
+_ASSISTANT_MARK = "\x1fASSISTANT-8f3a\x1f"
+_CONTENT_MARK = "\x1fCONTENT-8f3a\x1f"
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `message` whose missing or None `content` is "": vLLM's OpenAI server renders it so, and
+    templates that read `message['content']` (SmolLM2's) fail on None."""
+    return {**message, "content": message.get("content") or ""}
+
+
+def tokenize_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> tuple[Message, ...]:
+    """Render `messages` with the chat template (generation prompt at the end) into token-carrying Messages.
+
+    Each message gets the ids of the text its turn adds to the rendered prompt (the template's own
+    default system prompt, if any, goes with the first message; the generation prompt with the last).
+    `content: None` (an assistant turn with only tool calls) is rendered as "" (see `template_message`).
+    """
+    if not messages:
+        raise ValueError("a prompt needs at least one message")
+    messages = [template_message(m) for m in messages]
+    rendered = [""]
+    for i in range(1, len(messages) + 1):
+        rendered.append(
+            tokenizer.apply_chat_template(
+                messages[:i],
+                tools=list(tools) if tools else None,
+                add_generation_prompt=i == len(messages),
+                tokenize=False,
+            )
+        )
+    out = []
+    for i, message in enumerate(messages):
+        before, after = rendered[i], rendered[i + 1]
+        if not after.startswith(before):
+            raise ValueError(f"the chat template re-renders earlier turns differently at message {i}")
+        ids = tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
+        out.append(Message(role=message["role"], content=message["content"], token_ids=tuple(ids)))
+    return tuple(out)
+
+
+class ObservationFormatter:
+    """Renders observations with the tokenizer's own chat template, as a continuation of the context.
+
+    The template is rendered once per role around marker strings; what sits between the end of the
+    assistant's turn and the next generation prompt becomes the frame of the observation. Earlier turns
+    are never re-rendered or re-tokenized.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.eos_text = tokenizer.eos_token or ""
+        self._frame = lru_cache(maxsize=16)(self._compute_frame)
+
+    def _compute_frame(self, role: str) -> tuple[str, str]:
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _ASSISTANT_MARK}]
+        text = self.tokenizer.apply_chat_template(
+            [*base, {"role": role, "content": _CONTENT_MARK}], add_generation_prompt=True, tokenize=False
+        )
+        after = text[text.rindex(_ASSISTANT_MARK) + len(_ASSISTANT_MARK) :]
+        if self.eos_text and after.startswith(self.eos_text):
+            after = after[len(self.eos_text) :]
+        if _CONTENT_MARK not in after:
+            raise ValueError(f"the chat template drops messages of role {role!r}; cannot render observations")
+        prefix, suffix = after.split(_CONTENT_MARK, 1)
+        return prefix, suffix
+
+    def render(self, role: str, content: str | None, assistant_ended_with_eos: bool) -> str:
+        """Text to append after an assistant turn: closes the turn if the model didn't, then the observation.
+
+        None content is rendered as "" (as vLLM's OpenAI server does), never as the text "None".
+        """
+        prefix, suffix = self._frame(role)
+        close = "" if assistant_ended_with_eos else self.eos_text
+        return f"{close}{prefix}{content or ''}{suffix}"
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of rendered text, with no special tokens added (template tokens are in the text)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
