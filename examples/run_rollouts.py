@@ -18,9 +18,9 @@ from nemo_rl_ext.data.records import PromptGroupRecord
 from nemo_rl_ext.environments import create_environment
 from nemo_rl_ext.environments.calculator import CALCULATOR_SYSTEM_PROMPT
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
+from nemo_rl_ext.models.backends import build_generation
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation import GenerationConfig
-from nemo_rl_ext.models.policy import build_generation
 
 
 def print_group(record: PromptGroupRecord) -> None:

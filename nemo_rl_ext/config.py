@@ -9,6 +9,8 @@ two runs, a damaged checkpoint): the CLIs print its message alone, without a tra
 
 from __future__ import annotations
 
+import copy
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -16,7 +18,7 @@ from typing import Annotated, Any, TypeVar
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, TypeAdapter, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 M = TypeVar("M", bound=BaseModel)
@@ -130,12 +132,83 @@ def raw_field(model: type[BaseModel], section: Any, name: str) -> Any:
         return INVALID
 
 
+Renames = dict[tuple[str, ...], tuple[str, ...]]
+"""Where a legacy spelling moved each key: new key path -> the path the user wrote."""
+
+
+def move_key(data: dict[str, Any], old: Sequence[str], new: Sequence[str], renames: Renames) -> list[RuleProblem]:
+    """Move the value at key path `old` to `new` in the nested dict `data` (in place), recording the move in
+    `renames`; nothing when `old` is absent. Returns a problem when both spellings are given."""
+    parent: Any = data
+    for part in old[:-1]:
+        parent = parent.get(part) if isinstance(parent, Mapping) else None
+    if not isinstance(parent, dict) or old[-1] not in parent:
+        return []
+    target: Any = data
+    for part in new[:-1]:
+        if not isinstance(target.get(part), dict):
+            if target.get(part) is not None:
+                return [(tuple(new[:-1]), "expected a section", target.get(part))]
+            target[part] = {}
+        target = target[part]
+    if new[-1] in target:
+        return [
+            (tuple(old), f"is the older spelling of {'.'.join(new)}, which is also given; give only one", parent[old[-1]])
+        ]
+    target[new[-1]] = parent.pop(old[-1])
+    if not parent and len(old) > 1:  # an emptied legacy section goes too (it may not exist any more)
+        grand: Any = data
+        for part in old[:-2]:
+            grand = grand[part]
+        grand.pop(old[-2])
+    renames[tuple(new)] = tuple(old)
+    return []
+
+
+def _written_as(loc: tuple[Any, ...], renames: Renames) -> tuple[Any, ...]:
+    """An error location in the user's spelling: the longest renamed prefix replaced by what they wrote."""
+    for n in range(len(loc), 0, -1):
+        written = renames.get(tuple(str(p) for p in loc[:n]))
+        if written is not None:
+            return (*written, *loc[n:])
+    return loc
+
+
+def _in_written_names(message: str, renames: Renames) -> str:
+    """A rule's message with each renamed key's name as the user wrote it (`num_generations_per_prompt=4`
+    reads `num_tests_per_prompt=4` in a config of the eval's spelling)."""
+    for new, old in renames.items():
+        if new[-1] != old[-1] and "_" in new[-1]:  # key names, not words like "mode"
+            message = re.sub(rf"\b{re.escape(new[-1])}\b", old[-1], message)
+    return message
+
+
 class CheckedConfig(StrictModel):
     """A whole config: field errors and broken cross-field rules (`rule_problems`) are raised together.
 
     The rules read the raw data (through `raw_field`), so they run even when other fields are invalid, and
-    one run of a CLI lists everything that is wrong.
+    one run of a CLI lists everything that is wrong. `legacy_spellings` first rewrites keys written in an
+    accepted older spelling to the canonical one; errors still name the key as the user wrote it.
     """
+
+    _renames: Renames = PrivateAttr(default_factory=dict)
+
+    def __eq__(self, other: object) -> bool:  # equal settings are equal configs, however they were spelled
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def key_as_written(self, key: str) -> str:
+        """`key` (dotted, canonical) as the config spelled it: `rollouts.num_generations_per_prompt` is
+        `eval.num_tests_per_prompt` in a config written in the eval's spelling."""
+        path = tuple(key.split("."))
+        return ".".join(str(p) for p in _written_as(path, self._renames))
+
+    @classmethod
+    def legacy_spellings(cls, data: dict[str, Any]) -> tuple[Renames, list[RuleProblem]]:
+        """Rewrite accepted older spellings in `data` (a deep copy, changed in place) to the canonical keys;
+        returns where each moved key came from and any conflicts (both spellings given)."""
+        return {}, []
 
     @classmethod
     def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:
@@ -146,6 +219,11 @@ class CheckedConfig(StrictModel):
     @model_validator(mode="wrap")
     @classmethod
     def _every_problem(cls, data: Any, handler: Any) -> Any:
+        renames: Renames = {}
+        conflicts: list[RuleProblem] = []
+        if isinstance(data, Mapping) and not isinstance(data, BaseModel):
+            data = copy.deepcopy(dict(data))
+            renames, conflicts = cls.legacy_spellings(data)
         field_error: ValidationError | None = None
         model = None
         try:
@@ -154,15 +232,22 @@ class CheckedConfig(StrictModel):
             field_error = err
         raw = data.model_dump() if isinstance(data, BaseModel) else data
         problems = cls.rule_problems(raw if isinstance(raw, Mapping) else {})
-        if not problems:
+        if not problems and not conflicts and (field_error is None or not renames):
             if field_error is not None:
                 raise field_error
+            if renames:
+                model._renames = renames
             return model
         details: list[InitErrorDetails] = []
+        for loc, message, value in conflicts:
+            details.append(InitErrorDetails(type=PydanticCustomError("rule", message), loc=loc, input=value))
         if field_error is not None:
             for e in field_error.errors():
                 error_type = PydanticCustomError(e["type"], e["msg"])
-                details.append(InitErrorDetails(type=error_type, loc=e["loc"], input=e["input"]))
+                details.append(InitErrorDetails(type=error_type, loc=_written_as(e["loc"], renames), input=e["input"]))
         for loc, message, value in problems:
-            details.append(InitErrorDetails(type=PydanticCustomError("rule", message), loc=loc, input=value))
+            message = _in_written_names(message, renames)
+            details.append(
+                InitErrorDetails(type=PydanticCustomError("rule", message), loc=_written_as(loc, renames), input=value)
+            )
         raise ValidationError.from_exception_data(cls.__name__, details)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
 import random
 import time
@@ -31,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.algorithms.checkpoint import (
     Checkpoint,
@@ -51,18 +49,15 @@ from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
-from nemo_rl_ext.cluster import (
-    RoutedGeneration,
-    build_environment,
-    build_policy_generation,
-    loads_model_folder,
-)
+from nemo_rl_ext.cluster import RoutedGeneration, loads_model_folder
 from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
-from nemo_rl_ext.data.datasets import gym_datums, load_jsonl, qa_datums
+from nemo_rl_ext.data.datasets import load_jsonl
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
-from nemo_rl_ext.experience.rollout_manager import RolloutManager, batch_metrics
+from nemo_rl_ext.experience.build import build_policy, build_rollouts, make_datums
+from nemo_rl_ext.experience.rollout_manager import batch_metrics
+from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
 from nemo_rl_ext.models.policy import resolve_model_path
 
@@ -74,47 +69,17 @@ VAL_SALT = 2
 """Seed salt of validation rollouts: the same draws at every validation, so they compare across steps."""
 
 
-def load_datums(cfg: GRPOConfig, tokenizer: PreTrainedTokenizerBase, path: Path) -> list[DatumSpec]:
-    """The rows of `path`: Gym rows in nemo_gym mode, else question/answer rows for the environment."""
-    if cfg.rollouts.mode == "nemo_gym":
-        gym = cfg.rollouts.gym
-        return gym_datums(
-            load_jsonl(path),
-            agent_name=gym.agent_name if gym is not None else None,
-            responses_create_params=gym.responses_create_params if gym is not None else None,
-        )
-    rows = load_jsonl(path, required=(cfg.data.question_key, cfg.data.answer_key))
-    return qa_datums(
-        tokenizer,
-        rows,
-        cfg.env.name,
-        system_prompt=cfg.data.system_prompt,
-        question_key=cfg.data.question_key,
-        answer_key=cfg.data.answer_key,
-    )
-
-
-def build_rollout_manager(
-    cfg: GRPOConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    generation: SaltedGeneration,
-    task_to_env: Mapping[str, EnvironmentInterface] | None,
-    num_generations_per_prompt: int | Mapping[str, int],
-) -> RolloutManager:
-    """The RolloutManager of the configured mode; rollouts are seeded (see the module docstring)."""
+def rollout_generation_config(cfg: GRPOConfig) -> GenerationConfig:
+    """The sampling parameters of every rollout: `policy.generation` seeded by its own seed, else `grpo.seed`."""
     seed = cfg.policy.generation.seed if cfg.policy.generation.seed is not None else cfg.grpo.seed
-    return RolloutManager(
-        tokenizer=tokenizer,
-        task_to_env=task_to_env if cfg.rollouts.mode == "native" else None,
-        num_generations_per_prompt=num_generations_per_prompt,
-        max_seq_len=cfg.grpo.max_seq_len,
-        max_rollout_turns=cfg.grpo.max_rollout_turns,
-        policy_generation=generation,
-        generation_config=cfg.policy.generation.model_copy(update={"seed": seed}),
-        use_nemo_gym=cfg.rollouts.mode == "nemo_gym",
-        fault_policy=cfg.rollouts.fault_policy,
-        gym_config=cfg.rollouts.gym,
-    )
+    return cfg.policy.generation.model_copy(update={"seed": seed})
+
+
+def load_rows(cfg: GRPOConfig, path: Path) -> list[dict[str, Any]]:
+    """The rows of `path`: Gym rows in nemo_gym mode, else rows with the question and answer keys."""
+    if cfg.rollouts.mode == "nemo_gym":
+        return load_jsonl(path)
+    return load_jsonl(path, required=(cfg.data.question_key, cfg.data.answer_key))
 
 
 def weight_by_loss_multiplier(batch: TrainingBatch, records: Sequence[PromptGroupRecord]) -> TrainingBatch:
@@ -173,9 +138,10 @@ class GRPO:
             reference, _ = load_model_and_tokenizer(initial_path, dtype=dtype, device=cfg.policy.device)
         if not loads_model_folder(cfg.policy):  # an in-process hf engine: its own copy of the weights
             engine_model, _ = load_model_and_tokenizer(model_path, dtype=dtype, device=cfg.policy.device)
-            self.generation = SaltedGeneration(build_policy_generation(cfg.policy, engine_model, self.tokenizer))
+            _, engine = build_policy(cfg.policy, model=engine_model, tokenizer=self.tokenizer)
         else:  # vllm, or a Ray pool, loads the initial model folder itself; a resumed run refits it below
-            self.generation = SaltedGeneration(build_policy_generation(cfg.policy, tokenizer=self.tokenizer))
+            _, engine = build_policy(cfg.policy, tokenizer=self.tokenizer)
+        self.generation = SaltedGeneration(engine)
         pad = self.tokenizer.pad_token_id
         self.trainer = PolicyTrainer(
             model,
@@ -186,29 +152,26 @@ class GRPO:
             reference_model=reference,
         )
 
-        self._own_envs: list[EnvironmentInterface] = []
-        """Environments this run built (and shuts down); a given `task_to_env` is the caller's."""
-        if task_to_env is None and cfg.rollouts.mode == "native":
-            env = build_environment(
-                cfg.env.name, cfg.env.kwargs, remote=cfg.env.remote, step_timeout_s=cfg.env.step_timeout_s,
-                cluster=cfg.policy.cluster,
-            )
-            task_to_env = {cfg.env.name: env}
-            self._own_envs.append(env)
-        self.task_to_env = task_to_env
-        if train_datums is None:
-            train_datums = load_datums(cfg, self.tokenizer, cfg.data.train_path)
-        train = list(train_datums)
+        keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
+        train_rows = load_rows(cfg, cfg.data.train_path) if train_datums is None else ()
+        datums, self.manager = build_rollouts(
+            cfg.rollouts,
+            self.tokenizer,
+            self.generation,
+            train_rows,
+            generation_config=rollout_generation_config(cfg),
+            cluster=cfg.policy.cluster,
+            task_to_env=task_to_env,
+            **keys,
+        )
+        train = list(train_datums) if train_datums is not None else datums
         self.train_data = PromptStream(train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
         if val_datums is None:
             validates = cfg.grpo.val_period > 0 or cfg.grpo.val_at_start
             val_path = cfg.data.val_path or cfg.data.train_path
-            val_datums = load_datums(cfg, self.tokenizer, val_path) if validates else []
+            val_rows = load_rows(cfg, val_path)[: cfg.validation.num_prompts] if validates else []
+            val_datums = make_datums(cfg.rollouts, self.tokenizer, val_rows, **keys)
         self.val_datums = list(val_datums)[: cfg.validation.num_prompts]
-        self.manager = build_rollout_manager(
-            cfg, self.tokenizer, self.generation, task_to_env, cfg.grpo.num_generations_per_prompt
-        )
-        self._val_manager: RolloutManager | None = None
         self.manager.preflight(train)
 
         self.step = 0
@@ -224,6 +187,11 @@ class GRPO:
         self.logger.truncate_after(self.step if checkpoint is not None else -1)  # a fresh run starts empty
         (self.output_dir / "config.yaml").write_text(dump_config(cfg))
         self._runner = asyncio.Runner()
+
+    @property
+    def task_to_env(self) -> Mapping[str, EnvironmentInterface] | None:
+        """The environments of native rollouts (the given ones, or the one the manager built and owns)."""
+        return getattr(self.manager.impl, "task_to_env", None)
 
     # ---- set-up helpers -------------------------------------------------------------------------
 
@@ -250,16 +218,6 @@ class GRPO:
                 f"output_dir. Keys that may change on resume: {', '.join(RESUME_MAY_CHANGE)}"
             )
         return checkpoint
-
-    def _validation_manager(self) -> RolloutManager:
-        count = self.cfg.validation.num_generations_per_prompt
-        if count is None:
-            return self.manager
-        if self._val_manager is None:
-            self._val_manager = build_rollout_manager(
-                self.cfg, self.tokenizer, self.generation, self.task_to_env, count
-            )
-        return self._val_manager
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -323,8 +281,10 @@ class GRPO:
             return {}
         start = time.perf_counter()
         self.generation.salt = (VAL_SALT,)
-        records, rollout = self._runner.run(
-            self._validation_manager().run_rollouts(self.val_datums, progress=False)
+        records, rollout = self._runner.run(  # the training manager (and its servers), another count
+            self.manager.run_rollouts(
+                self.val_datums, progress=False, counts=self.cfg.validation.num_generations_per_prompt
+            )
         )
         metrics = aggregate_eval_metrics([prompt_samples_from_record(r) for r in records], self.cfg.validation.ks)
         metrics.update(rollout)
@@ -393,22 +353,14 @@ class GRPO:
         tqdm.write(line)
 
     def close(self) -> None:
-        """Stop the rollout managers (servers they started), the environments this run built, the generation
-        backend and the metrics writer."""
+        """Stop the rollout manager (the servers it started, the environment it built), the generation backend
+        and the metrics writer."""
         try:
-            for manager in (self.manager, self._val_manager):
-                stop = getattr(manager, "shutdown", None)
-                result = stop() if stop is not None else None
-                if inspect.isawaitable(result):
-                    self._runner.run(result)
+            self._runner.run(self.manager.shutdown())
         finally:
-            try:
-                for env in self._own_envs:  # a remote one's actor (and a Ray only it started)
-                    env.shutdown()
-            finally:
-                self.generation.shutdown()
-                self._runner.close()
-                self.logger.close()
+            self.generation.shutdown()
+            self._runner.close()
+            self.logger.close()
 
     def __enter__(self) -> GRPO:
         return self

@@ -14,13 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
-from nemo_rl_ext.config import INVALID, CheckedConfig, RuleProblem, StrictModel, raw_field
-from nemo_rl_ext.data.generation_counts import GenerationCounts
-from nemo_rl_ext.experience.fault_policy import FaultPolicy
-from nemo_rl_ext.gym.config import GymConfig
+from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, move_key, raw_field
+from nemo_rl_ext.experience.config import RolloutsConfig, rollouts_rule_problems
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 
@@ -35,7 +33,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "logger",
     "output_dir",
     "resume",
-    "env.remote",
+    "rollouts.env.remote",
     "policy.max_batch_size",
     "policy.hf",
     "policy.cluster",
@@ -66,12 +64,7 @@ class GRPOSettings(StrictModel):
     """The loop: how many prompts and samples per step, for how long, and when to validate and save."""
 
     num_prompts_per_step: int = Field(default=8, ge=1, description="Prompts (groups) per training step.")
-    num_generations_per_prompt: int | dict[str, int] = Field(
-        default=8, description="Samples per prompt: an int, or a dict by agent name with '_default'."
-    )
     max_num_steps: int = Field(default=100, ge=1, description="Training steps of the whole run.")
-    max_rollout_turns: int | None = Field(default=None, ge=1, description="Turn cap of multi-turn rollouts.")
-    max_seq_len: int = Field(default=512, ge=2, description="Most tokens (prompt + every turn) per rollout.")
     baseline: Literal["mean", "leave_one_out"] = Field(
         default="leave_one_out",
         description="Group reward baseline: the mean of the other samples (NeMo-RL's default) or of all.",
@@ -91,12 +84,6 @@ class GRPOSettings(StrictModel):
         default=0, ge=0, description="Checkpoint every this many steps and at the last; 0 never."
     )
     seed: int = Field(default=42, description="Seed of data order, torch, and rollouts when generation.seed is unset.")
-
-    @field_validator("num_generations_per_prompt", mode="before")
-    @classmethod
-    def _valid_counts(cls, value: Any) -> Any:
-        GenerationCounts.parse(value)  # every bad entry in one ValueError -> one config problem
-        return value
 
 
 class LossSettings(StrictModel):
@@ -150,31 +137,16 @@ class DataSettings(StrictModel):
     val_path: Path | None = Field(default=None, description="Validation rows; None: the training file.")
     question_key: str = Field(default="question", description="Key of the prompt text.")
     answer_key: str = Field(default="answer", description="Key of the ground truth.")
-    system_prompt: str | None = Field(default=None, description="Optional system message of every prompt.")
     shuffle: bool = Field(default=True, description="Shuffle the rows each epoch (seeded by grpo.seed).")
 
 
-class EnvSettings(StrictModel):
-    """The environment that scores native rollouts (rows' task_name)."""
+class GRPORollouts(RolloutsConfig):
+    """The shared `rollouts` section (`experience.config`) with GRPO's defaults: 8 samples, 512 tokens."""
 
-    name: str = Field(default="math", description="A registered environment name.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of its constructor.")
-    remote: bool = Field(
-        default=False,
-        description="Host it in a Ray actor (policy.cluster's Ray, or a local one) that a step past "
-        "step_timeout_s kills and restarts; false: in this process (cheap environments).",
+    num_generations_per_prompt: int | dict[str, int] = Field(
+        default=8, description="Samples per prompt: an int, or agent name -> int with `_default` as fallback."
     )
-    step_timeout_s: float = Field(
-        default=300.0, gt=0.0, description="remote: deadline of one environment step, in seconds."
-    )
-
-
-class RolloutSettings(StrictModel):
-    """How the RolloutManager is built: the mode is the only difference between native and NeMo Gym."""
-
-    mode: Literal["native", "nemo_gym"] = Field(default="native", description="Where rollouts run.")
-    gym: GymConfig | None = Field(default=None, description="Where the Gym agents are (mode nemo_gym only).")
-    fault_policy: FaultPolicy = Field(default_factory=FaultPolicy, description="Retries, timeouts, errors.")
+    max_seq_len: int = Field(default=512, ge=2, description="Most tokens (prompt + every turn) per rollout.")
 
 
 class ValidationSettings(StrictModel):
@@ -204,9 +176,8 @@ class GRPOConfig(CheckedConfig):
     loss: LossSettings = Field(default_factory=LossSettings)
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    env: EnvSettings = Field(default_factory=EnvSettings)
     data: DataSettings
-    rollouts: RolloutSettings = Field(default_factory=RolloutSettings)
+    rollouts: GRPORollouts = Field(default_factory=GRPORollouts)
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
     logger: LoggerSettings = Field(default_factory=LoggerSettings)
     output_dir: Path = Field(default=Path("results/grpo"), description="Metrics, config and checkpoints.")
@@ -216,20 +187,35 @@ class GRPOConfig(CheckedConfig):
     keep_last_checkpoints: int | None = Field(default=2, ge=1, description="Delete older ones; None keeps all.")
 
     @classmethod
-    def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:
-        """Sampling isn't greedy, a rollout fits the model, `rollouts.gym` is set exactly in nemo_gym mode."""
-
-        def section(name: str) -> Mapping[str, Any]:
-            value = data.get(name)
-            return value if isinstance(value, Mapping) else {}
-
-        policy, grpo, rollouts = section("policy"), section("grpo"), section("rollouts")
-        temperature = raw_field(GenerationConfig, policy.get("generation"), "temperature")
-        max_model_len = raw_field(PolicyConfig, policy, "max_model_len")
-        max_seq_len = raw_field(GRPOSettings, grpo, "max_seq_len")
-        mode = raw_field(RolloutSettings, rollouts, "mode")
-        gym = rollouts.get("gym")
+    def legacy_spellings(cls, data: dict[str, Any]) -> tuple[Renames, list[RuleProblem]]:
+        """NeMo-RL's spellings, accepted as the same settings: `grpo.num_generations_per_prompt`,
+        `grpo.max_rollout_turns`, `grpo.max_seq_len`, the `env` section and `data.system_prompt` (this
+        package's earlier spelling; `env` other than `env.remote` is ignored in nemo_gym mode, as it was)."""
+        renames: Renames = {}
         problems: list[RuleProblem] = []
+        for name in ("num_generations_per_prompt", "max_rollout_turns", "max_seq_len"):
+            problems += move_key(data, ("grpo", name), ("rollouts", name), renames)
+        rollouts = data.get("rollouts")
+        gym_mode = isinstance(rollouts, Mapping) and rollouts.get("mode") == "nemo_gym"
+        env = data.get("env")
+        if gym_mode and isinstance(env, dict):
+            for name in ("name", "kwargs", "step_timeout_s"):
+                env.pop(name, None)
+            if not env:
+                data.pop("env")
+        if isinstance(data.get("env"), dict):
+            for name in list(data["env"]):  # unknown keys too: their error then names env.<key>
+                problems += move_key(data, ("env", name), ("rollouts", "env", name), renames)
+        problems += move_key(data, ("data", "system_prompt"), ("rollouts", "env", "system_prompt"), renames)
+        return renames, problems
+
+    @classmethod
+    def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:
+        """The shared rollouts rules (`rollouts_rule_problems`), and sampling is never greedy."""
+        policy = data.get("policy")
+        generation = policy.get("generation") if isinstance(policy, Mapping) else None
+        temperature = raw_field(GenerationConfig, generation, "temperature")
+        problems = rollouts_rule_problems(data, GRPORollouts)
         if temperature is not INVALID and temperature == 0.0:
             problems.append(
                 (
@@ -238,17 +224,6 @@ class GRPOConfig(CheckedConfig):
                     temperature,
                 )
             )
-        if INVALID not in (max_seq_len, max_model_len) and max_seq_len > max_model_len:
-            problems.append(
-                (("grpo", "max_seq_len"), f"exceeds policy.max_model_len ({max_model_len})", max_seq_len)
-            )
-        if mode == "nemo_gym" and gym is None:
-            problems.append((("rollouts", "gym"), "is required with rollouts.mode=nemo_gym", None))
-        if mode == "native" and gym is not None:
-            problems.append((("rollouts", "gym"), "is only used with rollouts.mode=nemo_gym", gym))
-        remote = raw_field(EnvSettings, section("env"), "remote")
-        if mode == "nemo_gym" and remote is True:
-            problems.append((("env", "remote"), "is only used with rollouts.mode=native (Gym agents score)", remote))
         return problems
 
 
@@ -261,27 +236,28 @@ def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True, env
 
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
     native = cfg.rollouts.mode == "native"
-    if env and native and cfg.env.name not in available_environments():
+    env_name = cfg.rollouts.env.resolved_name
+    if env and native and env_name not in available_environments():
         known = ", ".join(available_environments())
-        problems.append(f"env.name: unknown environment {cfg.env.name!r}; known: {known}")
+        problems.append(f"{cfg.key_as_written('rollouts.env.name')}: unknown environment {env_name!r}; known: {known}")
     common = dict(
         gym_rows=not native,
         gym_agent_name=cfg.rollouts.gym.agent_name if cfg.rollouts.gym is not None else None,
-        task_name=cfg.env.name,
+        task_name=env_name,
         required=(cfg.data.question_key, cfg.data.answer_key),
     )
     if train:
         problems += dataset_problems(
-            "data.train_path", cfg.data.train_path, counts=cfg.grpo.num_generations_per_prompt,
-            counts_key="grpo.num_generations_per_prompt", **common,
+            "data.train_path", cfg.data.train_path, counts=cfg.rollouts.num_generations_per_prompt,
+            counts_key=cfg.key_as_written("rollouts.num_generations_per_prompt"), **common,
         )
     if val and (cfg.grpo.val_period > 0 or cfg.grpo.val_at_start) and cfg.data.val_path is not None:
         val_counts = cfg.validation.num_generations_per_prompt
         problems += dataset_problems(
             "data.val_path", cfg.data.val_path, limit=cfg.validation.num_prompts,
-            counts=val_counts if val_counts is not None else cfg.grpo.num_generations_per_prompt,
+            counts=val_counts if val_counts is not None else cfg.rollouts.num_generations_per_prompt,
             counts_key="validation.num_generations_per_prompt" if val_counts is not None
-            else "grpo.num_generations_per_prompt",
+            else cfg.key_as_written("rollouts.num_generations_per_prompt"),
             **common,
         )
     return problems

@@ -1,6 +1,6 @@
 """`build_policy_generation`: the one place that chooses between an in-process engine and a Ray pool.
 
-`policy.cluster` null: `models.policy.build_generation` (one engine in this process, sharing the caller's
+`policy.cluster` null: `models.backends.build_generation` (one engine in this process, sharing the caller's
 model and tokenizer when given). Set: `init_ray(policy.cluster)`, then a `RoutedGeneration` of
 `cluster.num_replicas` replicas, each loading the model folder itself. The pool's `shutdown` ends Ray
 only when this call started or joined it (a Ray the caller initialized is left running).
@@ -25,7 +25,7 @@ def build_policy_generation(policy_cfg: PolicyConfig, model: Any = None, tokeniz
     resumed run) refits the pool with `update_weights`.
     """
     if policy_cfg.cluster is None:
-        from nemo_rl_ext.models.policy import build_generation
+        from nemo_rl_ext.models.backends import build_generation
 
         return build_generation(policy_cfg, model, tokenizer)
     from nemo_rl_ext.cluster.routed_generation import RoutedGeneration
@@ -47,4 +47,6 @@ def build_policy_generation(policy_cfg: PolicyConfig, model: Any = None, tokeniz
 def loads_model_folder(policy_cfg: PolicyConfig) -> bool:
     """True when the generation `policy_cfg` builds loads the model folder itself (vLLM, a Ray pool) rather
     than serving the weights of a model handed to it (in-process hf)."""
-    return policy_cfg.cluster is not None or policy_cfg.backend != "hf"
+    from nemo_rl_ext.models.backends import backend_entry
+
+    return policy_cfg.cluster is not None or backend_entry(policy_cfg.backend).loads_model_folder

@@ -131,10 +131,10 @@ def build_policy_backend(policy_cfg: Any, tensor_parallel_ray: bool = False) -> 
     `tensor_parallel_ray`: a vLLM engine spanning several GPUs runs its workers as Ray actors in the
     replica's placement group (`distributed_executor_backend="ray"`). NOT TESTED here (no GPU).
     """
-    from nemo_rl_ext.models.policy import build_generation
+    from nemo_rl_ext.models.backends import build_generation
 
     return build_generation(
-        policy_cfg, vllm_engine_kwargs={"distributed_executor_backend": "ray"} if tensor_parallel_ray else None
+        policy_cfg, engine_kwargs={"distributed_executor_backend": "ray"} if tensor_parallel_ray else None
     )
 
 

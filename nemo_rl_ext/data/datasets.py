@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from transformers import PreTrainedTokenizerBase
@@ -61,31 +62,70 @@ def datum_from_messages(
     )
 
 
+@dataclass(frozen=True)
+class RowPrompt:
+    """What a row adapter makes of one dataset row."""
+
+    user_content: str
+    """The user turn of the prompt (a system prompt, if any, goes before it)."""
+    extra_env_info: dict[str, Any]
+    """What the environment reads for this prompt (the math environments: `ground_truth`)."""
+    metadata: dict[str, Any]
+    """The rest of the row, carried along to the records."""
+    agent_name: str | None = None
+    """The row's agent (its per-agent sample count), if it names one."""
+
+
+class RowAdapter(Protocol):
+    """Dataset row -> `RowPrompt`; raises KeyError/ValueError for a row it can't use (the row is named)."""
+
+    def __call__(self, row: Mapping[str, Any], *, question_key: str, answer_key: str) -> RowPrompt: ...
+
+
+def qa_row(row: Mapping[str, Any], *, question_key: str = "question", answer_key: str = "answer") -> RowPrompt:
+    """Question/answer rows: the question is the user turn, the answer the `ground_truth`."""
+    return RowPrompt(
+        user_content=str(row[question_key]),
+        extra_env_info={"ground_truth": str(row[answer_key])},
+        metadata={k: v for k, v in row.items() if k not in (question_key, answer_key)},
+        agent_name=row.get("agent_name"),
+    )
+
+
 def qa_datums(
     tokenizer: PreTrainedTokenizerBase,
-    rows: Sequence[dict[str, Any]],
+    rows: Sequence[Mapping[str, Any]],
     task_name: str,
     *,
     system_prompt: str | None = None,
     question_key: str = "question",
     answer_key: str = "answer",
+    row_adapter: RowAdapter = qa_row,
 ) -> list[DatumSpec]:
-    """One DatumSpec per row: the question as the user turn, the answer as `ground_truth`."""
-    datums = []
+    """One DatumSpec per row, as `row_adapter` reads it (default: the question as the user turn, the answer
+    as `ground_truth`); every row the adapter refuses is named in one ValueError."""
+    prompts, problems = [], []
     for idx, row in enumerate(rows):
-        messages = [{"role": "user", "content": str(row[question_key])}]
+        try:
+            prompts.append(row_adapter(row, question_key=question_key, answer_key=answer_key))
+        except (KeyError, ValueError, TypeError) as exc:
+            problems.append(f"row {idx}: {type(exc).__name__}: {exc}")
+    if problems:
+        raise ValueError(f"{len(problems)} row(s) the {task_name!r} environment can't use:\n  " + "\n  ".join(problems[:20]))
+    datums = []
+    for idx, prompt in enumerate(prompts):
+        messages = [{"role": "user", "content": prompt.user_content}]
         if system_prompt:
             messages.insert(0, {"role": "system", "content": system_prompt})
-        extra = {k: v for k, v in row.items() if k not in (question_key, answer_key)}
         datums.append(
             datum_from_messages(
                 tokenizer,
                 idx,
                 messages,
                 task_name=task_name,
-                extra_env_info={"ground_truth": str(row[answer_key])},
-                agent_name=row.get("agent_name"),
-                metadata=extra,
+                extra_env_info=prompt.extra_env_info,
+                agent_name=prompt.agent_name,
+                metadata=prompt.metadata,
             )
         )
     return datums

@@ -6,11 +6,18 @@ Importing this package registers the built-in environments: "math", "tool_calcul
 
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.environments.math_env import MathEnvironment
-from nemo_rl_ext.environments.registry import available_environments, create_environment, register_environment
+from nemo_rl_ext.environments.registry import (
+    EnvironmentEntry,
+    available_environments,
+    create_environment,
+    environment_entry,
+    register_environment,
+)
 from nemo_rl_ext.environments.string_match import StringMatchEnvironment
 from nemo_rl_ext.environments.tool_env import ToolCalculatorEnvironment
 
 __all__ = [
+    "EnvironmentEntry",
     "EnvironmentInterface",
     "EnvironmentReturn",
     "MathEnvironment",
@@ -19,5 +26,6 @@ __all__ = [
     "ToolCalculatorEnvironment",
     "available_environments",
     "create_environment",
+    "environment_entry",
     "register_environment",
 ]

@@ -1,19 +1,46 @@
-"""Environments by name: a class decorator registers them, `create_environment` builds them."""
+"""Environments by name: a class decorator registers them with the defaults of their rows, `create_environment`
+builds them.
+
+    @register_environment("my_env", system_prompt="Answer in one word.", row_adapter=my_rows)
+    class MyEnvironment(EnvironmentInterface): ...
+
+`system_prompt` is what prompts get when the config leaves `rollouts.env.system_prompt` null; `row_adapter`
+turns a dataset row into the prompt's user turn and the environment's `extra_env_info` (default: the
+question/answer rows of `data.datasets.qa_row`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from nemo_rl_ext.data.datasets import RowAdapter, qa_row
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 
 _EnvironmentClass = TypeVar("_EnvironmentClass", bound=type[EnvironmentInterface])
 
-_ENVIRONMENTS: dict[str, type[EnvironmentInterface]] = {}
+
+@dataclass(frozen=True)
+class EnvironmentEntry:
+    """A registered environment."""
+
+    cls: type[EnvironmentInterface]
+    """The class `create_environment` builds."""
+    system_prompt: str | None
+    """The system message of its prompts when the config gives none (None: no system message)."""
+    row_adapter: RowAdapter
+    """Dataset row -> the prompt and what the environment reads (`data.datasets.RowAdapter`)."""
 
 
-def register_environment(name: str) -> Callable[[_EnvironmentClass], _EnvironmentClass]:
-    """Class decorator: make an `EnvironmentInterface` subclass available as `name`."""
+_ENVIRONMENTS: dict[str, EnvironmentEntry] = {}
+
+
+def register_environment(
+    name: str, *, system_prompt: str | None = None, row_adapter: RowAdapter = qa_row
+) -> Callable[[_EnvironmentClass], _EnvironmentClass]:
+    """Class decorator: make an `EnvironmentInterface` subclass available as `name`, with the default system
+    prompt and row adapter of its datasets."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"environment name must be a non-empty string, got {name!r}")
 
@@ -23,24 +50,29 @@ def register_environment(name: str) -> Callable[[_EnvironmentClass], _Environmen
                 f"@register_environment({name!r}) needs an EnvironmentInterface subclass, got {cls!r}"
             )
         known = _ENVIRONMENTS.get(name)
-        if known is not None and _qualified_name(known) != _qualified_name(cls):
+        if known is not None and _qualified_name(known.cls) != _qualified_name(cls):
             raise ValueError(
-                f"environment {name!r} is already registered to {_qualified_name(known)}; "
+                f"environment {name!r} is already registered to {_qualified_name(known.cls)}; "
                 f"cannot register {_qualified_name(cls)}"
             )
-        _ENVIRONMENTS[name] = cls
+        _ENVIRONMENTS[name] = EnvironmentEntry(cls, system_prompt, row_adapter)
         return cls
 
     return decorate
 
 
-def create_environment(name: str, **kwargs: Any) -> EnvironmentInterface:
-    """Build the environment registered as `name` with `kwargs`; an unknown name lists the known ones."""
-    cls = _ENVIRONMENTS.get(name)
-    if cls is None:
+def environment_entry(name: str) -> EnvironmentEntry:
+    """The registration of `name`; an unknown name lists the known ones (ValueError)."""
+    entry = _ENVIRONMENTS.get(name)
+    if entry is None:
         known = ", ".join(available_environments()) or "(none)"
         raise ValueError(f"unknown environment {name!r}; known environments: {known}")
-    return cls(**kwargs)
+    return entry
+
+
+def create_environment(name: str, **kwargs: Any) -> EnvironmentInterface:
+    """Build the environment registered as `name` with `kwargs`; an unknown name lists the known ones."""
+    return environment_entry(name).cls(**kwargs)
 
 
 def available_environments() -> tuple[str, ...]:

@@ -7,7 +7,12 @@ from typing import Any
 
 from nemo_rl_ext.data.records import Message
 from nemo_rl_ext.data.tool_calls import MAX_TOOL_CALL_CHARS, MAX_TOOL_CALL_DEPTH, ToolCall, parse_tool_calls
-from nemo_rl_ext.environments.calculator import CalculatorError, evaluate_expression, format_number
+from nemo_rl_ext.environments.calculator import (
+    CALCULATOR_SYSTEM_PROMPT,
+    CalculatorError,
+    evaluate_expression,
+    format_number,
+)
 from nemo_rl_ext.environments.grading_pool import DEFAULT_GRADING_TIMEOUT_S, DEFAULT_GRADING_WORKERS
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.environments.math_env import (
@@ -22,7 +27,7 @@ CALCULATOR_TOOL_NAME = "calculator"
 """The one tool this environment offers."""
 
 
-@register_environment("tool_calculator")
+@register_environment("tool_calculator", system_prompt=CALCULATOR_SYSTEM_PROMPT)
 class ToolCalculatorEnvironment(EnvironmentInterface):
     """Math with a calculator tool: a message with `<tool_call>`s gets their results back (reward 0, not
     terminated); a message without any is the final answer, graded like `math` (reward 1/0, terminated).

@@ -3,8 +3,9 @@
     result = run_eval(load_config("examples/configs/evals/eval.yaml", [], EvalConfig))
     result.summary["metrics"]["pass@1"]
 
-The driver has no generation loop of its own: `build_rollout_setup` (the one place that looks at
-`eval.rollout_mode`) builds the datums and the manager, and every group comes from `manager.run_rollout`.
+The driver has no generation loop of its own: `build_rollout_setup` (`experience.build.build_rollouts` on
+the `rollouts` section) builds the datums and the manager, and every group comes from
+`manager.stream_rollouts`, as GRPO's do.
 Groups are written as they finish (see `store.py`); re-running with the same `save_path` rolls out only
 the groups with missing or errored samples, and the summary is always computed from the file, so a
 resumed run reports exactly what an uninterrupted one does (rollouts are seeded per prompt, sample and
@@ -19,6 +20,7 @@ the samples ended as errors (the CLI then exits 3).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -29,6 +31,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from nemo_rl_ext.config import dump_config
+from nemo_rl_ext.data.datasets import load_jsonl
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.evals.config import EvalConfig, dataset_file
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, vote_key
@@ -42,69 +45,34 @@ from nemo_rl_ext.evals.store import (
     is_error,
     row_digests,
 )
+from nemo_rl_ext.experience.build import build_policy, build_rollouts
 from nemo_rl_ext.experience.rollout_manager import RolloutManager, batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
 
-def default_system_prompt(environment: str | None) -> str | None:
-    """The system prompt a native environment needs when `eval.system_prompt` is null."""
-    if environment == "tool_calculator":
-        from nemo_rl_ext.environments.calculator import CALCULATOR_SYSTEM_PROMPT
-
-        return CALCULATOR_SYSTEM_PROMPT
-    return None
-
-
 def load_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
     """The dataset rows the eval evaluates: the first `eval.num_prompts` rows of `eval.dataset_path`."""
-    from nemo_rl_ext.data.datasets import load_jsonl
-
-    ev = cfg.eval
     # a Gym row's agent may come from gym.agent_name: gym_datums names the rows that have none
-    required = ("responses_create_params",) if ev.rollout_mode == "nemo_gym" else ("question", "answer")
-    return load_jsonl(dataset_file(cfg), required=required)[: ev.num_prompts]
+    gym = cfg.rollouts.mode == "nemo_gym"
+    required = ("responses_create_params",) if gym else ("question", "answer")
+    return load_jsonl(dataset_file(cfg), required=required)[: cfg.eval.num_prompts]
 
 
 def build_rollout_setup(
     cfg: EvalConfig, generation: GenerationInterface, rows: Sequence[dict[str, Any]] | None = None
 ) -> tuple[list[DatumSpec], RolloutManager]:
-    """The datums and the RolloutManager for `cfg.eval.rollout_mode` (the only function that branches on it).
+    """The datums and the RolloutManager of `cfg.rollouts` (`experience.build.build_rollouts`).
 
     `rows`: the rows to evaluate (default: `load_rows(cfg)`)."""
-    from nemo_rl_ext.data.datasets import gym_datums
-
-    ev = cfg.eval
     rows = load_rows(cfg) if rows is None else rows
-    tokenizer = generation.tokenizer
-    common: dict[str, Any] = dict(
-        tokenizer=tokenizer,
-        num_generations_per_prompt=ev.num_tests_per_prompt,
-        max_seq_len=ev.max_seq_len,
-        policy_generation=generation,
+    return build_rollouts(
+        cfg.rollouts,
+        generation.tokenizer,
+        generation,
+        rows,
         generation_config=cfg.policy.generation,
-    )
-    if ev.rollout_mode == "nemo_gym":
-        assert cfg.gym is not None
-        datums = gym_datums(
-            rows, agent_name=cfg.gym.agent_name, responses_create_params=cfg.gym.responses_create_params
-        )
-        manager = RolloutManager(**common, task_to_env=None, use_nemo_gym=True, gym_config=cfg.gym)
-        return datums, manager
-
-    from nemo_rl_ext.cluster import build_environment
-    from nemo_rl_ext.data.datasets import qa_datums
-
-    env_name = ev.resolved_environment
-    assert env_name is not None
-    system_prompt = ev.system_prompt if ev.system_prompt is not None else default_system_prompt(env_name)
-    datums = qa_datums(tokenizer, rows, task_name=env_name, system_prompt=system_prompt or None)
-    turns = 1 if ev.rollout_mode == "single_turn" else ev.max_rollout_turns
-    env = build_environment(
-        env_name, remote=ev.remote_environment, step_timeout_s=ev.environment_step_timeout_s,
         cluster=cfg.policy.cluster,
     )
-    manager = RolloutManager(**common, task_to_env={env_name: env}, max_rollout_turns=turns)
-    return datums, manager
 
 
 @dataclass(frozen=True)
@@ -163,8 +131,6 @@ async def run_eval_async(
     stop_after_groups: int | None = None,
 ) -> EvalResult:
     """`run_eval` inside a running event loop."""
-    from nemo_rl_ext.cluster import build_policy_generation
-
     start = time.perf_counter()
     paths = EvalPaths(Path(cfg.eval.save_path))
     paths.root.mkdir(parents=True, exist_ok=True)
@@ -179,7 +145,7 @@ async def run_eval_async(
     paths.config.write_text(dump_config(cfg))
 
     own_generation = generation is None
-    gen = build_policy_generation(cfg.policy) if generation is None else generation
+    gen = build_policy(cfg.policy)[1] if generation is None else generation
     manager = None
     try:
         datums, manager = build_rollout_setup(cfg, gen, rows)
@@ -188,7 +154,7 @@ async def run_eval_async(
         todo = [d for d in datums if len(store.done(d.idx, expected[d.idx])) < expected[d.idx]]
         skipped = sum(len(store.done(d.idx, expected[d.idx])) for d in datums)
         retried = sum(len(store.failed(d.idx, expected[d.idx])) for d in datums)
-        gym = cfg.eval.rollout_mode == "nemo_gym"
+        gym = cfg.rollouts.mode == "nemo_gym"
         if gym:  # the rows Gym gets, on disk before the first is sent (a resume sends these again)
             from nemo_rl_ext.evals import gym_eval
 
@@ -210,7 +176,7 @@ async def run_eval_async(
             cfg.eval.max_concurrent_prompts,
             progress,
             stop_after_groups,
-            f"eval {cfg.eval.rollout_mode}",
+            f"eval {cfg.rollouts.mode_name}",
         )
         if gym and all(store.line(d.idx, s) is not None for d in datums for s in range(expected[d.idx])):
             await gym_eval.aggregate_metrics(  # while Gym is up: its own per-agent aggregate of the results
@@ -218,10 +184,8 @@ async def run_eval_async(
             )
     finally:
         try:
-            if manager is not None:
-                await manager.shutdown()  # the nemo_gym mode stops its policy server and Gym here
-                for env in (getattr(manager.impl, "task_to_env", None) or {}).values():  # build_rollout_setup's
-                    env.shutdown()  # a remote one: its actor (and a Ray only it started)
+            if manager is not None:  # the policy server and Gym (nemo_gym), or the environment it built
+                await manager.shutdown()
         finally:
             if own_generation:
                 gen.shutdown()
@@ -245,13 +209,13 @@ async def run_eval_async(
     missing = [idx for idx, n in expected.items() if any(store.line(idx, s) is None for s in range(n))]
     if missing and stop_after_groups is None:
         raise RuntimeError(
-            f"the rollouts returned fewer completions than num_tests_per_prompt for prompts {missing[:20]}"
+            f"the rollouts returned fewer completions than num_generations_per_prompt for prompts {missing[:20]}"
         )
     complete = not missing and len(records) == len(todo)
     summary = None
     if complete:
         summary = summarize(cfg, datums, expected, store)
-        if cfg.eval.rollout_mode == "nemo_gym":
+        if cfg.rollouts.mode == "nemo_gym":
             from nemo_rl_ext.evals.gym_eval import load_aggregate
 
             gym_metrics = load_aggregate(paths.root) or {}
@@ -279,37 +243,29 @@ async def _roll_out(
     stop_after_groups: int | None,
     desc: str,
 ) -> tuple[list[PromptGroupRecord], int, int]:
-    """Roll out `todo` concurrently, appending each group's samples that have no result yet (missing or
-    errored before) as soon as the group is done; returns the records, lines written, error lines written."""
-    limit = asyncio.Semaphore(max_concurrent or max(len(todo), 1))
-
-    async def one(datum: DatumSpec) -> PromptGroupRecord:
-        async with limit:
-            return await manager.run_rollout(datum)
-
-    tasks = [asyncio.ensure_future(one(d)) for d in todo]
+    """Roll out `todo` through `manager.stream_rollouts`, appending each group's samples that have no result
+    yet (missing or errored before) as soon as the group is done; returns the records, lines written, error
+    lines written."""
     records: list[PromptGroupRecord] = []
     written = errors = 0
     bar = tqdm(total=len(todo), desc=desc, unit="prompt", disable=not progress)
+    stream = manager.stream_rollouts(todo, max_concurrent_prompts=max_concurrent)
     try:
-        for next_done in asyncio.as_completed(tasks):
-            record = await next_done
-            have = store.done(record.prompt_idx, expected[record.prompt_idx])
-            lines = [
-                completion_line(record, i, c, save_token_ids)
-                for i, c in enumerate(record.completions)
-                if i not in have
-            ]
-            written += store.append(lines)
-            errors += sum(is_error(x) for x in lines)
-            records.append(record)
-            bar.update(1)
-            if stop_after_groups is not None and len(records) >= stop_after_groups:
-                break
+        async with contextlib.aclosing(stream):
+            async for record in stream:
+                have = store.done(record.prompt_idx, expected[record.prompt_idx])
+                lines = [
+                    completion_line(record, i, c, save_token_ids)
+                    for i, c in enumerate(record.completions)
+                    if i not in have
+                ]
+                written += store.append(lines)
+                errors += sum(is_error(x) for x in lines)
+                records.append(record)
+                bar.update(1)
+                if stop_after_groups is not None and len(records) >= stop_after_groups:
+                    break
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         bar.close()
     return records, written, errors
 
@@ -344,7 +300,7 @@ def summarize(
                 num_errors=len(group) - len(scored),
             )
         )
-    ks = cfg.eval.resolved_ks
+    ks = cfg.ks
     n = len(lines)
     scored = [x for x in lines if not is_error(x)]
     errors = [x for x in lines if is_error(x)]
@@ -357,7 +313,7 @@ def summarize(
     else:
         status = "errors_left"
     return {
-        "rollout_mode": cfg.eval.rollout_mode,
+        "rollout_mode": cfg.rollouts.mode_name,
         "model": cfg.policy.model_name,
         "dataset_path": cfg.eval.dataset_path,
         "num_prompts": len(prompts),

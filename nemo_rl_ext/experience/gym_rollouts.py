@@ -32,7 +32,7 @@ from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, descr
 from nemo_rl_ext.experience.gym_results import gym_numeric_metrics, result_to_completion
 from nemo_rl_ext.experience.native_rollouts import rollout_seed
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
-from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
+from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters, effective_counts
 from nemo_rl_ext.gym.client import GymClient, GymRowError, agent_name_of
 from nemo_rl_ext.gym.config import GymConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
@@ -90,7 +90,7 @@ class AsyncNemoGymRolloutImpl:
         self.fault_policy = fault_policy or FaultPolicy()
         self.gym_config = gym_config
         self._validate_init_params()
-        self.counts: GenerationCounts = (
+        self._counts: GenerationCounts = (
             num_generations_per_prompt
             if isinstance(num_generations_per_prompt, GenerationCounts)
             else GenerationCounts.parse(num_generations_per_prompt)
@@ -103,6 +103,11 @@ class AsyncNemoGymRolloutImpl:
         self._life_lock = threading.Lock()  # start-up runs in a worker thread that a shutdown may overtake
         self._closed = False
         self._pinned: dict[int, list[dict[str, Any]]] = {}
+
+    @property
+    def counts(self) -> GenerationCounts:
+        """The per-agent sample counts in force (a `stream_rollouts(counts=...)` call's, else the constructor's)."""
+        return effective_counts(self._counts)
 
     def pin_rows(self, rows_by_prompt: Mapping[int, Sequence[Mapping[str, Any]]]) -> None:
         """Send exactly these rows for these prompt indices (e.g. read back from a materialized file on

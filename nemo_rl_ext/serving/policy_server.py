@@ -479,8 +479,9 @@ def generation_defaults(max_tokens: int) -> GenerationConfig | None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI: load the model, then serve it in the foreground until SIGINT / SIGTERM."""
+    from nemo_rl_ext.models.backends import build_generation
     from nemo_rl_ext.models.config import PolicyConfig, VllmConfig
-    from nemo_rl_ext.models.policy import build_generation, resolve_model_path
+    from nemo_rl_ext.models.policy import resolve_model_path
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(

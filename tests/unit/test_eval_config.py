@@ -27,12 +27,12 @@ def problems(*overrides: str) -> str:
 @pytest.mark.parametrize("name", ["eval.yaml", "tool_eval.yaml", "nemo_gym_eval.yaml"])
 def test_shipped_configs_validate(name: str) -> None:
     cfg = load_config(CONFIGS / name, [], EvalConfig)
-    assert cfg.eval.resolved_ks == (1, 2, 4)
+    assert cfg.ks == (1, 2, 4)
 
 
 def test_shipped_modes() -> None:
     modes = {
-        n: load_config(CONFIGS / n, [], EvalConfig).eval.rollout_mode
+        n: load_config(CONFIGS / n, [], EvalConfig).rollouts.mode_name
         for n in ("eval.yaml", "tool_eval.yaml", "nemo_gym_eval.yaml")
     }
     assert modes == {
@@ -44,17 +44,17 @@ def test_shipped_modes() -> None:
 
 def test_defaults() -> None:
     cfg = load()
-    assert cfg.eval.rollout_mode == "single_turn"
-    assert cfg.eval.resolved_environment == "math"
-    assert cfg.eval.resolved_ks == (1,)
-    assert load("eval.rollout_mode=multi_turn").eval.resolved_environment == "tool_calculator"
+    assert cfg.rollouts.mode_name == "single_turn"
+    assert cfg.rollouts.env.resolved_name == "math"
+    assert cfg.ks == (1,)
+    assert load("eval.rollout_mode=multi_turn").rollouts.env.resolved_name == "tool_calculator"
 
 
 def test_default_ks_are_powers_of_two_and_the_count() -> None:
-    assert load("eval.num_tests_per_prompt=6").eval.resolved_ks == (1, 2, 4, 6)
-    assert load("eval.num_tests_per_prompt=8").eval.resolved_ks == (1, 2, 4, 8)
+    assert load("eval.num_tests_per_prompt=6").ks == (1, 2, 4, 6)
+    assert load("eval.num_tests_per_prompt=8").ks == (1, 2, 4, 8)
     per_agent = load("eval.num_tests_per_prompt={a: 3, _default: 5}")
-    assert per_agent.eval.resolved_ks == (1, 2, 4, 5)
+    assert per_agent.ks == (1, 2, 4, 5)
 
 
 def test_ks_are_sorted_and_deduplicated() -> None:
@@ -70,8 +70,8 @@ def test_single_turn_rejects_max_rollout_turns_above_one() -> None:
         "eval.max_rollout_turns: rollout_mode=single_turn runs one generation and one environment step" in msg
     )
     assert "max_rollout_turns=3 would be ignored" in msg and "rollout_mode=multi_turn" in msg
-    assert load("eval.max_rollout_turns=1").eval.max_rollout_turns == 1
-    assert load("eval.rollout_mode=multi_turn", "eval.max_rollout_turns=3").eval.max_rollout_turns == 3
+    assert load("eval.max_rollout_turns=1").rollouts.max_rollout_turns == 1
+    assert load("eval.rollout_mode=multi_turn", "eval.max_rollout_turns=3").rollouts.max_rollout_turns == 3
 
 
 def test_nemo_gym_requires_null_max_rollout_turns() -> None:
@@ -109,8 +109,8 @@ def test_nemo_gym_rejects_native_environment_settings() -> None:
 
 def test_nemo_gym_accepts_several_samples_and_per_agent_counts() -> None:
     cfg = load("eval.rollout_mode=nemo_gym", "eval.num_tests_per_prompt={agent_alpha: 4, _default: 2}", *GYM)
-    assert cfg.eval.num_tests_per_prompt == {"agent_alpha": 4, "_default": 2}
-    assert cfg.eval.max_samples == 4
+    assert cfg.rollouts.num_generations_per_prompt == {"agent_alpha": 4, "_default": 2}
+    assert cfg.rollouts.max_samples == 4
 
 
 @pytest.mark.parametrize("mode", ["single_turn", "multi_turn", "nemo_gym"])
@@ -143,9 +143,9 @@ def test_bad_field_values() -> None:
 
 def test_nemo_gym_needs_a_gym_section_and_other_modes_refuse_one() -> None:
     msg = problems("eval.rollout_mode=nemo_gym")
-    assert "gym: is required in nemo_gym mode: gym.launch" in msg
+    assert "rollouts.gym: is required with rollouts.mode=nemo_gym: gym.launch" in msg
     msg = problems("eval.rollout_mode=single_turn", *GYM)
-    assert "gym: is only used in nemo_gym mode, not single_turn" in msg
+    assert "gym: is only used with rollouts.mode=nemo_gym" in msg
 
 
 def test_unknown_environment_lists_the_known_ones() -> None:

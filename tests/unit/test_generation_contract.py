@@ -20,10 +20,10 @@ import torch
 from backend_checks import backend_params, chat_prompts, forward_logprobs, not_greedy, policy_section
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from nemo_rl_ext.models.backends import build_generation
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationInterface
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
-from nemo_rl_ext.models.policy import build_generation
 
 pytestmark = pytest.mark.timeout(900)
 

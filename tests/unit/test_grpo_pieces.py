@@ -85,7 +85,7 @@ def test_config_reports_field_errors_and_cross_field_rules_together():
 
 def test_shipped_config_loads():
     cfg = load_config("examples/configs/grpo_smollm2.yaml", ["grpo.max_num_steps=2"], GRPOConfig)
-    assert cfg.grpo.max_num_steps == 2 and cfg.env.name == "math" and cfg.rollouts.mode == "native"
+    assert cfg.grpo.max_num_steps == 2 and cfg.rollouts.env.resolved_name == "math" and cfg.rollouts.mode == "native"
 
 
 # ---- prompt stream --------------------------------------------------------------------------------
@@ -269,7 +269,8 @@ async def test_string_match_environment_scores_the_last_answer():
 def test_gym_rows_without_agent_ref_take_the_gym_agent_name_in_grpo(tmp_path, tiny_model_dir):
     """GRPO reads Gym rows as the eval does: `rollouts.gym.agent_name` is the agent of rows without
     agent_ref (checked before the model loads, and in the datums), and the overrides reach every row."""
-    from nemo_rl_ext.algorithms.grpo import load_datums
+    from nemo_rl_ext.algorithms.grpo import load_rows
+    from nemo_rl_ext.experience.build import make_datums
     from nemo_rl_ext.algorithms.grpo_config import input_problems
 
     rows = tmp_path / "rows.jsonl"
@@ -287,6 +288,6 @@ def test_gym_rows_without_agent_ref_take_the_gym_agent_name_in_grpo(tmp_path, ti
     cfg = load_config(None, [*base, "rollouts.gym.agent_name=a",
                              "rollouts.gym.responses_create_params={parallel_tool_calls: false}"], GRPOConfig)
     assert input_problems(cfg, val=False) == []
-    datums = load_datums(cfg, None, rows)
+    datums = make_datums(cfg.rollouts, None, load_rows(cfg, rows))
     assert [d.agent for d in datums] == ["a", "b"]
     assert all(d.extra_env_info["responses_create_params"]["parallel_tool_calls"] is False for d in datums)

@@ -189,8 +189,8 @@ def test_bad_engine_settings_are_reported_together(tiny_model_and_tokenizer):
 def test_policy_config_sets_the_engine(tiny_model_dir) -> None:
     """`policy.hf.*` reaches the engine that `build_generation` makes (and a typo is an error)."""
     from nemo_rl_ext.config import ConfigError, load_config
+    from nemo_rl_ext.models.backends import build_generation
     from nemo_rl_ext.models.config import PolicyConfig
-    from nemo_rl_ext.models.policy import build_generation
 
     cfg = load_config(
         None,

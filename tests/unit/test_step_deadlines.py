@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_ext.algorithms.grpo import build_rollout_manager
+from nemo_rl_ext.algorithms.grpo import rollout_generation_config
 from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.environments import create_environment
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import build_rollout_setup
+from nemo_rl_ext.experience.build import build_rollouts
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 
@@ -59,8 +60,11 @@ def test_eval_managers_limit_environment_steps(tiny_model_and_tokenizer, monkeyp
 def test_grpo_manager_limits_environment_steps(tiny_model_and_tokenizer) -> None:
     _, tok = tiny_model_and_tokenizer
     cfg = load_config(REPO / "examples" / "configs" / "grpo_smollm2.yaml", [], GRPOConfig)
-    task_to_env = {cfg.env.name: create_environment(cfg.env.name, **cfg.env.kwargs)}
-    manager = build_rollout_manager(cfg, tok, NoGeneration(tok), task_to_env, cfg.grpo.num_generations_per_prompt)
+    env = cfg.rollouts.env
+    task_to_env = {env.resolved_name: create_environment(env.resolved_name, **env.kwargs)}
+    _, manager = build_rollouts(
+        cfg.rollouts, tok, NoGeneration(tok), generation_config=rollout_generation_config(cfg), task_to_env=task_to_env
+    )
     assert_finite_env_step_limit(manager)
 
 

@@ -1,0 +1,119 @@
+"""The front door: a config's `policy` and `rollouts` sections turned into a generation backend, datums and a
+RolloutManager. GRPO, the eval and the examples build through these two functions only; they are the only
+places that branch on the backend (through the `models.backends` registry and `policy.cluster`) and on the
+rollout mode.
+
+    tokenizer, generation = build_policy(cfg.policy)
+    datums, manager = build_rollouts(cfg.rollouts, tokenizer, generation, rows, generation_config=...)
+    async for record in manager.stream_rollouts(datums, max_concurrent_prompts=8): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nemo_rl_ext.data.datasets import gym_datums, qa_datums
+from nemo_rl_ext.data.records import DatumSpec
+from nemo_rl_ext.environments.interfaces import EnvironmentInterface
+from nemo_rl_ext.experience.config import RolloutsConfig
+from nemo_rl_ext.experience.rollout_manager import RolloutManager
+from nemo_rl_ext.experience.rollout_params import TokenizerType
+from nemo_rl_ext.models.config import ClusterConfig, PolicyConfig
+from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
+
+
+def build_policy(
+    policy: PolicyConfig, *, model: Any = None, tokenizer: Any = None
+) -> tuple[TokenizerType, GenerationInterface]:
+    """The tokenizer and generation backend `policy` describes: one engine in this process (`policy.backend`
+    from the registry), or a Ray pool of them (`policy.cluster`). `model` / `tokenizer`: a trainer's, shared by
+    an in-process engine that serves the model object it is handed. The caller shuts the backend down."""
+    from nemo_rl_ext.cluster import build_policy_generation
+
+    generation = build_policy_generation(policy, model, tokenizer)
+    return generation.tokenizer, generation
+
+
+def make_datums(
+    cfg: RolloutsConfig,
+    tokenizer: TokenizerType,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    question_key: str = "question",
+    answer_key: str = "answer",
+) -> list[DatumSpec]:
+    """The datums of `rows` for `cfg`'s mode: Gym rows as they are (nemo_gym), else each row read by the
+    environment's registered row adapter, with `rollouts.env.system_prompt` or the environment's default."""
+    if cfg.mode == "nemo_gym":
+        gym = cfg.gym
+        return gym_datums(
+            rows,
+            agent_name=gym.agent_name if gym is not None else None,
+            responses_create_params=gym.responses_create_params if gym is not None else None,
+        )
+    from nemo_rl_ext.environments import environment_entry
+
+    name = cfg.env.resolved_name
+    entry = environment_entry(name)
+    system_prompt = cfg.env.system_prompt if cfg.env.system_prompt is not None else entry.system_prompt
+    return qa_datums(
+        tokenizer,
+        rows,
+        name,
+        system_prompt=system_prompt or None,
+        question_key=question_key,
+        answer_key=answer_key,
+        row_adapter=entry.row_adapter,
+    )
+
+
+def build_rollouts(
+    cfg: RolloutsConfig,
+    tokenizer: TokenizerType,
+    generation: GenerationInterface,
+    rows: Sequence[Mapping[str, Any]] = (),
+    *,
+    generation_config: GenerationConfig,
+    cluster: ClusterConfig | None = None,
+    task_to_env: Mapping[str, EnvironmentInterface] | None = None,
+    question_key: str = "question",
+    answer_key: str = "answer",
+) -> tuple[list[DatumSpec], RolloutManager]:
+    """The datums of `rows` and the RolloutManager of `cfg.mode`.
+
+    Native mode builds the configured environment (in this process, or in a Ray actor with
+    `rollouts.env.remote`, on `cluster`'s Ray) and the manager owns it (its `shutdown` stops it); a given
+    `task_to_env` is used instead and stays the caller's. A rollout's tokens are capped by the engine's
+    `max_model_len` as well as by `rollouts.max_seq_len`.
+    """
+    datums = make_datums(cfg, tokenizer, rows, question_key=question_key, answer_key=answer_key)
+    common: dict[str, Any] = dict(
+        tokenizer=tokenizer,
+        num_generations_per_prompt=cfg.num_generations_per_prompt,
+        max_seq_len=min(cfg.max_seq_len, generation.max_model_len),
+        policy_generation=generation,
+        generation_config=generation_config,
+        fault_policy=cfg.fault_policy,
+    )
+    if cfg.mode == "nemo_gym":
+        return datums, RolloutManager(**common, task_to_env=None, use_nemo_gym=True, gym_config=cfg.gym)
+    owned: list[EnvironmentInterface] = []
+    if task_to_env is None:
+        from nemo_rl_ext.cluster import build_environment
+
+        name = cfg.env.resolved_name
+        env = build_environment(
+            name, cfg.env.kwargs, remote=cfg.env.remote, step_timeout_s=cfg.env.step_timeout_s, cluster=cluster
+        )
+        owned.append(env)
+        task_to_env = {name: env}
+    try:
+        manager = RolloutManager(
+            **common, task_to_env=task_to_env, max_rollout_turns=cfg.max_rollout_turns, owned_environments=owned
+        )
+    except BaseException:
+        for env in owned:
+            env.shutdown()
+        raise
+    return datums, manager
