@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.evals.lines import CompletionLine
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics
 from nemo_rl_ext.evals.report import format_metric_table, markdown_report, plot_pass_at_k
-from nemo_rl_ext.evals.lines import CompletionLine
 from nemo_rl_ext.evals.store import CompletionStore, check_dataset, check_resumable, row_digests
 from nemo_rl_ext.evals.summary import EvalSummary
 
