@@ -13,12 +13,10 @@ import asyncio
 import sys
 
 from nemo_rl_ext.config import ConfigError
-from nemo_rl_ext.data.datasets import SHIPPED_ARITHMETIC, load_jsonl, qa_datums
+from nemo_rl_ext.data.datasets import SHIPPED_ARITHMETIC, load_jsonl
 from nemo_rl_ext.data.records import PromptGroupRecord
-from nemo_rl_ext.environments import create_environment
-from nemo_rl_ext.environments.calculator import CALCULATOR_SYSTEM_PROMPT
-from nemo_rl_ext.experience.rollout_manager import RolloutManager
-from nemo_rl_ext.models.backends import build_generation
+from nemo_rl_ext.experience.build import build_policy, build_rollouts
+from nemo_rl_ext.experience.config import RolloutsConfig
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation import GenerationConfig
 
@@ -36,22 +34,21 @@ def print_group(record: PromptGroupRecord) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    policy_cfg = PolicyConfig(model_name=args.model, max_model_len=1024)
-    generation = build_generation(policy_cfg)
-    tokenizer = generation.tokenizer
+    tokenizer, generation = build_policy(PolicyConfig(model_name=args.model, max_model_len=1024))
+    rollouts = RolloutsConfig.model_validate({
+        "num_generations_per_prompt": args.num_generations,
+        "max_rollout_turns": args.max_turns,
+        "max_seq_len": 1024,
+        "env": {"name": "tool_calculator"},  # its registered system prompt teaches the calculator tool
+    })
     rows = load_jsonl(SHIPPED_ARITHMETIC, required=("question", "answer"))[: args.num_prompts]
-    datums = qa_datums(tokenizer, rows, "tool_calculator", system_prompt=CALCULATOR_SYSTEM_PROMPT)
-    manager = RolloutManager(
-        tokenizer=tokenizer,
-        task_to_env={"tool_calculator": create_environment("tool_calculator")},
-        num_generations_per_prompt=args.num_generations,
-        max_seq_len=1024,
-        max_rollout_turns=args.max_turns,
-        policy_generation=generation,
-        generation_config=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0.7, seed=0),
-    )
-    records, metrics = await manager.run_rollouts(datums)
-    generation.shutdown()
+    sampling = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0.7, seed=0)
+    datums, manager = build_rollouts(rollouts, tokenizer, generation, rows, generation_config=sampling)
+    try:
+        records, metrics = await manager.run_rollouts(datums)
+    finally:
+        await manager.shutdown()
+        generation.shutdown()
     for record in records:
         print_group(record)
     print("\nrollout metrics:")

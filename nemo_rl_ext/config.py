@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -74,10 +74,16 @@ def load_config(path: str | Path | None, overrides: Sequence[str], schema: type[
         raise ConfigError(format_validation_error(err, str(path or "config"))) from None
 
 
-def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], may_change: Iterable[str]) -> list[str]:
-    """The leaf keys (dotted) whose values differ between two configs, as `key: old -> new` lines.
+def config_changes(
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    may_change: Iterable[str],
+    spell: Callable[[str], str] | None = None,
+) -> list[str]:
+    """The leaf keys (dotted) whose values differ between two configs, as `key: old -> new` lines, sorted.
 
     A key is exempt when it equals an entry of `may_change` or lies under one (`logger` exempts `logger.*`).
+    `spell` names each key as the user wrote it (`CheckedConfig.key_as_written`).
     """
     exempt = tuple(may_change)
     before, after = _flatten(old), _flatten(new)
@@ -86,7 +92,8 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], may_change: I
         for k in before.keys() | after.keys()
         if before.get(k) != after.get(k) and not any(k == e or k.startswith(f"{e}.") for e in exempt)
     )
-    return [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed]
+    spell = spell or (lambda key: key)
+    return sorted(f"{spell(k)}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -210,7 +210,16 @@ class GRPO:
             logger.warning("resume=true but %s holds no checkpoint: starting from step 0", self.checkpoint_root)
             return None
         saved = checkpoint.extra.get("config")
-        changes = config_changes(saved, self.cfg.model_dump(mode="json"), RESUME_MAY_CHANGE) if saved else []
+        if saved:  # a config saved in an older spelling compares by its settings
+            try:
+                saved = GRPOConfig.model_validate(saved).model_dump(mode="json")
+            except ValueError:
+                pass
+        changes = (
+            config_changes(saved, self.cfg.model_dump(mode="json"), RESUME_MAY_CHANGE, self.cfg.key_as_written)
+            if saved
+            else []
+        )
         if changes:
             raise ConfigError(
                 f"{checkpoint.path} was saved by a run with a different config; resuming would mix two runs. "

@@ -215,7 +215,7 @@ class GRPOConfig(CheckedConfig):
         policy = data.get("policy")
         generation = policy.get("generation") if isinstance(policy, Mapping) else None
         temperature = raw_field(GenerationConfig, generation, "temperature")
-        problems = rollouts_rule_problems(data, GRPORollouts)
+        problems = rollouts_rule_problems(data, GRPORollouts, seq_len_within_model=True)
         if temperature is not INVALID and temperature == 0.0:
             problems.append(
                 (

@@ -165,7 +165,7 @@ class EvalConfig(CheckedConfig):
     @classmethod
     def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:
         """The shared rollouts rules, and every k fits the largest sample count."""
-        problems = rollouts_rule_problems(data, RolloutsConfig)
+        problems = rollouts_rule_problems(data, RolloutsConfig, seq_len_within_model=False)
         counts = raw_field(RolloutsConfig, data.get("rollouts"), "num_generations_per_prompt")
         ks = raw_field(EvalSettings, data.get("eval"), "ks")
         if counts is not INVALID and ks is not INVALID and ks:

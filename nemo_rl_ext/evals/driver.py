@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,17 +34,16 @@ from nemo_rl_ext.config import dump_config
 from nemo_rl_ext.data.datasets import load_jsonl
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.evals.config import EvalConfig, dataset_file
-from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, vote_key
+from nemo_rl_ext.evals.lines import CompletionLine
 from nemo_rl_ext.evals.store import (
     CompletionStore,
     EvalPaths,
     check_dataset,
     check_resumable,
-    completion_line,
     dumps,
-    is_error,
     row_digests,
 )
+from nemo_rl_ext.evals.summary import EvalSummary, summarize
 from nemo_rl_ext.experience.build import build_policy, build_rollouts
 from nemo_rl_ext.experience.rollout_manager import RolloutManager, batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
@@ -83,7 +82,7 @@ class EvalResult:
     """The output files."""
     complete: bool
     """True when every (prompt, sample) has a result or an error line (then `summary` is set and written)."""
-    summary: dict[str, Any] | None
+    summary: EvalSummary | None
     """The summary (also in summary.json), or None when the run stopped early."""
     groups_generated: int
     """Groups rolled out by this call (resumed groups already complete are not counted)."""
@@ -103,7 +102,7 @@ class EvalResult:
     @property
     def errors_left(self) -> bool:
         """True when the run finished with more errors than `eval.max_error_rate` allows."""
-        return self.summary is not None and self.summary["status"] == "errors_left"
+        return self.summary is not None and self.summary.status == "errors_left"
 
 
 def run_eval(
@@ -139,7 +138,12 @@ async def run_eval_async(
         print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
     resuming = paths.completions.exists() and paths.completions.stat().st_size > 0
     if resuming:
-        check_resumable(paths.config, cfg.model_dump(mode="json"))
+        check_resumable(
+            paths.config,
+            cfg.model_dump(mode="json"),
+            lambda saved: EvalConfig.model_validate(saved).model_dump(mode="json"),
+            cfg.key_as_written,
+        )
     rows = load_rows(cfg)
     check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
     paths.config.write_text(dump_config(cfg))
@@ -219,11 +223,14 @@ async def run_eval_async(
             from nemo_rl_ext.evals.gym_eval import load_aggregate
 
             gym_metrics = load_aggregate(paths.root) or {}
-            summary["gym_metrics"] = {  # group_level_metrics (per task) stay in gym_aggregate_metrics.json
-                agent: {k: v for k, v in entry.items() if k in ("agent_metrics", "key_metrics", "error")}
-                for agent, entry in gym_metrics.items()
-            }
-        paths.summary.write_bytes(dumps(summary, indent=True) + b"\n")
+            summary = dataclasses.replace(  # group_level_metrics (per task) stay in gym_aggregate_metrics.json
+                summary,
+                gym_metrics={
+                    agent: {k: v for k, v in entry.items() if k in ("agent_metrics", "key_metrics", "error")}
+                    for agent, entry in gym_metrics.items()
+                },
+            )
+        paths.summary.write_bytes(dumps(summary.to_json(), indent=True) + b"\n")
         from nemo_rl_ext.evals.report import write_report
 
         write_report(summary, paths)
@@ -255,12 +262,12 @@ async def _roll_out(
             async for record in stream:
                 have = store.done(record.prompt_idx, expected[record.prompt_idx])
                 lines = [
-                    completion_line(record, i, c, save_token_ids)
+                    CompletionLine.from_completion(record, i, c, save_token_ids)
                     for i, c in enumerate(record.completions)
                     if i not in have
                 ]
                 written += store.append(lines)
-                errors += sum(is_error(x) for x in lines)
+                errors += sum(x.is_error for x in lines)
                 records.append(record)
                 bar.update(1)
                 if stop_after_groups is not None and len(records) >= stop_after_groups:
@@ -268,69 +275,3 @@ async def _roll_out(
     finally:
         bar.close()
     return records, written, errors
-
-
-MAX_LISTED_ERRORS = 50
-"""Error samples listed by name in the summary (all of them are counted)."""
-
-
-def summarize(
-    cfg: EvalConfig, datums: Sequence[DatumSpec], expected: dict[int, int], store: CompletionStore
-) -> dict[str, Any]:
-    """The summary of the lines on disk for `datums` (a pure function of the file's lines).
-
-    Each (prompt, sample) counts once, as its result or, when it has none, as its latest error. Metrics,
-    truncation rate and mean turns are over the non-error samples; the errors are counted (`num_errors`,
-    per agent in `metrics`), listed (`error_samples`, the first MAX_LISTED_ERRORS) and judged against
-    `eval.max_error_rate` (`status`).
-    """
-    prompts, lines = [], []
-    for d in datums:
-        group = [store.line(d.idx, s) for s in range(expected[d.idx])]
-        assert all(x is not None for x in group), f"prompt {d.idx} has samples without a line"
-        lines.extend(group)
-        scored = [x for x in group if not is_error(x)]
-        prompts.append(
-            PromptSamples(
-                agent_name=group[0]["agent"],
-                rewards=tuple(float(x["reward"]) for x in scored),
-                answers=tuple(
-                    None if x["answer"] is None else vote_key(x["answer"], x.get("env_extras")) for x in scored
-                ),
-                num_errors=len(group) - len(scored),
-            )
-        )
-    ks = cfg.ks
-    n = len(lines)
-    scored = [x for x in lines if not is_error(x)]
-    errors = [x for x in lines if is_error(x)]
-    stops = Counter(x["stop_reason"] for x in lines)
-    error_rate = len(errors) / n
-    if not errors:
-        status = "ok"
-    elif error_rate <= cfg.eval.max_error_rate:
-        status = "errors_allowed"
-    else:
-        status = "errors_left"
-    return {
-        "rollout_mode": cfg.rollouts.mode_name,
-        "model": cfg.policy.model_name,
-        "dataset_path": cfg.eval.dataset_path,
-        "num_prompts": len(prompts),
-        "num_completions": n,
-        "ks": list(ks),
-        "reward_threshold": cfg.eval.reward_threshold,
-        "agents": sorted({p.agent_name for p in prompts}),
-        "stop_reasons": dict(sorted(stops.items())),
-        "status": status,
-        "num_errors": len(errors),
-        "error_rate": error_rate,
-        "max_error_rate": cfg.eval.max_error_rate,
-        "error_samples": [
-            {k: x.get(k) for k in ("prompt_idx", "sample_idx", "agent", "error")}
-            for x in errors[:MAX_LISTED_ERRORS]
-        ],
-        "truncation_rate": sum(bool(x["truncated"]) for x in scored) / len(scored) if scored else None,
-        "mean_turns": sum(int(x["num_turns"]) for x in scored) / len(scored) if scored else None,
-        "metrics": aggregate_eval_metrics(prompts, ks, cfg.eval.reward_threshold),
-    }

@@ -18,7 +18,7 @@ import orjson
 
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.data.records import DatumSpec
-from nemo_rl_ext.evals.store import CompletionStore, is_error
+from nemo_rl_ext.evals.store import CompletionStore
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.gym.client import agent_name_of
 
@@ -80,14 +80,13 @@ def stripped_results(
     for d in datums:
         for s in range(expected[d.idx]):
             line = store.line(d.idx, s)
-            result = (line or {}).get("env_extras", {}).get("gym_result")
-            if line is None or is_error(line) or not isinstance(result, dict):
+            if line is None or line.is_error or not isinstance(result := line.env_extras.get("gym_result"), dict):
                 continue
             entry = {k: v for k, v in result.items() if k not in ("response", "responses_create_params")}
             usage = (result.get("response") or {}).get("usage")
             if usage:
                 entry["response"] = {"usage": usage}
-            out.setdefault(line["agent"], []).append(entry)
+            out.setdefault(line.agent, []).append(entry)
     return out
 
 

@@ -7,6 +7,9 @@ Aggregation averages per-prompt values over prompts (macro average) and reports 
 Error samples (stop_reason "error": a dead server, a failed generation, an environment that raised) are
 not answers: a prompt's n is its number of non-error samples, and the errors are only counted. A prompt
 that errors leave with n < k is excluded from that k's metrics and counted in `num_prompts_short@k`.
+
+The metrics are one list (`metric_defs()`: the built-ins, then what `register_metric` added) that both the
+aggregation here and the report's table iterate; docs/extending.md shows how to add one.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,44 +216,140 @@ def _mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1) / math.sqrt(len(arr)))
 
 
-def _per_prompt_values(p: PromptSamples, ks: Sequence[int], threshold: float) -> dict[str, float]:
+@dataclass(frozen=True)
+class MetricDef:
+    """One per-prompt eval metric: how it is computed over a prompt's samples and how the report shows it.
+
+    Aggregation (`aggregate_eval_metrics`, hence the eval summary and GRPO validation) and the report's
+    table both iterate `metric_defs()`, so a metric exists everywhere once it is registered."""
+
+    name: str
+    """Its name: the key is `name@k` for each k when `per_k`, else `name` (and the same under `agent/<a>/`)."""
+    compute: Callable[[PromptSamples, tuple[bool, ...], int | None], float]
+    """(samples, correct, k) -> the prompt's value; `correct[i]` is `samples.rewards[i] >= threshold`; only
+    non-error samples are passed; k is None unless `per_k` (then 1 <= k <= n, n = len(samples.rewards))."""
+    per_k: bool = True
+    """True: computed for each k, over the prompts with n >= k; False: once, over the prompts with n >= 1."""
+    description: str = ""
+    """What it measures, in one line."""
+    report_format: str = ".3f"
+    """The `format()` spec of its cells in the report (value and stderr)."""
+    in_report: bool = True
+    """Whether the report's table has its row(s) (one per k when `per_k`)."""
+
+    def keys(self, ks: Sequence[int]) -> list[str]:
+        """Its metric keys for these ks (without the `/stderr` companions)."""
+        return [f"{self.name}@{k}" for k in ks] if self.per_k else [self.name]
+
+
+BUILTIN_METRICS: tuple[MetricDef, ...] = (
+    MetricDef(
+        "mean_reward",
+        lambda p, correct, k: mean_reward(p.rewards),
+        per_k=False,
+        description="mean reward of the prompt's samples",
+    ),
+    MetricDef(
+        "pass",
+        lambda p, correct, k: pass_at_k(len(correct), sum(correct), k),
+        description="probability that at least one of k samples is correct (unbiased estimator)",
+    ),
+    MetricDef(
+        "maj", lambda p, correct, k: maj_at_k(p.answers, correct, k), description="majority vote of k samples"
+    ),
+    MetricDef("mean", lambda p, correct, k: mean_at_k(p.rewards, k), description="mean reward of k samples"),
+)
+"""The metrics every eval reports, in report order."""
+
+_RESERVED = frozenset({"num_prompts", "num_samples", "num_errors", "num_prompts_short"})
+"""Count keys that aggregation writes itself (no metric may take their names)."""
+
+_REGISTRY: dict[str, MetricDef] = {m.name: m for m in BUILTIN_METRICS}
+
+
+def metric_defs() -> tuple[MetricDef, ...]:
+    """Every registered metric, built-ins first, then the registered ones in registration order."""
+    return tuple(_REGISTRY.values())
+
+
+def register_metric(metric: MetricDef) -> MetricDef:
+    """Add a metric to aggregation and report; returns it. ValueError on a name that is taken or is not a
+    plain identifier (it becomes a slash-namespaced key, so no `@` or `/`)."""
+    if not isinstance(metric, MetricDef):
+        raise ValueError(f"register_metric takes a MetricDef, got {type(metric).__name__}")
+    if not metric.name.isidentifier():
+        raise ValueError(f"metric name {metric.name!r} must be an identifier (letters, digits, _)")
+    if metric.name in _REGISTRY or metric.name in _RESERVED:
+        raise ValueError(f"metric name {metric.name!r} is taken")
+    if not callable(metric.compute):
+        raise ValueError(f"metric {metric.name!r}: compute is not callable")
+    _REGISTRY[metric.name] = metric
+    return metric
+
+
+def unregister_metric(name: str) -> None:
+    """Remove a registered metric (built-ins stay); ValueError naming the registered ones otherwise."""
+    if name not in _REGISTRY or any(m.name == name for m in BUILTIN_METRICS):
+        extra = [m for m in _REGISTRY if all(b.name != m for b in BUILTIN_METRICS)]
+        raise ValueError(f"{name!r} is not a registered (non-built-in) metric; registered: {extra}")
+    del _REGISTRY[name]
+
+
+def _compute(metric: MetricDef, p: PromptSamples, correct: tuple[bool, ...], k: int | None) -> float:
+    try:
+        return float(metric.compute(p, correct, k))
+    except Exception as exc:
+        at = "" if k is None else f"@{k}"
+        exc.add_note(f"while computing metric {metric.name}{at} for a prompt of agent {p.agent_name!r}")
+        raise
+
+
+def _per_prompt_values(
+    p: PromptSamples, ks: Sequence[int], threshold: float, defs: Sequence[MetricDef]
+) -> dict[str, float]:
     """The prompt's metrics over its non-error samples; "short@k" = 1 where errors left it below k."""
     n = len(p.rewards)
-    values = {"mean_reward": mean_reward(p.rewards)} if n else {}
-    correct = [r >= threshold for r in p.rewards]
+    correct = tuple(r >= threshold for r in p.rewards)
+    values = {m.name: _compute(m, p, correct, None) for m in defs if not m.per_k} if n else {}
     for k in ks:
         if k > n:
             if k <= n + p.num_errors:
                 values[f"short@{k}"] = 1.0
             continue
-        values[f"pass@{k}"] = pass_at_k(len(p.rewards), sum(correct), k)
-        values[f"maj@{k}"] = maj_at_k(p.answers, correct, k)
-        values[f"mean@{k}"] = mean_at_k(p.rewards, k)
+        for m in defs:
+            if m.per_k:
+                values[f"{m.name}@{k}"] = _compute(m, p, correct, k)
     return values
 
 
 def _aggregate(
-    per_prompt: Sequence[dict[str, float]], prompts: Sequence[PromptSamples], ks: Sequence[int], prefix: str
+    per_prompt: Sequence[dict[str, float]],
+    prompts: Sequence[PromptSamples],
+    ks: Sequence[int],
+    prefix: str,
+    defs: Sequence[MetricDef],
 ) -> dict[str, float]:
     out = {
         f"{prefix}num_prompts": float(len(per_prompt)),
         f"{prefix}num_samples": float(sum(len(p.rewards) for p in prompts)),
         f"{prefix}num_errors": float(sum(p.num_errors for p in prompts)),
     }
-    scored = [v["mean_reward"] for v in per_prompt if "mean_reward" in v]
-    if scored:
-        mean, stderr = _mean_and_stderr(scored)
-        out[f"{prefix}mean_reward"], out[f"{prefix}mean_reward/stderr"] = mean, stderr
+    for m in defs:
+        scored = [v[m.name] for v in per_prompt if m.name in v] if not m.per_k else []
+        if scored:
+            mean, stderr = _mean_and_stderr(scored)
+            out[f"{prefix}{m.name}"], out[f"{prefix}{m.name}/stderr"] = mean, stderr
     for k in ks:
-        eligible = [v for v in per_prompt if f"pass@{k}" in v]
+        eligible = [v for v, p in zip(per_prompt, prompts, strict=True) if len(p.rewards) >= k]
         out[f"{prefix}num_prompts@{k}"] = float(len(eligible))
         out[f"{prefix}num_prompts_short@{k}"] = float(sum(f"short@{k}" in v for v in per_prompt))
         if not eligible:
             continue
-        for name in ("pass", "maj", "mean"):
-            key = f"{name}@{k}"
-            mean, stderr = _mean_and_stderr([v[key] for v in eligible])
-            out[f"{prefix}{key}"], out[f"{prefix}{key}/stderr"] = mean, stderr
+        for m in defs:
+            if m.per_k:
+                key = f"{m.name}@{k}"
+                mean, stderr = _mean_and_stderr([v[key] for v in eligible])
+                out[f"{prefix}{key}"], out[f"{prefix}{key}/stderr"] = mean, stderr
     return out
 
 
@@ -265,7 +364,8 @@ def aggregate_eval_metrics(
     `mean_reward` and `mean_reward/stderr` (over prompts with n >= 1; absent when there are none), and
     for each k: `num_prompts@k` (prompts with n >= k), `num_prompts_short@k` (prompts that errors left
     with n < k although they had k or more samples), and, when `num_prompts@k` > 0, `pass@k`, `maj@k`,
-    `mean@k` with their `/stderr`. A k larger than a prompt's n is skipped for that prompt: each @k
+    `mean@k` with their `/stderr`. A registered metric (`register_metric`) adds its keys the same way: per
+    k after `mean@k`, else after `mean_reward`. A k larger than a prompt's n is skipped for that prompt: each @k
     metric is the mean over the prompts with n >= k only. stderr = sample std (ddof=1) of the per-prompt
     values / sqrt(number of those prompts), 0 for one prompt.
     """
@@ -274,11 +374,12 @@ def aggregate_eval_metrics(
     ks = sorted({_as_int("k", k) for k in ks})
     if ks and ks[0] < 1:
         raise ValueError(f"every k must be >= 1, got {ks[0]}")
-    per_prompt = [_per_prompt_values(p, ks, threshold) for p in prompts]
-    out = _aggregate(per_prompt, prompts, ks, prefix="")
+    defs = metric_defs()
+    per_prompt = [_per_prompt_values(p, ks, threshold, defs) for p in prompts]
+    out = _aggregate(per_prompt, prompts, ks, "", defs)
     for agent in sorted({p.agent_name for p in prompts}):
         idx = [i for i, p in enumerate(prompts) if p.agent_name == agent]
         out.update(
-            _aggregate([per_prompt[i] for i in idx], [prompts[i] for i in idx], ks, prefix=f"agent/{agent}/")
+            _aggregate([per_prompt[i] for i in idx], [prompts[i] for i in idx], ks, f"agent/{agent}/", defs)
         )
     return out

@@ -1,42 +1,46 @@
-"""The eval report: a metric table (printed and in Markdown) and a PNG of pass@k against k per agent."""
+"""The eval report: a metric table (printed and in Markdown) and a PNG of pass@k against k per agent.
+
+The table has a row per key of every metric in `metric_defs()` (the list aggregation iterates too), so a
+registered metric shows up here without editing this module.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nemo_rl_ext.evals.metrics import metric_defs
 from nemo_rl_ext.evals.store import EvalPaths
+from nemo_rl_ext.evals.summary import EvalSummary
 
 
-def _columns(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _columns(summary: EvalSummary) -> list[tuple[str, str]]:
     """(header, metric-key prefix): overall, then each agent when there is more than one."""
-    agents = list(summary["agents"])
+    agents = list(summary.agents)
     if len(agents) == 1:
         return [(agents[0], "")]
     return [("all", "")] + [(a, f"agent/{a}/") for a in agents]
 
 
-def _metric_names(summary: Mapping[str, Any]) -> list[str]:
-    names = ["mean_reward"]
-    for family in ("pass", "maj", "mean"):
-        names += [f"{family}@{k}" for k in summary["ks"]]
-    return names
+def _metric_keys(summary: EvalSummary) -> list[tuple[str, str]]:
+    """(key, format spec) of each table row: every reported metric, each k of a per-k one."""
+    return [(key, m.report_format) for m in metric_defs() if m.in_report for key in m.keys(summary.ks)]
 
 
-def _cell(metrics: Mapping[str, float], key: str) -> str:
+def _cell(metrics: Mapping[str, float], key: str, spec: str) -> str:
     if key not in metrics:
         return "-"
     stderr = metrics.get(f"{key}/stderr")
-    return f"{metrics[key]:.3f}" + (f" ± {stderr:.3f}" if stderr is not None else "")
+    return format(metrics[key], spec) + (f" ± {format(stderr, spec)}" if stderr is not None else "")
 
 
-def metric_rows(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+def metric_rows(summary: EvalSummary) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the metric table: one row per metric, one column per agent (value ± stderr)."""
-    metrics = summary["metrics"]
+    metrics = summary.metrics
     columns = _columns(summary)
     header = ["metric"] + [name for name, _ in columns]
     rows = [
-        [name] + [_cell(metrics, prefix + name) for _, prefix in columns] for name in _metric_names(summary)
+        [key] + [_cell(metrics, prefix + key, spec) for _, prefix in columns] for key, spec in _metric_keys(summary)
     ]
     rows.append(
         ["prompts / samples"]
@@ -55,31 +59,31 @@ def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def error_note(summary: Mapping[str, Any], max_listed: int = 5) -> list[str]:
+def error_note(summary: EvalSummary, max_listed: int = 5) -> list[str]:
     """What the errors left mean for the run, then the first few of them ([] when there are none)."""
-    n = summary["num_errors"]
+    n = summary.num_errors
     if not n:
         return []
     verdict = (
-        f"more than eval.max_error_rate={summary['max_error_rate']:g} allows: the run failed"
-        if summary["status"] == "errors_left"
-        else f"within eval.max_error_rate={summary['max_error_rate']:g}"
+        f"more than eval.max_error_rate={summary.max_error_rate:g} allows: the run failed"
+        if summary.status == "errors_left"
+        else f"within eval.max_error_rate={summary.max_error_rate:g}"
     )
     listed = [
-        f"prompt {e['prompt_idx']} sample {e['sample_idx']} ({e['agent']}): {e['error']}"
-        for e in summary["error_samples"][:max_listed]
+        f"prompt {e.prompt_idx} sample {e.sample_idx} ({e.agent}): {e.error}"
+        for e in summary.error_samples[:max_listed]
     ]
     if n > len(listed):
         listed.append(f"... and {n - len(listed)} more (completions.jsonl has every one)")
     headline = (
-        f"{n} error sample(s) left ({summary['error_rate']:.1%} of {summary['num_completions']}; {verdict}). "
+        f"{n} error sample(s) left ({summary.error_rate:.1%} of {summary.num_completions}; {verdict}). "
         "Errors are infrastructure failures, not answers: they are not scored, and re-running with the same "
         "eval.save_path retries them."
     )
     return [headline, *listed]
 
 
-def format_metric_table(summary: Mapping[str, Any]) -> str:
+def format_metric_table(summary: EvalSummary) -> str:
     """The metric table as aligned plain text, with a line on stop reasons."""
     header, rows = metric_rows(summary)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -90,21 +94,21 @@ def format_metric_table(summary: Mapping[str, Any]) -> str:
         for r in [header, *rows]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    stops = ", ".join(f"{k}: {v}" for k, v in summary["stop_reasons"].items())
+    stops = ", ".join(f"{k}: {v}" for k, v in summary.stop_reasons.items())
     lines.append(
-        f"stop reasons: {stops}; mean turns {_number(summary['mean_turns'], '.2f')}; "
-        f"truncation rate {_number(summary['truncation_rate'], '.3f')}"
+        f"stop reasons: {stops}; mean turns {_number(summary.mean_turns, '.2f')}; "
+        f"truncation rate {_number(summary.truncation_rate, '.3f')}"
     )
     note = error_note(summary)
     lines += note[:1] + [f"  {x}" for x in note[1:]]
     return "\n".join(lines)
 
 
-def _pass_at_k_series(summary: Mapping[str, Any]) -> list[tuple[str, list[int], list[float], list[float]]]:
-    metrics = summary["metrics"]
+def _pass_at_k_series(summary: EvalSummary) -> list[tuple[str, list[int], list[float], list[float]]]:
+    metrics = summary.metrics
     series = []
     for name, prefix in _columns(summary):
-        ks = [k for k in summary["ks"] if f"{prefix}pass@{k}" in metrics]
+        ks = [k for k in summary.ks if f"{prefix}pass@{k}" in metrics]
         if ks:
             series.append(
                 (
@@ -117,7 +121,7 @@ def _pass_at_k_series(summary: Mapping[str, Any]) -> list[tuple[str, list[int], 
     return series
 
 
-def plot_pass_at_k(summary: Mapping[str, Any], path: Any) -> None:
+def plot_pass_at_k(summary: EvalSummary, path: Any) -> None:
     """Write a PNG of pass@k against k (log2 axis), one line with stderr bars per agent (and overall)."""
     import matplotlib
 
@@ -128,14 +132,14 @@ def plot_pass_at_k(summary: Mapping[str, Any], path: Any) -> None:
     try:
         for name, ks, values, errors in _pass_at_k_series(summary):
             ax.errorbar(ks, values, yerr=errors, marker="o", capsize=3, label=name)
-        ks_all: Sequence[int] = summary["ks"]
+        ks_all: Sequence[int] = summary.ks
         if len(ks_all) > 1 and max(ks_all) / min(ks_all) >= 4:
             ax.set_xscale("log", base=2)
         ax.set_xticks(list(ks_all), [str(k) for k in ks_all])
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("k")
-        ax.set_ylabel(f"pass@k (reward >= {summary['reward_threshold']:g})")
-        ax.set_title(f"{summary['model']}: {summary['num_prompts']} prompts, {summary['rollout_mode']}")
+        ax.set_ylabel(f"pass@k (reward >= {summary.reward_threshold:g})")
+        ax.set_title(f"{summary.model}: {summary.num_prompts} prompts, {summary.rollout_mode}")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -144,10 +148,10 @@ def plot_pass_at_k(summary: Mapping[str, Any], path: Any) -> None:
         plt.close(fig)
 
 
-def gym_metric_lines(summary: Mapping[str, Any]) -> list[str]:
-    """Markdown lines for Gym's own per-agent aggregate (`summary["gym_metrics"]`, nemo_gym mode): its
+def gym_metric_lines(summary: EvalSummary) -> list[str]:
+    """Markdown lines for Gym's own per-agent aggregate (`summary.gym_metrics`, nemo_gym mode): its
     key metrics (every scalar one), or the error that kept Gym from answering; [] without one."""
-    gym = summary.get("gym_metrics")
+    gym = summary.gym_metrics
     if not gym:
         return []
     lines = ["", "## NeMo Gym's aggregate metrics (`/aggregate_metrics`)", ""]
@@ -161,24 +165,24 @@ def gym_metric_lines(summary: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def markdown_report(summary: Mapping[str, Any], plot_name: str) -> str:
+def markdown_report(summary: EvalSummary, plot_name: str) -> str:
     """A short Markdown summary: what was run, the metric table and the plot."""
     header, rows = metric_rows(summary)
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     table += ["| " + " | ".join(r) + " |" for r in rows]
-    stops = ", ".join(f"{k}: {v}" for k, v in summary["stop_reasons"].items())
+    stops = ", ".join(f"{k}: {v}" for k, v in summary.stop_reasons.items())
     note = error_note(summary, max_listed=20)
     return "\n".join(
         [
-            f"# Eval: {summary['model']} on {summary['dataset_path']}",
+            f"# Eval: {summary.model} on {summary.dataset_path}",
             "",
-            f"- mode: `{summary['rollout_mode']}`; {summary['num_prompts']} prompts, "
-            f"{summary['num_completions']} completions; agents: {', '.join(summary['agents'])}",
-            f"- correct: reward >= {summary['reward_threshold']:g}; values are means over prompts ± standard error",
-            f"- stop reasons: {stops}; errors: {summary['num_errors']}; "
-            f"mean turns: {_number(summary['mean_turns'], '.2f')}; "
-            f"truncation rate: {_number(summary['truncation_rate'], '.3f')}",
-            f"- status: `{summary['status']}`",
+            f"- mode: `{summary.rollout_mode}`; {summary.num_prompts} prompts, "
+            f"{summary.num_completions} completions; agents: {', '.join(summary.agents)}",
+            f"- correct: reward >= {summary.reward_threshold:g}; values are means over prompts ± standard error",
+            f"- stop reasons: {stops}; errors: {summary.num_errors}; "
+            f"mean turns: {_number(summary.mean_turns, '.2f')}; "
+            f"truncation rate: {_number(summary.truncation_rate, '.3f')}",
+            f"- status: `{summary.status}`",
             *(["", f"**{note[0]}**", "", *(f"- {x}" for x in note[1:])] if note else []),
             "",
             *table,
@@ -190,7 +194,7 @@ def markdown_report(summary: Mapping[str, Any], plot_name: str) -> str:
     )
 
 
-def write_report(summary: Mapping[str, Any], paths: EvalPaths) -> None:
+def write_report(summary: EvalSummary, paths: EvalPaths) -> None:
     """Write the PNG plot and the Markdown summary into the output folder."""
     plot_pass_at_k(summary, paths.plot)
     paths.report.write_text(markdown_report(summary, paths.plot.name))

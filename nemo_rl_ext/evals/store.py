@@ -14,13 +14,16 @@ appends, a kill at any point leaves a readable file, and the error history stays
 
 The folder also records a fingerprint of the dataset rows it evaluates (`dataset_fingerprint.json`);
 a resume against rows whose contents changed is refused (`check_dataset`).
+
+The store hands out typed lines (`CompletionLine`, lines.py) and appends them; the bytes on disk are their
+`to_json()`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,27 +32,13 @@ import orjson
 from omegaconf import OmegaConf
 
 from nemo_rl_ext.config import ConfigError, config_changes
-from nemo_rl_ext.data.records import Completion, PromptGroupRecord
+from nemo_rl_ext.evals.lines import CompletionLine
 
 RESUME_MAY_CHANGE = frozenset(
     {"eval.num_prompts", "eval.max_concurrent_prompts", "eval.max_error_rate", "policy.max_batch_size", "policy.hf",
-     "policy.cluster", "eval.remote_environment"}
+     "policy.cluster", "rollouts.env.remote"}
 )
 """Config keys that may differ between a run and its resumption (they change no completion)."""
-
-ERROR = "error"
-"""The stop_reason of an error completion."""
-
-_LINE_TYPES: dict[str, tuple[type, ...]] = {
-    "prompt_idx": (int,),
-    "sample_idx": (int,),
-    "agent": (str,),
-    "reward": (int, float),
-    "stop_reason": (str,),
-    "truncated": (bool,),
-    "num_turns": (int,),
-}
-"""The keys every completion line needs (what resume and the summary read), with their JSON types."""
 
 
 @dataclass(frozen=True)
@@ -109,58 +98,6 @@ def dumps(obj: Any, indent: bool = False) -> bytes:
     return orjson.dumps(obj, default=_json_default, option=option)
 
 
-def completion_line(
-    record: PromptGroupRecord, sample_idx: int, completion: Completion, save_token_ids: bool
-) -> dict[str, Any]:
-    """The JSON object written for one completion."""
-    messages = []
-    for m in completion.message_log:
-        message: dict[str, Any] = {"role": m.role, "content": m.content, "num_tokens": len(m.token_ids)}
-        if save_token_ids:
-            message["token_ids"] = list(m.token_ids)
-        messages.append(message)
-    extras = {k: v for k, v in completion.env_extras.items() if k not in ("answer", "sample_idx")}
-    answer = completion.env_extras.get("answer")
-    return {
-        "prompt_idx": record.prompt_idx,
-        "sample_idx": sample_idx,
-        "agent": record.agent_name,
-        "reward": float(completion.reward),
-        "answer": None if answer is None else str(answer),
-        "stop_reason": completion.stop_reason.value,
-        "truncated": completion.truncated,
-        "num_turns": completion.num_turns,
-        "error": completion.error,
-        "metadata": dict(record.metadata),
-        "env_extras": extras,
-        "message_log": messages,
-    }
-
-
-def is_error(line: Mapping[str, Any]) -> bool:
-    """True for an error completion (an infrastructure failure, not the model's answer)."""
-    return line["stop_reason"] == ERROR
-
-
-def _line_problem(row: Any) -> str | None:
-    """What is wrong with a parsed line, or None when it is a completion line."""
-    if not isinstance(row, dict):
-        return f"expected a JSON object, got {type(row).__name__}"
-    missing = [k for k in _LINE_TYPES if k not in row]
-    if missing:
-        return f"missing key(s) {missing}"
-    bad = [
-        f"{k}={row[k]!r}"
-        for k, types in _LINE_TYPES.items()
-        if not isinstance(row[k], types) or (bool not in types and isinstance(row[k], bool))
-    ]
-    if bad:
-        return "wrong type: " + ", ".join(bad)
-    if row["prompt_idx"] < 0 or row["sample_idx"] < 0:
-        return f"negative index: prompt_idx={row['prompt_idx']}, sample_idx={row['sample_idx']}"
-    return None
-
-
 class CompletionStore:
     """The completions JSONL of one output folder: read what is there, append groups durably.
 
@@ -172,9 +109,9 @@ class CompletionStore:
         self.path = path
         self.torn_bytes = 0
         """Bytes of a torn last line that opening the store cut off (0 when the file was whole)."""
-        self.results: dict[tuple[int, int], dict[str, Any]] = {}
+        self.results: dict[tuple[int, int], CompletionLine] = {}
         """The result of each (prompt_idx, sample_idx) that has one: its first non-error line."""
-        self.errors: dict[tuple[int, int], dict[str, Any]] = {}
+        self.errors: dict[tuple[int, int], CompletionLine] = {}
         """The latest error line of each pair that has no result yet (to be rolled out again)."""
         self.error_lines = 0
         """Error lines in the file (every failed attempt, also those superseded by a later result)."""
@@ -203,11 +140,10 @@ class CompletionStore:
             except orjson.JSONDecodeError as exc:
                 problems.append(f"line {lineno}: not JSON ({exc})")
                 continue
-            problem = _line_problem(row)
-            if problem is not None:
-                problems.append(f"line {lineno}: {problem}")
-                continue
-            self._add(row)
+            try:
+                self._add(CompletionLine.from_json(row))
+            except ValueError as exc:  # what line_problem found
+                problems.append(f"line {lineno}: {exc}")
         if problems:
             shown = "\n  ".join(problems[:20]) + (
                 f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -217,18 +153,18 @@ class CompletionStore:
                 f"(fix or move the file, or use another eval.save_path):\n  {shown}"
             )
 
-    def _add(self, row: dict[str, Any]) -> None:
-        key = (int(row["prompt_idx"]), int(row["sample_idx"]))
+    def _add(self, row: CompletionLine) -> None:
+        key = (row.prompt_idx, row.sample_idx)
         if key in self.results:
             self.duplicates += 1
-        elif is_error(row):
+        elif row.is_error:
             self.error_lines += 1
             self.errors[key] = row
         else:
             self.errors.pop(key, None)
             self.results[key] = row
 
-    def line(self, prompt_idx: int, sample_idx: int) -> dict[str, Any] | None:
+    def line(self, prompt_idx: int, sample_idx: int) -> CompletionLine | None:
         """What the pair holds now: its result, else its latest error line, else None."""
         key = (prompt_idx, sample_idx)
         return self.results.get(key, self.errors.get(key))
@@ -241,18 +177,18 @@ class CompletionStore:
         """The sample indices below `num_samples` of a prompt whose latest line is an error."""
         return {s for s in range(num_samples) if (prompt_idx, s) in self.errors}
 
-    def append(self, rows: Iterable[dict[str, Any]]) -> int:
-        """Write rows with one write, then flush and fsync; returns how many were written."""
+    def append(self, rows: Iterable[CompletionLine]) -> int:
+        """Write lines with one write, then flush and fsync; returns how many were written."""
         rows = list(rows)
         if not rows:
             return 0
-        payload = b"".join(dumps(r) + b"\n" for r in rows)
+        payload = b"".join(dumps(r.to_json()) + b"\n" for r in rows)
         with open(self.path, "ab") as f:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         for line in payload.splitlines():
-            self._add(orjson.loads(line))  # exactly what a later read of the file gives
+            self._add(CompletionLine.from_json(orjson.loads(line)))  # exactly what a later read gives
         return len(rows)
 
 
@@ -307,13 +243,23 @@ def check_dataset(fingerprint: Path, dataset_path: str, digests: Sequence[str], 
     os.replace(tmp, fingerprint)
 
 
-def check_resumable(saved_config: Path, current: Mapping[str, Any]) -> None:
+def check_resumable(
+    saved_config: Path,
+    current: Mapping[str, Any],
+    canonical: Callable[[Any], Mapping[str, Any]] | None = None,
+    spell: Callable[[str], str] | None = None,
+) -> None:
     """Raise ConfigError when the config saved by an earlier run differs from `current` in a key that
     changes completions (anything outside RESUME_MAY_CHANGE)."""
     if not saved_config.exists():
         return
     saved = OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True)
-    changed = config_changes(saved, current, RESUME_MAY_CHANGE)
+    if canonical is not None:  # a config saved in an older spelling compares by its settings
+        try:
+            saved = canonical(saved)
+        except ValueError:  # ValidationError included: compare as saved, key by key
+            pass
+    changed = config_changes(saved, current, RESUME_MAY_CHANGE, spell)
     if changed:
         listed = "\n  ".join(f"- {line}" for line in changed)
         raise ConfigError(

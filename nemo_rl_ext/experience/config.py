@@ -116,7 +116,9 @@ def largest_count(value: int | Mapping[str, int]) -> int:
     return value
 
 
-def rollouts_rule_problems(data: Mapping[str, Any], rollouts_cls: type[RolloutsConfig]) -> list[RuleProblem]:
+def rollouts_rule_problems(
+    data: Mapping[str, Any], rollouts_cls: type[RolloutsConfig], *, seq_len_within_model: bool
+) -> list[RuleProblem]:
     """The rules of a config with `rollouts` and `policy` sections, on the raw data (as `CheckedConfig` asks):
 
     - `rollouts.gym` is set exactly in nemo_gym mode;
@@ -124,7 +126,8 @@ def rollouts_rule_problems(data: Mapping[str, Any], rollouts_cls: type[RolloutsC
       stop token ids (the agents own the turn loop and the reward, call the policy through the OpenAI API,
       which has no top_k, and set their own stops);
     - more than one sample of a prompt needs `policy.generation.temperature` > 0;
-    - a `rollouts.max_seq_len` that is written fits `policy.max_model_len` (the default is capped by it).
+    - with `seq_len_within_model` (GRPO: a training sequence is that long), `rollouts.max_seq_len` fits
+      `policy.max_model_len`; without (the eval), a rollout is capped by both (see `build_rollouts`).
     """
 
     def section(parent: Any, name: str) -> Any:
@@ -177,15 +180,12 @@ def rollouts_rule_problems(data: Mapping[str, Any], rollouts_cls: type[RolloutsC
         for name in ("name", "system_prompt", "kwargs", "remote"):
             value = raw_field(EnvironmentSettings, env, name)
             if value is not INVALID and value:
-                unset = "null" if name in ("name", "system_prompt") else "unset"
-                problems.append(
-                    (
-                        ("rollouts", "env", name),
-                        f"must be {unset} in nemo_gym mode: the Gym rows carry their own input and the Gym agents "
-                        "score it",
-                        written(env, name, value),
-                    )
+                why = (
+                    "must be null in nemo_gym mode: the Gym rows carry their own input and the Gym agents score it"
+                    if name in ("name", "system_prompt")
+                    else "is only used with rollouts.mode=native: in nemo_gym mode the Gym agents score"
                 )
+                problems.append((("rollouts", "env", name), why, written(env, name, value)))
     try:
         parsed = GenerationCounts.parse(counts) if counts is not INVALID else None
     except ValueError:
@@ -211,8 +211,7 @@ def rollouts_rule_problems(data: Mapping[str, Any], rollouts_cls: type[RolloutsC
                 )
             )
     max_seq_len, max_model_len = r("max_seq_len"), raw_field(PolicyConfig, policy, "max_model_len")
-    given = isinstance(rollouts, Mapping) and "max_seq_len" in rollouts
-    if given and INVALID not in (max_seq_len, max_model_len) and max_seq_len > max_model_len:
+    if seq_len_within_model and INVALID not in (max_seq_len, max_model_len) and max_seq_len > max_model_len:
         problems.append(
             (("rollouts", "max_seq_len"), f"exceeds policy.max_model_len ({max_model_len})", max_seq_len)
         )

@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
     parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: --model)")
-    parser.add_argument("--backend", default=defaults.backend, choices=["hf", "vllm"])
+    parser.add_argument("--backend", default=defaults.backend, help="a registered backend: hf, vllm, or one of yours")
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)

@@ -390,8 +390,9 @@ def test_the_eval_summary_votes_with_the_keys_written_to_completions_jsonl(tmp_p
     from nemo_rl_ext.config import load_config
     from nemo_rl_ext.data.records import DatumSpec
     from nemo_rl_ext.evals.config import EvalConfig
-    from nemo_rl_ext.evals.driver import summarize
-    from nemo_rl_ext.evals.store import CompletionStore, completion_line
+    from nemo_rl_ext.evals.lines import CompletionLine
+    from nemo_rl_ext.evals.store import CompletionStore
+    from nemo_rl_ext.evals.summary import summarize
 
     record = record_of([
         (1.0, "21", {"vote_key": "21", "grading": "ok"}),
@@ -401,7 +402,9 @@ def test_the_eval_summary_votes_with_the_keys_written_to_completions_jsonl(tmp_p
         (0.0, "20", {"vote_key": "20", "grading": "ok"}),
     ])
     path = tmp_path / "completions.jsonl"
-    CompletionStore(path).append(completion_line(record, i, c, False) for i, c in enumerate(record.completions))
+    CompletionStore(path).append(
+        CompletionLine.from_completion(record, i, c, False) for i, c in enumerate(record.completions)
+    )
     cfg = load_config(
         None,
         ["eval.dataset_path=d.jsonl", f"eval.save_path={tmp_path}", "eval.num_tests_per_prompt=5",

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.evals.lines import CompletionLine
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics
 from nemo_rl_ext.evals.report import format_metric_table, markdown_report, plot_pass_at_k
 from nemo_rl_ext.evals.store import CompletionStore, check_dataset, check_resumable, row_digests
+from nemo_rl_ext.evals.summary import EvalSummary
 
 
-def row(p: int, s: int, error: str | None = None, reward: float = 1.0) -> dict:
+def row_json(p: int, s: int, error: str | None = None, reward: float = 1.0) -> dict:
     return {
         "prompt_idx": p,
         "sample_idx": s,
@@ -27,8 +29,12 @@ def row(p: int, s: int, error: str | None = None, reward: float = 1.0) -> dict:
     }
 
 
+def row(p: int, s: int, error: str | None = None, reward: float = 1.0) -> CompletionLine:
+    return CompletionLine.from_json(row_json(p, s, error, reward))
+
+
 def line(p: int, s: int, error: str | None = None, reward: float = 1.0) -> str:
-    return json.dumps(row(p, s, error, reward)) + "\n"
+    return json.dumps(row_json(p, s, error, reward)) + "\n"
 
 
 def test_store_cuts_a_torn_last_line_and_indexes_samples(tmp_path: Path) -> None:
@@ -47,7 +53,7 @@ def test_store_ignores_duplicates_and_rejects_unreadable_lines(tmp_path: Path) -
     path = tmp_path / "c.jsonl"
     path.write_text(line(0, 0) + line(0, 0))
     assert CompletionStore(path).duplicates == 1
-    bad_type = json.dumps({**row(0, 2), "prompt_idx": "0"})
+    bad_type = json.dumps({**row_json(0, 2), "prompt_idx": "0"})
     path.write_text(line(0, 0) + "not json\n" + '{"sample_idx": 1}\n' + line(0, 1) + bad_type + "\n")
     with pytest.raises(ConfigError, match=r"3 unreadable line\(s\)") as info:
         CompletionStore(path)
@@ -112,7 +118,11 @@ def test_check_resumable_names_changed_keys(tmp_path: Path) -> None:
     assert "num_prompts" not in msg
 
 
-def summary() -> dict:
+def summary() -> EvalSummary:
+    return EvalSummary.from_json(summary_json())
+
+
+def summary_json() -> dict:
     prompts = [
         PromptSamples("alpha", (1.0, 0.0, 1.0, 1.0), ("3", "4", "3", "3")),
         PromptSamples("alpha", (0.0, 0.0, 0.0, 1.0), ("1", "2", None, "5")),
@@ -151,12 +161,12 @@ def test_metric_table_has_a_column_per_agent_and_skips_missing_ks() -> None:
 
 
 def test_table_and_markdown_show_errors_left() -> None:
-    errored = summary()
+    errored_json = summary_json()
     prompts = [
         PromptSamples("alpha", (1.0, 0.0, 1.0), ("3", "4", "3"), num_errors=1),
         PromptSamples("beta", (0.0, 1.0), ("7", "8")),
     ]
-    errored.update(
+    errored_json.update(
         status="errors_left",
         num_errors=1,
         error_rate=1 / 6,
@@ -167,6 +177,7 @@ def test_table_and_markdown_show_errors_left() -> None:
         ],
         metrics=aggregate_eval_metrics(prompts, [1, 2, 4]),
     )
+    errored = EvalSummary.from_json(errored_json)
     table = format_metric_table(errored)
     errors_row = next(r for r in table.splitlines() if r.startswith("errors (not scored)")).split()
     assert errors_row[-3:] == ["1", "1", "0"]  # all, alpha, beta

@@ -270,8 +270,8 @@ def test_gym_rows_without_agent_ref_take_the_gym_agent_name_in_grpo(tmp_path, ti
     """GRPO reads Gym rows as the eval does: `rollouts.gym.agent_name` is the agent of rows without
     agent_ref (checked before the model loads, and in the datums), and the overrides reach every row."""
     from nemo_rl_ext.algorithms.grpo import load_rows
-    from nemo_rl_ext.experience.build import make_datums
     from nemo_rl_ext.algorithms.grpo_config import input_problems
+    from nemo_rl_ext.experience.build import make_datums
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text(

@@ -78,14 +78,14 @@ def test_run_rollouts_example_limits_environment_steps(tiny_model_and_tokenizer,
     class Stop(Exception):
         pass
 
-    class Recording(RolloutManager):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            built.append(self)
-            raise Stop  # the manager is what this test checks; nothing needs to run
+    def recording(*args, **kwargs):
+        _, manager = example_build_rollouts(*args, **kwargs)
+        built.append(manager)
+        raise Stop  # the manager is what this test checks; nothing needs to run
 
-    monkeypatch.setattr(example, "build_generation", lambda cfg: NoGeneration(tok))
-    monkeypatch.setattr(example, "RolloutManager", Recording)
+    example_build_rollouts = example.build_rollouts
+    monkeypatch.setattr(example, "build_policy", lambda cfg: (tok, NoGeneration(tok)))
+    monkeypatch.setattr(example, "build_rollouts", recording)
     args = argparse.Namespace(model="tiny", num_prompts=1, num_generations=1, max_turns=1, max_new_tokens=4)
     with pytest.raises(Stop):
         asyncio.run(example.main(args))

@@ -1,0 +1,187 @@
+"""The eval's summary (summary.json) as a typed record, and its computation from the completions on disk.
+
+`EvalSummary.to_json()` gives exactly the keys, in exactly the order, that summary.json has always held.
+The summary is a pure function of the file's lines, so a resumed run reports what an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nemo_rl_ext.data.records import DatumSpec
+from nemo_rl_ext.evals.config import EvalConfig
+from nemo_rl_ext.evals.lines import CompletionLine, JsonView
+from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, vote_key
+from nemo_rl_ext.evals.store import CompletionStore
+
+MAX_LISTED_ERRORS = 50
+"""Error samples listed by name in the summary (all of them are counted)."""
+
+Status = Literal["ok", "errors_allowed", "errors_left"]
+"""ok: no errors; errors_allowed: some, within `eval.max_error_rate`; errors_left: more (the run failed)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ErrorSample(JsonView):
+    """One (prompt, sample) pair whose latest line is an error, as the summary lists it."""
+
+    prompt_idx: int
+    """The dataset row."""
+    sample_idx: int
+    """The sample of that row."""
+    agent: str
+    """The row's agent (or task)."""
+    error: str | None
+    """The infrastructure failure, briefly."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The object in summary.json's `error_samples`."""
+        return {"prompt_idx": self.prompt_idx, "sample_idx": self.sample_idx, "agent": self.agent, "error": self.error}
+
+    @classmethod
+    def of_line(cls, line: CompletionLine) -> ErrorSample:
+        """The entry for an error line."""
+        return cls(line.prompt_idx, line.sample_idx, line.agent, line.error)
+
+
+@dataclass(frozen=True, eq=False)
+class EvalSummary(JsonView):
+    """What an eval found (summary.json); also readable by its JSON keys (`summary["metrics"]`)."""
+
+    rollout_mode: str
+    """single_turn, multi_turn or nemo_gym (`rollouts.mode_name`: NeMo-RL's `eval.rollout_mode`)."""
+    model: str
+    """`policy.model_name`."""
+    dataset_path: str
+    """`eval.dataset_path`."""
+    num_prompts: int
+    """Prompts evaluated."""
+    num_completions: int
+    """(prompt, sample) pairs, errors included."""
+    ks: tuple[int, ...]
+    """The ks of the @k metrics, ascending."""
+    reward_threshold: float
+    """A sample is correct when its reward is >= this."""
+    agents: tuple[str, ...]
+    """The agents (or tasks) of the prompts, sorted."""
+    stop_reasons: Mapping[str, int]
+    """How many pairs ended for each stop reason, by name (sorted)."""
+    status: Status
+    """ok, errors_allowed or errors_left (judged against `max_error_rate`)."""
+    num_errors: int
+    """Pairs whose latest line is an error (not scored)."""
+    error_rate: float
+    """num_errors / num_completions."""
+    max_error_rate: float
+    """`eval.max_error_rate`."""
+    error_samples: tuple[ErrorSample, ...]
+    """The first MAX_LISTED_ERRORS error pairs, in prompt order."""
+    truncation_rate: float | None
+    """Fraction of the non-error samples that hit the length limit (None: no such samples)."""
+    mean_turns: float | None
+    """Mean assistant turns of the non-error samples (None: no such samples)."""
+    metrics: Mapping[str, float]
+    """`aggregate_eval_metrics` over the prompts: flat, slash-namespaced keys."""
+    gym_metrics: Mapping[str, Any] | None = None
+    """nemo_gym mode: agent -> Gym's own `/aggregate_metrics` answer (or its error); None otherwise."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The summary.json object (today's keys, in today's order; `gym_metrics` only when set)."""
+        out: dict[str, Any] = {
+            "rollout_mode": self.rollout_mode,
+            "model": self.model,
+            "dataset_path": self.dataset_path,
+            "num_prompts": self.num_prompts,
+            "num_completions": self.num_completions,
+            "ks": list(self.ks),
+            "reward_threshold": self.reward_threshold,
+            "agents": list(self.agents),
+            "stop_reasons": dict(self.stop_reasons),
+            "status": self.status,
+            "num_errors": self.num_errors,
+            "error_rate": self.error_rate,
+            "max_error_rate": self.max_error_rate,
+            "error_samples": [e.to_json() for e in self.error_samples],
+            "truncation_rate": self.truncation_rate,
+            "mean_turns": self.mean_turns,
+            "metrics": dict(self.metrics),
+        }
+        if self.gym_metrics is not None:
+            out["gym_metrics"] = dict(self.gym_metrics)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> EvalSummary:
+        """The summary of a parsed summary.json."""
+        fields = {k: v for k, v in obj.items() if k in cls.__dataclass_fields__}
+        return cls(
+            **{
+                **fields,
+                "ks": tuple(obj["ks"]),
+                "agents": tuple(obj["agents"]),
+                "error_samples": tuple(ErrorSample(**e) for e in obj["error_samples"]),
+            }
+        )
+
+
+def summarize(
+    cfg: EvalConfig, datums: Sequence[DatumSpec], expected: Mapping[int, int], store: CompletionStore
+) -> EvalSummary:
+    """The summary of the lines on disk for `datums` (a pure function of the file's lines).
+
+    Each (prompt, sample) counts once, as its result or, when it has none, as its latest error. Metrics,
+    truncation rate and mean turns are over the non-error samples; the errors are counted (`num_errors`,
+    per agent in `metrics`), listed (`error_samples`, the first MAX_LISTED_ERRORS) and judged against
+    `eval.max_error_rate` (`status`).
+    """
+    prompts: list[PromptSamples] = []
+    lines: list[CompletionLine] = []
+    for d in datums:
+        group = [store.line(d.idx, s) for s in range(expected[d.idx])]
+        missing = [s for s, x in enumerate(group) if x is None]
+        assert not missing, f"prompt {d.idx} has samples without a line: {missing}"
+        present = [x for x in group if x is not None]
+        lines.extend(present)
+        scored = [x for x in present if not x.is_error]
+        prompts.append(
+            PromptSamples(
+                agent_name=present[0].agent,
+                rewards=tuple(x.reward for x in scored),
+                answers=tuple(None if x.answer is None else vote_key(x.answer, x.env_extras) for x in scored),
+                num_errors=len(present) - len(scored),
+            )
+        )
+    ks = cfg.ks
+    n = len(lines)
+    scored = [x for x in lines if not x.is_error]
+    errors = [x for x in lines if x.is_error]
+    error_rate = len(errors) / n
+    status: Status
+    if not errors:
+        status = "ok"
+    elif error_rate <= cfg.eval.max_error_rate:
+        status = "errors_allowed"
+    else:
+        status = "errors_left"
+    return EvalSummary(
+        rollout_mode=cfg.rollouts.mode_name,
+        model=cfg.policy.model_name,
+        dataset_path=cfg.eval.dataset_path,
+        num_prompts=len(prompts),
+        num_completions=n,
+        ks=tuple(ks),
+        reward_threshold=cfg.eval.reward_threshold,
+        agents=tuple(sorted({p.agent_name for p in prompts})),
+        stop_reasons=dict(sorted(Counter(x.stop_reason for x in lines).items())),
+        status=status,
+        num_errors=len(errors),
+        error_rate=error_rate,
+        max_error_rate=cfg.eval.max_error_rate,
+        error_samples=tuple(ErrorSample.of_line(x) for x in errors[:MAX_LISTED_ERRORS]),
+        truncation_rate=sum(x.truncated for x in scored) / len(scored) if scored else None,
+        mean_turns=sum(x.num_turns for x in scored) / len(scored) if scored else None,
+        metrics=aggregate_eval_metrics(prompts, ks, cfg.eval.reward_threshold),
+    )
