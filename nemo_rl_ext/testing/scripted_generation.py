@@ -154,6 +154,10 @@ class ScriptedGeneration(GenerationInterface):
         """The tokenizer replies are encoded with (None: replies are ids only)."""
         return self._tokenizer
 
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self._tokenizer = tokenizer
+
     @property
     def max_model_len(self) -> int:
         """Most tokens a request may hold; longer prompts are refused as the real backends refuse them."""
