@@ -6,6 +6,7 @@ so a double is written as a few small functions (or constants) instead of a whol
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,7 +60,8 @@ class ScriptedEnvironment(EnvironmentInterface):
     A rollout terminates once it has `turns` assistant turns (None: never). `metadata` None passes each
     rollout's metadata back unchanged. `fault` (if given) runs first for every rollout: an exception it
     returns is raised, a `Fault` hangs the step, None lets the rollout be answered; the first fault in a
-    batch ends the whole step, as a crashing environment would. `num_steps` counts rollouts stepped.
+    batch ends the whole step, as a crashing environment would. Each step then sleeps `delay_s` (0 still
+    suspends the caller once). `num_steps` counts rollouts stepped.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class ScriptedEnvironment(EnvironmentInterface):
         metadata: Scripted[Mapping[str, Any] | None] | None = None,
         extras: Scripted[Mapping[str, Any]] | None = None,
         fault: Callable[[RolloutStep], BaseException | Fault | None] | None = None,
+        delay_s: float = 0.0,
     ) -> None:
         self.turns = turns
         self.reward = reward
@@ -82,6 +85,7 @@ class ScriptedEnvironment(EnvironmentInterface):
         self.metadata = metadata
         self.extras = extras
         self.fault = fault
+        self.delay_s = delay_s
         self.num_steps = 0
         """Rollouts stepped so far (a batch of n counts n)."""
 
@@ -95,6 +99,7 @@ class ScriptedEnvironment(EnvironmentInterface):
                 fault = self.fault(s)
                 if fault is not None:
                     await inject(fault)
+        await asyncio.sleep(self.delay_s)  # even 0 suspends the caller once, as a real step does
         self.num_steps += len(steps)
         turns = [_value(self.turns, s) for s in steps]
         return EnvironmentReturn(

@@ -91,12 +91,14 @@ class ScriptedGeneration(GenerationInterface):
       (the last one for later turns), read off the turn markers in the decoded prompt; `pick="call"`: the
       j-th call gets `replies[j]`, and a call past the end fails the test with an AssertionError.
     - `replies` a function of a `ScriptedRequest`: its reply; None hands the request to `backend`.
-    - `replies` None: every request goes to `backend` (which must then be given): a recording wrapper.
+    - `replies` None: every request goes to `backend`, a recording wrapper (with no backend, a call fails
+      the test with an AssertionError).
 
     A text or id reply is cut at `config.max_new_tokens` (`MAX_NEW_TOKENS`, truncated); otherwise it ends
     with `EOS` when its last id is the tokenizer's EOS (`matched_stop` is that id, as the hf backend says),
-    else with `finish_reason`. `eos=True` appends EOS to text replies. Requests that wait out `delay_s`
-    before their reply count as not yet started: a weight update meanwhile applies to them.
+    else with `finish_reason`. `eos=True` appends EOS to text replies. Every call first sleeps `delay_s`
+    (0 still suspends the caller once, as a real engine does); a request that is waiting it out counts as
+    not yet started: a weight update meanwhile applies to it.
 
     `update_weights` follows the interface: `in_flight` is checked, the state dict must hold every name in
     `expected_weights` (if given), each update is recorded in `updates` and bumps `weight_version`, which
@@ -123,8 +125,6 @@ class ScriptedGeneration(GenerationInterface):
     ) -> None:
         if pick not in ("turn", "call"):
             raise ValueError(f'pick must be "turn" or "call", got {pick!r}')
-        if replies is None and backend is None:
-            raise ValueError("ScriptedGeneration needs replies, a backend, or both")
         self._tokenizer = tokenizer
         self.replies = replies
         """The script; may be replaced between calls (None: the backend answers everything)."""
@@ -179,8 +179,7 @@ class ScriptedGeneration(GenerationInterface):
         call_index = len(self.calls)
         if self.record:
             self.calls.append(ScriptedCall(prompt, config, None))
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        await asyncio.sleep(self.delay_s)  # even 0 suspends the caller once, as a real engine does
         reply = self._reply(request)
         if reply is None:
             if self.backend is None:
