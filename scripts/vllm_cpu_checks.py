@@ -107,7 +107,7 @@ def make_recorder(engine, tokenizer):
     from nemo_rl_ext.testing import ScriptedGeneration
 
     return ScriptedGeneration(tokenizer, None, backend=engine, max_model_len=engine.max_model_len,
-                              finish_reason=FinishReason.EOS, logprobs=-0.25)
+                              finish_reason=FinishReason.EOS, logprobs=-0.25, cut_at_max_new_tokens=False)
 
 
 def gym_datums():

@@ -94,7 +94,8 @@ class ScriptedGeneration(GenerationInterface):
     - `replies` None: every request goes to `backend`, a recording wrapper (with no backend, a call fails
       the test with an AssertionError).
 
-    A text or id reply is cut at `config.max_new_tokens` (`MAX_NEW_TOKENS`, truncated); otherwise it ends
+    A text or id reply is cut at `config.max_new_tokens` (`MAX_NEW_TOKENS`, truncated) unless
+    `cut_at_max_new_tokens=False` (a script whose replies outgrow the caller's limit); otherwise it ends
     with `EOS` when its last id is the tokenizer's EOS (`matched_stop` is that id, as the hf backend says),
     else with `finish_reason`. `eos=True` appends EOS to text replies. Every call first sleeps `delay_s`
     (0 still suspends the caller once, as a real engine does); a request that is waiting it out counts as
@@ -122,6 +123,7 @@ class ScriptedGeneration(GenerationInterface):
         expected_weights: Sequence[str] | None = None,
         record: bool = True,
         turn_marker: str = ASSISTANT_HEADER,
+        cut_at_max_new_tokens: bool = True,
     ) -> None:
         if pick not in ("turn", "call"):
             raise ValueError(f'pick must be "turn" or "call", got {pick!r}')
@@ -138,6 +140,7 @@ class ScriptedGeneration(GenerationInterface):
         self.expected_weights = expected_weights
         self.record = record
         self.turn_marker = turn_marker
+        self.cut_at_max_new_tokens = cut_at_max_new_tokens
         self.calls: list[ScriptedCall] = []
         """Every call in order (when `record`), answered, raised or hanging."""
         self.num_calls = 0
@@ -258,7 +261,7 @@ class ScriptedGeneration(GenerationInterface):
             ids = self.encode(reply) + ([eos_id] if self.eos else [])
         else:
             ids = list(reply)
-        cut = ids[: config.max_new_tokens]
+        cut = ids[: config.max_new_tokens] if self.cut_at_max_new_tokens else ids
         if len(cut) < len(ids):
             reason, matched = FinishReason.MAX_NEW_TOKENS, None
         elif cut and eos_id is not None and cut[-1] == eos_id:

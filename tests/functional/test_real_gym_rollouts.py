@@ -47,7 +47,8 @@ class RecordingPolicy(ScriptedGeneration):
 
     def __init__(self, tokenizer, backend: HfGeneration | None = None, max_model_len: int = MAX_MODEL_LEN) -> None:
         super().__init__(tokenizer, None, backend=backend, max_model_len=max_model_len, finish_reason=FinishReason.EOS,
-                         logprobs=lambda prompt, ids, config: [-0.25 - 0.01 * i for i in range(len(ids))])
+                         logprobs=lambda prompt, ids, config: [-0.25 - 0.01 * i for i in range(len(ids))],
+                         cut_at_max_new_tokens=False)  # scripted texts run past the real model's 24 tokens
         self.script = None
 
     @property

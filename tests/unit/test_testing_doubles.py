@@ -86,6 +86,9 @@ def test_replies_by_call_with_eos_and_a_cut_at_max_new_tokens(tok):
     assert full.output_ids == (*tok("five", add_special_tokens=False)["input_ids"], tok.eos_token_id)
     with pytest.raises(AssertionError, match="call 2 but only 2 replies"):
         run(gen.generate_async(chat(tok), CONFIG))
+    whole = ScriptedGeneration(tok, ["one two three four"], cut_at_max_new_tokens=False)
+    out = run(whole.generate_async(chat(tok), CONFIG.model_copy(update={"max_new_tokens": 2})))
+    assert tok.decode(out.output_ids) == "one two three four" and not out.truncated
 
 
 def test_a_reply_function_sees_the_request_and_can_hand_it_to_a_backend(tok):
