@@ -62,22 +62,15 @@ if ARGS is not None:  # before torch is imported: OpenMP reads it at start-up
     os.environ.setdefault("OMP_NUM_THREADS", str(ARGS.threads))
 
 import asyncio  # noqa: E402
-from collections.abc import Mapping, Sequence  # noqa: E402
-from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from _common import alternate_rounds, machine_line, median, print_table, spread  # noqa: E402
 
 from nemo_rl_ext.data.datasets import datum_from_messages  # noqa: E402
-from nemo_rl_ext.data.records import Message  # noqa: E402
-from nemo_rl_ext.environments.interfaces import (  # noqa: E402
-    EnvironmentInterface,
-    EnvironmentReturn,
-    Observation,
-)
 from nemo_rl_ext.experience.rollout_manager import RolloutManager  # noqa: E402
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration  # noqa: E402
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig  # noqa: E402
+from nemo_rl_ext.testing import ScriptedEnvironment  # noqa: E402
 
 QUESTIONS = [
     "What is 7 + 5?",
@@ -89,17 +82,6 @@ QUESTIONS = [
     "What does a calculator tool do?",
     "Tell me a short story about a cat, a dog and a bird who meet by a river on a cold morning.",
 ]
-
-
-class DoneEnvironment(EnvironmentInterface):
-    """Ends every rollout after its first turn (reward 0): generation is all that is measured."""
-
-    async def step(
-        self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Mapping[str, Any] | None]
-    ) -> EnvironmentReturn:
-        n = len(message_logs)
-        return EnvironmentReturn([Observation("user", "")] * n, [None] * n, [None] * n, [0.0] * n, [True] * n,
-                                 [None] * n)
 
 
 def full_length_runs(generation, manager, datums, row_prompts, row_configs, max_new_tokens):
@@ -154,8 +136,8 @@ def main() -> None:
     generation = HfGeneration(model, tokenizer, max_model_len=width + T + 8, max_batch_size=max(64, rows))
     generation._eos_ids = frozenset({-1})  # never stop early: every row runs to max_new_tokens, like min_new_tokens
     config = GenerationConfig(max_new_tokens=T, temperature=1.0, top_p=1.0, seed=1)
-    manager = RolloutManager(
-        tokenizer, task_to_env={"bench": DoneEnvironment()}, num_generations_per_prompt=args.samples,
+    manager = RolloutManager(  # the environment ends every rollout after its first turn: only generation is measured
+        tokenizer, task_to_env={"bench": ScriptedEnvironment(turns=1)}, num_generations_per_prompt=args.samples,
         max_seq_len=width + T + 8, max_rollout_turns=1, policy_generation=generation, generation_config=config,
     )
 

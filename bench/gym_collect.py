@@ -50,12 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine_line, median, print_table, spread  # noqa: E402
 
-from nemo_rl_ext.models.generation.interfaces import (  # noqa: E402
-    FinishReason,
-    GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
-)
+from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig  # noqa: E402
+from nemo_rl_ext.testing import ScriptedGeneration  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GYM_CONFIG = REPO / "tests" / "functional" / "gym_configs" / "two_agents.yaml"
@@ -69,33 +65,10 @@ FINISHED = re.compile(r"Finished (\d+) / (\d+) rollouts \(100%\) in [0-9:]+ \(([
 # ---- the instant model server (runs in its own process) ------------------------------------------------
 
 
-class InstantToolPolicy(GenerationInterface):
+def instant_tool_policy(tokenizer) -> ScriptedGeneration:
     """Answers at once with the real ids of a scripted turn: a tool call first, then a final answer."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.turns = [tuple(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (TOOL_CALL, FINAL)]
-        self.calls = 0
-
-    tokenizer = None  # set per instance
-
-    @property
-    def max_model_len(self) -> int:
-        return 4096
-
-    def update_weights(self, state_dict) -> None:
-        raise NotImplementedError("a scripted policy has no weights to update")
-
-    async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
-        self.calls += 1
-        turn = self.tokenizer.decode(prompt_token_ids).count("<|im_start|>assistant") - 1
-        ids = self.turns[min(max(turn, 0), len(self.turns) - 1)]
-        n = min(len(ids), config.max_new_tokens)
-        finish = FinishReason.EOS if n == len(ids) else FinishReason.MAX_NEW_TOKENS
-        return GenerationOutput(ids[:n], tuple(-0.25 for _ in range(n)), finish)
-
-    def shutdown(self) -> None:
-        pass
+    return ScriptedGeneration(tokenizer, [TOOL_CALL, FINAL], finish_reason=FinishReason.EOS, logprobs=-0.25,
+                              record=False)
 
 
 def tiny_tokenizer():
@@ -112,7 +85,7 @@ def serve_policy(port: int) -> None:
     from nemo_rl_ext.serving.policy_server import PolicyServer
 
     tokenizer = tiny_tokenizer()
-    server = PolicyServer(InstantToolPolicy(tokenizer), tokenizer, port=port, served_model_name="policy")
+    server = PolicyServer(instant_tool_policy(tokenizer), tokenizer, port=port, served_model_name="policy")
     server.start()
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -195,7 +168,7 @@ async def run_manager(head_url: str, rows: list[dict], repeats: dict[str, int], 
 
     manager = RolloutManager(
         tokenizer, task_to_env=None, num_generations_per_prompt=repeats, max_seq_len=4096,
-        policy_generation=InstantToolPolicy(tokenizer), generation_config=GenerationConfig(max_new_tokens=256),
+        policy_generation=instant_tool_policy(tokenizer), generation_config=GenerationConfig(max_new_tokens=256),
         use_nemo_gym=True,
         gym_config={"head_server_url": head_url, "serve_policy": False, "max_concurrency": concurrency,
                     "row_timeout_s": 120, "max_attempts": 1},

@@ -3,14 +3,15 @@
     python bench/overhead.py            # 1k and 10k rollouts, 1 and 4 turns, 3 rounds (~5 min on 2 cores)
     python bench/overhead.py --quick    # smoke run: 200 and 1k rollouts, 1 round
 
-Both contenders drive the same instant fakes, defined here:
+Both contenders drive the same instant fakes, built here from `nemo_rl_ext.testing`'s doubles:
 
-- `InstantGeneration` returns, after one `asyncio.sleep(0)` (a real engine always suspends the caller), a
-  real token list: `--gen-tokens` ids drawn from the tokenizer's vocabulary, the last one EOS, with one
-  logprob per id.
-- `InstantEnvironment` reads the last assistant message (decoded text), and for `turns - 1` steps answers
-  with a real tool observation of `--obs-tokens` tokens of text, which the loop frames with the chat
-  template and tokenizes exactly as real observations are; the last step terminates with a reward.
+- `instant_generation` (a `ScriptedGeneration`) returns, after one `asyncio.sleep(0)` (a real engine
+  always suspends the caller), a real token list: `--gen-tokens` ids drawn from the tokenizer's
+  vocabulary, the last one EOS, with one logprob per id.
+- `instant_environment` (a `ScriptedEnvironment`) reads the last assistant message (decoded text), and for
+  `turns - 1` steps answers with a real tool observation of `--obs-tokens` tokens of text, which the loop
+  frames with the chat template and tokenizes exactly as real observations are; the last step terminates
+  with a reward.
 
 The bare loop (the limit) makes the same calls with the same lengths and builds the same token lists:
 per turn one `generate_async` on the running ids, a decode of the generated ids (the environment needs
@@ -48,17 +49,9 @@ from _common import machine_line, median, print_table, spread  # noqa: E402
 from nemo_rl_ext.data.chat import ObservationFormatter  # noqa: E402
 from nemo_rl_ext.data.datasets import datum_from_messages  # noqa: E402
 from nemo_rl_ext.data.records import DatumSpec, Message  # noqa: E402
-from nemo_rl_ext.environments.interfaces import (  # noqa: E402
-    EnvironmentInterface,
-    EnvironmentReturn,
-    Observation,
-)
-from nemo_rl_ext.models.generation.interfaces import (  # noqa: E402
-    FinishReason,
-    GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
-)
+from nemo_rl_ext.environments.interfaces import Observation  # noqa: E402
+from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig  # noqa: E402
+from nemo_rl_ext.testing import ScriptedEnvironment, ScriptedGeneration, ScriptedRequest  # noqa: E402
 
 GENERATIONS_PER_PROMPT = 8
 WARMUP_ROLLOUTS = 80
@@ -72,65 +65,33 @@ WORDS = (
 # ---- the instant fakes -------------------------------------------------------------------------------
 
 
-class InstantGeneration(GenerationInterface):
-    """Returns `gen_tokens` real vocabulary ids (EOS last) and their logprobs at once."""
+def instant_generation(vocab_ids: Sequence[int], eos_id: int, gen_tokens: int, seed: int = 0) -> ScriptedGeneration:
+    """Returns `gen_tokens` real vocabulary ids (EOS last) and their logprobs at once (calls are counted,
+    not recorded, so the fake holds no memory of its own)."""
+    rng = random.Random(seed)
+    pool = tuple(rng.choice(vocab_ids) for _ in range(65536 + gen_tokens))
+    logprobs = tuple(-rng.random() * 3 for _ in range(gen_tokens))
+    offset = 0
 
-    def __init__(self, vocab_ids: Sequence[int], eos_id: int, gen_tokens: int, seed: int = 0) -> None:
-        rng = random.Random(seed)
-        self._pool = tuple(rng.choice(vocab_ids) for _ in range(65536 + gen_tokens))
-        self._logprobs = tuple(-rng.random() * 3 for _ in range(gen_tokens))
-        self._eos = eos_id
-        self._gen_tokens = gen_tokens
-        self._offset = 0
-        self.calls = 0
-        self.generated = 0
+    def reply(request: ScriptedRequest) -> tuple[int, ...]:
+        nonlocal offset
+        offset = (offset + 7919) % 65536
+        return (*pool[offset : offset + gen_tokens - 1], eos_id)
 
-    tokenizer = None
-
-    @property
-    def max_model_len(self) -> int:
-        return 1 << 20
-
-    def update_weights(self, state_dict) -> None:
-        raise NotImplementedError("an instant fake has no weights to update")
-
-    async def generate_async(self, prompt_token_ids: list[int], config: GenerationConfig) -> GenerationOutput:
-        await asyncio.sleep(0)
-        n = min(self._gen_tokens, config.max_new_tokens)
-        self._offset = (self._offset + 7919) % 65536
-        ids = (*self._pool[self._offset : self._offset + n - 1], self._eos)
-        self.calls += 1
-        self.generated += n
-        finish = FinishReason.EOS if n == self._gen_tokens else FinishReason.MAX_NEW_TOKENS
-        return GenerationOutput(ids, self._logprobs[:n], finish)
-
-    def shutdown(self) -> None:
-        pass
+    return ScriptedGeneration(None, reply, logprobs=lambda prompt, ids, config: logprobs[: len(ids)],
+                              max_model_len=1 << 20, record=False)
 
 
-class InstantEnvironment(EnvironmentInterface):
+def instant_environment(observations: Sequence[str], turns: int) -> ScriptedEnvironment:
     """`turns - 1` tool observations of real text, then termination with a reward."""
-
-    def __init__(self, observations: Sequence[str], turns: int) -> None:
-        self.observations = [Observation("tool", text) for text in observations]
-        self.turns = turns
-        self.steps = 0
-
-    async def step(
-        self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Mapping[str, Any] | None]
-    ) -> EnvironmentReturn:
-        await asyncio.sleep(0)
-        self.steps += len(message_logs)
-        new_meta, obs, done, rewards = [], [], [], []
-        for log, meta in zip(message_logs, metadata, strict=True):
-            turn = int((meta or {}).get("turn", 0)) + 1
-            chars = len(log[-1].content)  # the environment reads the assistant's text
-            new_meta.append({"turn": turn})
-            obs.append(self.observations[(turn + chars) % len(self.observations)])
-            done.append(turn >= self.turns)
-            rewards.append(1.0 if turn >= self.turns else 0.0)
-        n = len(message_logs)
-        return EnvironmentReturn(obs, new_meta, [None] * n, rewards, done, [None] * n)
+    texts = [Observation("tool", text) for text in observations]
+    return ScriptedEnvironment(
+        turns=turns,
+        # the environment reads the assistant's text
+        observation=lambda s: texts[(s.turn + len(s.message_log[-1].content)) % len(texts)],
+        metadata=lambda s: {"turn": s.turn},
+        reward=lambda s: 1.0 if s.turn >= turns else 0.0,
+    )
 
 
 # ---- the two contenders --------------------------------------------------------------------------------
@@ -236,9 +197,9 @@ def worker(args: argparse.Namespace) -> None:
 
     cpu_times: list[float] = []
 
-    def run_once(datums: list[DatumSpec]) -> tuple[float, InstantGeneration, InstantEnvironment, list]:
-        gen = InstantGeneration(vocab, tokenizer.eos_token_id, args.gen_tokens)
-        env = InstantEnvironment(observations, args.turns)
+    def run_once(datums: list[DatumSpec]) -> tuple[float, ScriptedGeneration, ScriptedEnvironment, list]:
+        gen = instant_generation(vocab, tokenizer.eos_token_id, args.gen_tokens)
+        env = instant_environment(observations, args.turns)
         if args.contender == "bare":
             coro = run_bare(datums, env, gen, config, tokenizer, formatter)
         else:
@@ -272,8 +233,8 @@ def worker(args: argparse.Namespace) -> None:
         "seconds": times,
         "cpu_seconds": cpu_times[: len(times)],
         "rollouts": n_done,
-        "generate_calls": gen.calls,
-        "env_steps": env.steps,
+        "generate_calls": gen.num_calls,
+        "env_steps": env.num_steps,
         "tokens": tokens,
         "peak_rss_growth": peak_growth,
     }

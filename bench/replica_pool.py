@@ -3,7 +3,7 @@
     python bench/replica_pool.py            # simulated engine at 1/2/4 replicas, routing cost, tiny model at 1/2
     python bench/replica_pool.py --quick    # fewer requests
 
-- Simulated accelerator (bench/sleep_engine.py): each replica decodes `--batch` requests at a time, one
+- Simulated accelerator (nemo_rl_ext/testing/sleep_engine.py): each replica decodes `--batch` requests at a time, one
   token per `--token-ms`; it uses almost no CPU, so 2 cores can show how the pool scales. Every request
   is sent at once; throughput = requests / wall seconds; the ratio is to 1 replica, the efficiency is
   ratio / replicas (target >= 0.9 at 4).
@@ -30,11 +30,11 @@ from pathlib import Path
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import sleep_engine  # noqa: E402
 from _common import machine_line  # noqa: E402
 
 from nemo_rl_ext.cluster import ClusterConfig, ReplicaResources, RoutedGeneration, init_ray  # noqa: E402
 from nemo_rl_ext.models.generation import GenerationConfig  # noqa: E402
+from nemo_rl_ext.testing import sleep_engine  # noqa: E402
 
 
 def run_all(gen, prompts, config) -> float:

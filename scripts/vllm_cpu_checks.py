@@ -102,41 +102,12 @@ def forward_logprobs(model, context: list[int], output: list[int], temperature: 
 
 
 def make_recorder(engine, tokenizer):
-    from nemo_rl_ext.models.generation import FinishReason, GenerationInterface, GenerationOutput
+    """Delegates to the vLLM engine (or, with `replies` set to texts by turn, returns them); records every call."""
+    from nemo_rl_ext.models.generation import FinishReason
+    from nemo_rl_ext.testing import ScriptedGeneration
 
-    class Recorder(GenerationInterface):
-        """Delegates to the vLLM engine (or, with `script`, returns scripted texts); records every call."""
-
-        def __init__(self) -> None:
-            self.engine = engine
-            self.tokenizer = tokenizer
-            self.script: list[str] | None = None
-            self.calls: list[tuple[list[int], GenerationOutput, float]] = []
-
-        tokenizer = None  # set per instance
-
-        @property
-        def max_model_len(self) -> int:
-            return self.engine.max_model_len
-
-        def update_weights(self, state_dict) -> None:
-            self.engine.update_weights(state_dict)
-
-        async def generate_async(self, prompt_token_ids, config):
-            if self.script is None:
-                out = await self.engine.generate_async(prompt_token_ids, config)
-            else:
-                turn = self.tokenizer.decode(prompt_token_ids).count("<|im_start|>assistant") - 1
-                text = self.script[min(turn, len(self.script) - 1)]
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                out = GenerationOutput(tuple(ids), tuple(-0.25 for _ in ids), FinishReason.EOS)
-            self.calls.append((list(prompt_token_ids), out, config.temperature))
-            return out
-
-        def shutdown(self) -> None:
-            self.engine.shutdown()
-
-    return Recorder()
+    return ScriptedGeneration(tokenizer, None, backend=engine, max_model_len=engine.max_model_len,
+                              finish_reason=FinishReason.EOS, logprobs=-0.25, cut_at_max_new_tokens=False)
 
 
 def gym_datums():
@@ -186,7 +157,8 @@ def check_records(name, datums, records, metrics, recorder, hf_model, *, min_tur
                 turns_total += 1
                 # exactly one call the vLLM engine answered: same prompt, same output ids, same logprobs
                 matches = [
-                    (o, t) for p, o, t in recorder.calls if p == context and o.output_ids == message.token_ids
+                    (c.output, c.config.temperature) for c in recorder.calls
+                    if c.output is not None and c.prompt_token_ids == context and c.output.output_ids == message.token_ids
                 ]
                 assert matches, f"{name}: an assistant turn that the vLLM engine did not generate"
                 out, temperature = matches[0]
@@ -308,7 +280,7 @@ async def run_gym(args) -> None:
         check_records("phase 1: random model", datums, records, metrics, recorder, hf_model, min_turns=1)
 
         # phase 2: learn the prompts of a 2-turn tool rollout from a scripted run (no vLLM) ...
-        recorder.script, recorder.calls = TOOL_SCRIPT, []
+        recorder.replies, recorder.calls = TOOL_SCRIPT, []
         scripted, smetrics = await manager.run_rollouts(datums, progress=False)
         assert smetrics["rollout/errors"] == 0 and smetrics["rollout/reward/mean"] == 1.0, smetrics
         pairs = {}
@@ -328,7 +300,7 @@ async def run_gym(args) -> None:
         start = time.perf_counter()
         engine.update_weights(hf_model.state_dict())
         log(f"[phase 2] engine.update_weights: {time.perf_counter() - start:.2f} s")
-        recorder.script, recorder.calls = None, []
+        recorder.replies, recorder.calls = None, []
         records, metrics = await manager.run_rollouts(datums, progress=False)
         summary = check_records(
             "phase 2: after refit, multi-turn", datums, records, metrics, recorder, hf_model, min_turns=2

@@ -11,15 +11,13 @@ import asyncio
 import functools
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import ray  # noqa: E402
-import sleep_engine  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+import ray
+from ray.cluster_utils import Cluster
 
-from nemo_rl_ext.cluster import ClusterConfig, ReplicaResources, RoutedGeneration, init_ray  # noqa: E402
-from nemo_rl_ext.models.generation import GenerationConfig  # noqa: E402
+from nemo_rl_ext.cluster import ClusterConfig, ReplicaResources, RoutedGeneration, init_ray
+from nemo_rl_ext.models.generation import GenerationConfig
+from nemo_rl_ext.testing import sleep_engine
 
 NODE = {"num_cpus": 1, "include_dashboard": False, "object_store_memory": 80 * 1024 * 1024}
 

@@ -34,12 +34,13 @@ from nemo_rl_ext.algorithms.grpo import GRPO
 from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.algorithms.metrics_logger import read_metrics
 from nemo_rl_ext.config import load_config
-from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
+from nemo_rl_ext.environments.interfaces import Observation
 from nemo_rl_ext.environments.registry import register_environment
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
+from nemo_rl_ext.testing import ScriptedEnvironment
 
 REPO = Path(__file__).resolve().parents[2]
 ARITHMETIC = REPO / "examples" / "data" / "arithmetic.jsonl"
@@ -52,20 +53,12 @@ pytestmark = pytest.mark.timeout(900)
 
 
 @register_environment("entry_points_two_step")
-class TwoStepEnv(EnvironmentInterface):
+class TwoStepEnv(ScriptedEnvironment):
     """Answers the first reply with a tool message, ends after the second (reward 1 when it is non-empty)."""
 
-    async def step(self, message_logs, metadata) -> EnvironmentReturn:
-        turns = [sum(m.role == "assistant" for m in log) for log in message_logs]
-        last = [next(m.content for m in reversed(log) if m.role == "assistant") for log in message_logs]
-        return EnvironmentReturn(
-            observations=[Observation("tool", "result: 42")] * len(turns),
-            metadata=list(metadata),
-            next_stop_strings=[None] * len(turns),
-            rewards=[float(t >= 2 and bool(text.strip())) for t, text in zip(turns, last, strict=True)],
-            terminateds=[t >= 2 for t in turns],
-            answers=[None] * len(turns),
-        )
+    def __init__(self) -> None:
+        super().__init__(turns=2, observation=Observation("tool", "result: 42"),
+                         reward=lambda s: float(s.turn >= 2 and bool(s.reply.strip())))
 
 
 # ---- helpers ----------------------------------------------------------------------------------------

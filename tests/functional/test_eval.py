@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from nemo_rl_ext.config import ConfigError
-from nemo_rl_ext.data.records import Message
-from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
+from nemo_rl_ext.environments.interfaces import Observation
 from nemo_rl_ext.environments.registry import register_environment
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
+from nemo_rl_ext.testing import RolloutStep, ScriptedEnvironment
 
 REPO = Path(__file__).resolve().parents[2]
 ARITHMETIC = REPO / "examples" / "data" / "arithmetic.jsonl"
@@ -29,49 +29,35 @@ ARITHMETIC = REPO / "examples" / "data" / "arithmetic.jsonl"
 # ---- test environments -----------------------------------------------------------------------------
 
 
-def _last_assistant(log: Sequence[Message]) -> str:
-    return next(m.content for m in reversed(log) if m.role == "assistant")
-
-
 def parity_answer(text: str) -> str:
     """The test environments' 'answer': the length of the reply mod 3 (varied for a random model)."""
     return str(len(text) % 3)
 
 
+def _parity_reward(step: RolloutStep) -> float:
+    return 1.0 if parity_answer(step.reply) == "0" else 0.0
+
+
 @register_environment("eval_test_parity")
-class ParityEnv(EnvironmentInterface):
+class ParityEnv(ScriptedEnvironment):
     """Single step: answer = len(reply) % 3, reward 1 when the answer is "0"."""
 
-    async def step(self, message_logs, metadata) -> EnvironmentReturn:
-        answers = [parity_answer(_last_assistant(log)) for log in message_logs]
-        return EnvironmentReturn(
-            observations=[Observation("environment", "")] * len(answers),
-            metadata=list(metadata),
-            next_stop_strings=[None] * len(answers),
-            rewards=[1.0 if a == "0" else 0.0 for a in answers],
-            terminateds=[True] * len(answers),
-            answers=answers,
-        )
+    def __init__(self) -> None:
+        super().__init__(turns=1, observation=Observation("environment", ""), reward=_parity_reward,
+                         answer=lambda s: parity_answer(s.reply))
+
+
+def _two_step_answer(step: RolloutStep) -> str | None:
+    return parity_answer(step.reply) if step.turn >= 2 else None
 
 
 @register_environment("eval_test_two_step")
-class TwoStepEnv(EnvironmentInterface):
+class TwoStepEnv(ScriptedEnvironment):
     """Answers the first reply with a tool message; scores the second like ParityEnv and terminates."""
 
-    async def step(self, message_logs, metadata) -> EnvironmentReturn:
-        n = len(message_logs)
-        turns = [sum(m.role == "assistant" for m in log) for log in message_logs]
-        answers = [
-            parity_answer(_last_assistant(log)) if t >= 2 else None for log, t in zip(message_logs, turns, strict=True)
-        ]
-        return EnvironmentReturn(
-            observations=[Observation("tool", "result: 42")] * n,
-            metadata=list(metadata),
-            next_stop_strings=[None] * n,
-            rewards=[1.0 if a == "0" else 0.0 for a in answers],
-            terminateds=[t >= 2 for t in turns],
-            answers=answers,
-        )
+    def __init__(self) -> None:
+        super().__init__(turns=2, observation=Observation("tool", "result: 42"), answer=_two_step_answer,
+                         reward=lambda s: 1.0 if _two_step_answer(s) == "0" else 0.0)
 
 
 # ---- helpers ----------------------------------------------------------------------------------------

@@ -13,12 +13,7 @@ import pytest
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
-from nemo_rl_ext.models.generation import (
-    FinishReason,
-    GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
-)
+from nemo_rl_ext.testing import ScriptedGeneration, ScriptedRequest
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.gym, pytest.mark.timeout(900)]
@@ -36,34 +31,22 @@ PATTERN = {
 }
 
 
-class ArithmeticPolicy(GenerationInterface):
+class ArithmeticPolicy(ScriptedGeneration):
     """Answers "What is a <op> b?" by PATTERN: the j-th call for a question gives its j-th answer."""
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.calls = 0
+        super().__init__(tokenizer, self._answer, max_model_len=2048)
         self.seen: dict[str, int] = {}
 
-    max_model_len = 2048
-    tokenizer = None  # set per instance
-
-    def update_weights(self, state_dict) -> None:
-        raise NotImplementedError("a rule-based policy has no weights to update")
-
-    async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
-        self.calls += 1
-        a, op, b = re.findall(r"What is (\d+) ([-+*]) (\d+)\?", self.tokenizer.decode(prompt_token_ids))[-1]
+    def _answer(self, request: ScriptedRequest) -> str:
+        a, op, b = re.findall(r"What is (\d+) ([-+*]) (\d+)\?", request.prompt_text)[-1]
         question = f"What is {a} {op} {b}?"
         j = self.seen.get(question, 0)
         self.seen[question] = j + 1
         right = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
         answer = PATTERN[question][j]
         text = str(right) if answer == "R" else answer
-        ids = self.tokenizer(f"{text}<|im_end|>", add_special_tokens=False)["input_ids"]
-        return GenerationOutput(tuple(ids), tuple(-0.5 for _ in ids), FinishReason.EOS)
-
-    def shutdown(self) -> None:
-        pass
+        return f"{text}<|im_end|>"
 
 
 def test_nemo_gym_eval_with_per_agent_counts(gym_venv, tiny_model_and_tokenizer, tmp_path):
@@ -100,7 +83,7 @@ def test_nemo_gym_eval_with_per_agent_counts(gym_venv, tiny_model_and_tokenizer,
         right = rows[idx]["expected_answer"]
         assert sorted(s["answer"] for s in samples) == sorted(right if a == "R" else a for a in pattern)
         assert {s["agent"] for s in samples} == {agent}
-    assert policy.calls == len(lines) == 18
+    assert policy.num_calls == len(lines) == 18
 
     # Worked by hand per prompt (n samples, c right): pass@k = 1 - C(n-c, k) / C(n, k); maj@k = the mean
     # over all k-subsets of the majority answer's correctness, a tie of t answers giving 1/t each.

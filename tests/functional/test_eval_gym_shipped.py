@@ -16,12 +16,7 @@ from nemo_rl_ext.config import load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
 from nemo_rl_ext.gym.config import gym_site_packages
-from nemo_rl_ext.models.generation import (
-    FinishReason,
-    GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
-)
+from nemo_rl_ext.testing import ScriptedGeneration, ScriptedRequest
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "resources_servers/mcqa/configs/mcqa.yaml"
@@ -37,22 +32,16 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-class MCQAPolicy(GenerationInterface):
+class MCQAPolicy(ScriptedGeneration):
     """Answers each shipped MCQA question by PATTERN: the j-th call for a row gives its j-th answer."""
 
-    max_model_len = 8192
-    tokenizer = None  # set per instance
-
     def __init__(self, tokenizer, rows: list[dict]) -> None:
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer, self._answer, max_model_len=8192)
         self.rows = rows
         self.seen: dict[int, int] = {}
 
-    def update_weights(self, state_dict) -> None:
-        raise NotImplementedError("a scripted policy has no weights to update")
-
-    async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
-        prompt = self.tokenizer.decode(prompt_token_ids)
+    def _answer(self, request: ScriptedRequest) -> str:
+        prompt = request.prompt_text
         (row,) = [i for i, r in enumerate(self.rows) if r["responses_create_params"]["input"][0]["content"][-200:]
                   in prompt]
         j = self.seen.get(row, 0)
@@ -60,11 +49,7 @@ class MCQAPolicy(GenerationInterface):
         right = self.rows[row]["expected_answer"]
         answer = {"R": f"\\boxed{{{right}}}", "W": f"\\boxed{{{'A' if right != 'A' else 'B'}}}",
                   "N": f"I think it is {right}"}[PATTERN[row][j]]
-        ids = self.tokenizer(f"{answer}<|im_end|>", add_special_tokens=False)["input_ids"]
-        return GenerationOutput(tuple(ids), tuple(-0.5 for _ in ids), FinishReason.EOS)
-
-    def shutdown(self) -> None:
-        pass
+        return f"{answer}<|im_end|>"
 
 
 def test_eval_on_gym_mcqa_config_and_example_data_as_shipped(gym_venv, tiny_model_and_tokenizer, tmp_path,

@@ -27,14 +27,15 @@ from typing import Any
 import pytest
 
 from nemo_rl_ext.data.records import Message
-from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
+from nemo_rl_ext.environments.interfaces import Observation
 from nemo_rl_ext.environments.registry import register_environment
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import EvalResult, run_eval
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.native_rollouts import rollout_seed
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
+from nemo_rl_ext.models.generation.interfaces import GenerationInterface
+from nemo_rl_ext.testing import RolloutStep, ScriptedEnvironment, ScriptedGeneration, ScriptedRequest
 
 REPO = Path(__file__).resolve().parents[2]
 ARITHMETIC = REPO / "examples" / "data" / "arithmetic.jsonl"
@@ -55,30 +56,29 @@ def _question(log: Sequence[Message]) -> str:
     return next(m.content for m in log if m.role == "user")
 
 
+def _flaky_fault(step: RolloutStep) -> RuntimeError | None:
+    """While faults are on, a fault for each reply that would score 1 (logged to ENV_FAULTS_VAR's file in a
+    CLI run)."""
+    log_path = os.environ.get(ENV_FAULTS_VAR)
+    if str(len(step.reply) % 3) != "0" or not (_ENV_FAULTS["on"] or log_path):
+        return None
+    key = (step.question, step.reply)
+    _ENV_FAULTS["raised"].append(key)
+    if log_path:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(key) + "\n")
+    return RuntimeError("injected env fault")
+
+
 @register_environment("fault_test_flaky")
-class FlakyParityEnv(EnvironmentInterface):
+class FlakyParityEnv(ScriptedEnvironment):
     """Answer = len(reply) % 3, reward 1 for "0"; while faults are on, it raises for exactly the replies
     that would score 1 (so scoring an error as 0 would change the metrics) and logs each one."""
 
-    async def step(self, message_logs, metadata) -> EnvironmentReturn:
-        log_path = os.environ.get(ENV_FAULTS_VAR)
-        answers = [str(len(_reply(log)) % 3) for log in message_logs]
-        for log, answer in zip(message_logs, answers, strict=True):
-            if answer == "0" and (_ENV_FAULTS["on"] or log_path):
-                key = (_question(log), _reply(log))
-                _ENV_FAULTS["raised"].append(key)
-                if log_path:
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps(key) + "\n")
-                raise RuntimeError("injected env fault")
-        return EnvironmentReturn(
-            observations=[Observation("environment", "")] * len(answers),
-            metadata=list(metadata),
-            next_stop_strings=[None] * len(answers),
-            rewards=[1.0 if a == "0" else 0.0 for a in answers],
-            terminateds=[True] * len(answers),
-            answers=answers,
-        )
+    def __init__(self) -> None:
+        super().__init__(turns=1, observation=Observation("environment", ""), fault=_flaky_fault,
+                         answer=lambda s: str(len(s.reply) % 3),
+                         reward=lambda s: 1.0 if len(s.reply) % 3 == 0 else 0.0)
 
 
 @contextmanager
@@ -91,7 +91,7 @@ def env_faults() -> Iterator[list[tuple[str, str]]]:
         _ENV_FAULTS["on"] = False
 
 
-class FailingGeneration(GenerationInterface):
+class FailingGeneration(ScriptedGeneration):
     """Wraps a backend; the first turn of chosen (prompt, sample) pairs raises, every time (`persistent`)
     or only on its first call (`transient`, which the fault policy's in-run retry absorbs)."""
 
@@ -101,35 +101,21 @@ class FailingGeneration(GenerationInterface):
         persistent: set[tuple[int, int]],
         transient: set[tuple[int, int]] = frozenset(),
     ) -> None:
-        self.inner = inner
+        super().__init__(inner.tokenizer, self._fault, backend=inner, max_model_len=inner.max_model_len)
         self.pair_of_seed = {rollout_seed(SEED, p, s, 0): (p, s) for p, s in persistent | transient}
         self.persistent, self.transient = set(persistent), set(transient)
         self.raised: list[tuple[int, int]] = []
         """The pair of every call that raised, in call order."""
-        self.calls: list[tuple[int, int] | None] = []
-        """The pair (None: not a chosen pair) of every call."""
 
-    @property
-    def tokenizer(self):
-        return self.inner.tokenizer
-
-    def update_weights(self, state_dict) -> None:
-        self.inner.update_weights(state_dict)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.inner.max_model_len
-
-    async def generate_async(self, prompt_token_ids: list[int], config: GenerationConfig) -> GenerationOutput:
-        pair = self.pair_of_seed.get(config.seed)
-        self.calls.append(pair)
+    def _fault(self, request: ScriptedRequest) -> RuntimeError | None:
+        pair = self.pair_of_seed.get(request.config.seed)
         if pair in self.persistent or (pair in self.transient and pair not in self.raised):
             self.raised.append(pair)
-            raise RuntimeError(f"injected generation fault for prompt {pair[0]}, sample {pair[1]}")
-        return await self.inner.generate_async(prompt_token_ids, config)
+            return RuntimeError(f"injected generation fault for prompt {pair[0]}, sample {pair[1]}")
+        return None  # the wrapped backend answers
 
     def shutdown(self) -> None:
-        pass
+        pass  # the wrapped backend is the module's, shared by every test
 
 
 # ---- helpers ------------------------------------------------------------------------------------------

@@ -17,12 +17,8 @@ from gym_processes import gone, gym_servers_under
 
 from nemo_rl_ext.data.records import DatumSpec, StopReason
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
-from nemo_rl_ext.models.generation import (
-    FinishReason,
-    GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
-)
+from nemo_rl_ext.models.generation import GenerationConfig
+from nemo_rl_ext.testing import ScriptedGeneration, ScriptedRequest
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "gym" / "arithmetic_agents.yaml"
@@ -31,33 +27,14 @@ ROWS = REPO / "examples" / "data" / "gym_arithmetic.jsonl"
 pytestmark = [pytest.mark.gym, pytest.mark.timeout(600)]
 
 
-class SlowArithmeticPolicy(GenerationInterface):
+def slow_arithmetic_policy(tokenizer, delay_s: float) -> ScriptedGeneration:
     """Answers "What is a + b?" right after `delay_s` (so rows are pending when a server is killed)."""
 
-    max_model_len = 2048
+    def answer(request: ScriptedRequest) -> str:
+        a, op, b = re.findall(r"What is (\d+) ([-+*]) (\d+)\?", request.prompt_text)[-1]
+        return f"{int(a) + int(b) if op == '+' else -1}<|im_end|>"
 
-    def __init__(self, tokenizer, delay_s: float) -> None:
-        self._tokenizer = tokenizer
-        self.delay_s = delay_s
-        self.calls = 0
-
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    def update_weights(self, state_dict) -> None:
-        raise NotImplementedError("a scripted policy has no weights")
-
-    async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
-        self.calls += 1
-        await asyncio.sleep(self.delay_s)
-        a, op, b = re.findall(r"What is (\d+) ([-+*]) (\d+)\?", self.tokenizer.decode(prompt_token_ids))[-1]
-        answer = int(a) + int(b) if op == "+" else -1
-        ids = self.tokenizer(f"{answer}<|im_end|>", add_special_tokens=False)["input_ids"]
-        return GenerationOutput(tuple(ids), tuple(-0.5 for _ in ids), FinishReason.EOS)
-
-    def shutdown(self) -> None:
-        pass
+    return ScriptedGeneration(tokenizer, answer, delay_s=delay_s, max_model_len=2048)
 
 
 def datums(n: int) -> list[DatumSpec]:
@@ -81,7 +58,7 @@ async def test_a_dead_gym_server_fails_the_pending_rows_within_seconds(
     gym_venv, tiny_model_and_tokenizer, tmp_path, victim, sig, within_s
 ):
     _, tokenizer = tiny_model_and_tokenizer
-    policy = SlowArithmeticPolicy(tokenizer, delay_s=4.0)
+    policy = slow_arithmetic_policy(tokenizer, delay_s=4.0)
     manager = RolloutManager(
         tokenizer=tokenizer,
         task_to_env=None,
@@ -104,9 +81,9 @@ async def test_a_dead_gym_server_fails_the_pending_rows_within_seconds(
         assert set(servers) == {"arithmetic_equivalence", "agent_alpha", "agent_beta", "policy_model"}
 
         rows = datums(6)[2:]
-        calls = policy.calls
+        calls = policy.num_calls
         pending = asyncio.ensure_future(manager.run_rollouts(rows, progress=False))
-        while policy.calls < calls + len(rows):  # every row is inside Gym, waiting for the policy
+        while policy.num_calls < calls + len(rows):  # every row is inside Gym, waiting for the policy
             await asyncio.sleep(0.05)
         os.kill(servers[victim].pid, sig)
         killed = time.perf_counter()

@@ -24,14 +24,10 @@ from transformers import AutoTokenizer
 
 from nemo_rl_ext.data.records import Completion, DatumSpec, StopReason
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
-from nemo_rl_ext.models.generation import (
-    FinishReason,
-    GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
-)
+from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.models.smollm2 import smollm2_path
+from nemo_rl_ext.testing import ScriptedCall, ScriptedGeneration
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "tests" / "functional" / "gym_configs" / "two_agents.yaml"
@@ -44,49 +40,29 @@ TOKENIZERS = ["tiny", "smollm2"]
 pytestmark = [pytest.mark.gym, pytest.mark.timeout(900), pytest.mark.asyncio(loop_scope="module")]
 
 
-class RecordingPolicy(GenerationInterface):
+class RecordingPolicy(ScriptedGeneration):
     """Delegates to a real backend, or to a script of texts (real tokenizer ids); records every call.
 
     A scripted text that is an Exception instance is raised (the policy server answers 400 with it)."""
 
     def __init__(self, tokenizer, backend: HfGeneration | None = None, max_model_len: int = MAX_MODEL_LEN) -> None:
-        self.backend = backend
-        self.tokenizer = tokenizer
-        self._max_model_len = max_model_len
-        self.script: list[str] | Callable[[str], list[str | Exception]] | None = None
-        """Texts by turn, or a function of the decoded prompt that gives them; None: the real backend."""
-        self.calls: list[tuple[list[int], GenerationOutput]] = []
-
-    tokenizer = None  # set per instance
+        super().__init__(tokenizer, None, backend=backend, max_model_len=max_model_len, finish_reason=FinishReason.EOS,
+                         logprobs=lambda prompt, ids, config: [-0.25 - 0.01 * i for i in range(len(ids))],
+                         cut_at_max_new_tokens=False)  # scripted texts run past the real model's 24 tokens
+        self.script = None
 
     @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
+    def script(self) -> list[str | Exception] | Callable[[str], list[str | Exception]] | None:
+        """Texts by turn, or a function of the decoded prompt that gives them; None: the real backend."""
+        return self._script
 
-    def update_weights(self, state_dict) -> None:
-        if self.backend is None:
-            raise NotImplementedError("a scripted policy has no weights to update")
-        self.backend.update_weights(state_dict)
-
-    async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
-        if self.script is None:
-            assert self.backend is not None, "this policy is scripted only: set policy.script"
-            out = await self.backend.generate_async(prompt_token_ids, config)
+    @script.setter
+    def script(self, script: list[str | Exception] | Callable[[str], list[str | Exception]] | None) -> None:
+        self._script = script
+        if callable(script):
+            self.replies = lambda r: (texts := script(r.prompt_text))[min(r.turn, len(texts) - 1)]
         else:
-            prompt = self.tokenizer.decode(prompt_token_ids)
-            turn = prompt.count("<|im_start|>assistant") - 1
-            script = self.script(prompt) if callable(self.script) else self.script
-            text = script[min(turn, len(script) - 1)]
-            if isinstance(text, Exception):
-                raise text
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            out = GenerationOutput(tuple(ids), tuple(-0.25 - 0.01 * i for i in range(len(ids))), FinishReason.EOS)
-        self.calls.append((list(prompt_token_ids), out))
-        return out
-
-    def shutdown(self) -> None:
-        if self.backend is not None:
-            self.backend.shutdown()
+            self.replies = script
 
 
 def gym_rows() -> list[DatumSpec]:
@@ -107,13 +83,14 @@ def earned_reward(completion: Completion) -> float:
     return 1.0 if ran else 0.0
 
 
-def assert_generated_by_us(completion: Completion, calls: list[tuple[list[int], GenerationOutput]]) -> None:
+def assert_generated_by_us(completion: Completion, calls: list[ScriptedCall]) -> None:
     """Every assistant turn is exactly a call our server made, and later prompts extend earlier ones."""
     context: list[int] = []
     previous: list[int] | None = None
     for message in completion.message_log:
         if message.role == "assistant":
-            matches = [out for prompt, out in calls if prompt == context and out.output_ids == message.token_ids]
+            matches = [c.output for c in calls
+                       if c.output is not None and c.prompt_token_ids == context and c.output.output_ids == message.token_ids]
             assert matches, "an assistant turn that our policy server did not generate"
             assert message.generation_logprobs == pytest.approx(matches[0].logprobs, abs=1e-6)
             if previous is not None:
@@ -262,7 +239,7 @@ async def test_real_gym_tool_call_only_turns_over_three_model_calls(gym_manager)
                 assert c.num_turns == 1
             assert c.reward == (1.0 if tool else 0.0)  # Gym's verifier: a get_weather call was made
             assert_generated_by_us(c, policy.calls)
-    assert max(len(prompt) for prompt, _ in policy.calls) < MAX_MODEL_LEN
+    assert max(len(prompt) for prompt in policy.prompts) < MAX_MODEL_LEN
 
 
 @pytest.mark.filterwarnings("ignore:num_generations_per_prompt has keys that match no row")
@@ -294,7 +271,7 @@ async def test_real_gym_rows_over_the_context_length_end_truncated(gym_manager):
     assert second.reward == 1.0  # the get_weather call was made before the context filled up
     assert_generated_by_us(second, policy.calls)
     assert len(policy.calls) == 1  # the only call that fitted; the long row never reached the policy
-    fitted = len(policy.calls[0][0]) + len(policy.calls[0][1].output_ids)
+    fitted = len(policy.calls[0].prompt_token_ids) + len(policy.calls[0].output.output_ids)
     assert fitted < MAX_MODEL_LEN < fitted + 2 * city_len
 
 

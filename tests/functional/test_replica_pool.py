@@ -1,7 +1,7 @@
 """RoutedGeneration and RemoteEnvironment on a local Ray (2 CPUs, one session-wide instance).
 
 The hf tests use the tiny model; routing, balance and failure tests use the simulated engine of
-bench/sleep_engine.py (its first output id names the process that served the request).
+nemo_rl_ext.testing.sleep_engine (its first output id names the process that served the request).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import functools
 import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +19,10 @@ from backend_checks import chat_prompts, forward_logprobs, not_greedy
 
 from nemo_rl_ext.cluster import RemoteEnvironment, ReplicaResources, RoutedGeneration
 from nemo_rl_ext.data.records import Message
-from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
+from nemo_rl_ext.environments.interfaces import Observation
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import sleep_engine  # noqa: E402
+from nemo_rl_ext.testing import Fault, ScriptedEnvironment, sleep_engine
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -256,17 +253,13 @@ def test_a_replica_that_keeps_failing_is_taken_out(ray_env, tmp_path, caplog):
 # ---- remote environments ----------------------------------------------------------------------
 
 
-class HangingEnvironment(EnvironmentInterface):
-    """Answers with its process id; a rollout whose metadata says "hang" blocks the actor for good."""
+class HangingEnvironment(ScriptedEnvironment):
+    """Answers with its process id; a rollout whose metadata says "hang" blocks the actor for good (a hang no
+    asyncio timeout inside the actor could interrupt)."""
 
-    async def step(self, message_logs, metadata):
-        if metadata[0] and metadata[0].get("hang"):
-            time.sleep(3600)  # a hang no asyncio timeout inside the actor could interrupt
-        n = len(message_logs)
-        return EnvironmentReturn(
-            observations=[Observation("user", "ok")] * n, metadata=[{"pid": os.getpid()}] * n,
-            next_stop_strings=[None] * n, rewards=[1.0] * n, terminateds=[True] * n, answers=[None] * n,
-        )
+    def __init__(self) -> None:
+        super().__init__(reward=1.0, observation=Observation("user", "ok"), metadata=lambda s: {"pid": os.getpid()},
+                         fault=lambda s: Fault.BLOCK if s.metadata.get("hang") else None)
 
 
 def _alive(pid: int) -> bool:

@@ -12,9 +12,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from nemo_rl_ext.data.chat import ObservationFormatter, tokenize_prompt
-from nemo_rl_ext.models.generation import FinishReason, GenerationInterface, GenerationOutput
 from nemo_rl_ext.models.smollm2 import smollm2_path
 from nemo_rl_ext.serving.policy_server import PolicyServer, PolicyService
+from nemo_rl_ext.testing import ScriptedGeneration
 
 TOKENIZERS = ["tiny", "smollm2"]
 WEATHER_TOOL = {
@@ -53,30 +53,9 @@ def vllm_ids(tok, messages: list[dict], tools: list[dict] | None = None) -> list
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-class Replies(GenerationInterface):
+def replies(tokenizer, texts: list[str]) -> ScriptedGeneration:
     """Answers each request with the ids of the next text of `texts` (ended by EOS); records the prompts."""
-
-    def __init__(self, tokenizer, texts: list[str]) -> None:
-        self._tokenizer, self.texts, self.prompts = tokenizer, list(texts), []
-
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return 4096
-
-    async def generate_async(self, prompt_token_ids, config) -> GenerationOutput:
-        self.prompts.append(list(prompt_token_ids))
-        ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        return GenerationOutput(tuple(ids), tuple(-0.5 for _ in ids), FinishReason.EOS, ids[-1])
-
-    def update_weights(self, state_dict) -> None:
-        raise NotImplementedError("scripted replies have no weights")
-
-    def shutdown(self) -> None:
-        pass
+    return ScriptedGeneration(tokenizer, list(texts), pick="call", eos=True)
 
 
 @pytest.fixture(scope="module", params=TOKENIZERS)
@@ -89,7 +68,7 @@ def tok(request, tiny_model_and_tokenizer):
 
 @pytest.fixture
 def service(tok) -> PolicyService:
-    return PolicyService(Replies(tok, []), tok)
+    return PolicyService(replies(tok, []), tok)
 
 
 def test_a_tool_call_only_turn_renders_as_empty_content(tok, service) -> None:
@@ -109,7 +88,7 @@ def test_a_third_call_after_two_tool_only_turns_is_served_token_exactly(tok) -> 
     calls = ['<tool_call>{"name": "get_weather", "arguments": {"city": "sf"}}</tool_call>',
              '<tool_call>{"name": "get_weather", "arguments": {"city": "la"}}</tool_call>',
              "Cold in both."]
-    generation = Replies(tok, calls)
+    generation = replies(tok, calls)
     with PolicyServer(generation, tok) as server:
         messages = list(QUESTION)
         for i in range(3):

@@ -21,12 +21,8 @@ from nemo_rl_ext.environments.grading_pool import GradingPool
 from nemo_rl_ext.environments.math_grading import extract_answer, grade_answer
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
-from nemo_rl_ext.models.generation import (
-    FinishReason,
-    GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
-)
+from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
+from nemo_rl_ext.testing import ScriptedGeneration
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -205,29 +201,9 @@ def test_grading_timeout_must_be_positive() -> None:
 # ---- a timed-out grade in a rollout ----------------------------------------------------------------
 
 
-class OneAnswer(GenerationInterface):
-    """Answers every prompt with the same text."""
-
-    def __init__(self, tokenizer, text: str) -> None:
-        self._tokenizer = tokenizer
-        self.ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return 8192
-
-    def update_weights(self, state_dict) -> None:
-        raise NotImplementedError("a scripted answer has no weights")
-
-    async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
-        return GenerationOutput(self.ids, tuple(-0.5 for _ in self.ids), FinishReason.EOS)
-
-    def shutdown(self) -> None:
-        pass
+def one_answer(tokenizer, text: str) -> ScriptedGeneration:
+    """Answers every prompt with the same text, ended by EOS."""
+    return ScriptedGeneration(tokenizer, [text], finish_reason=FinishReason.EOS, max_model_len=8192)
 
 
 @pytest.mark.parametrize("env_class", [MathEnvironment, ToolCalculatorEnvironment])
@@ -241,7 +217,7 @@ async def test_a_timed_out_grade_scores_zero_and_is_counted(tiny_model_and_token
     for answer in (HOSTILE[2], "So \\boxed{1}."):
         manager = RolloutManager(
             tokenizer=tok, task_to_env={"math": env}, num_generations_per_prompt=2, max_seq_len=8192,
-            max_rollout_turns=1, policy_generation=OneAnswer(tok, answer),
+            max_rollout_turns=1, policy_generation=one_answer(tok, answer),
             generation_config=GenerationConfig(max_new_tokens=4096, seed=0),
         )
         records.append(await manager.run_rollout(datum))

@@ -24,9 +24,8 @@ from nemo_rl_ext.environments.string_match import match_reward
 from nemo_rl_ext.models.generation import (
     FinishReason,
     GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
 )
+from nemo_rl_ext.testing import ScriptedGeneration
 
 
 def datum(i: int) -> DatumSpec:
@@ -187,25 +186,20 @@ def test_config_defaults_are_nemo_rl_ones():
 # ---- per-step seeds -------------------------------------------------------------------------------
 
 
-class SeedEcho(GenerationInterface):
-    """Returns the request's seed as the only token."""
+class SeedEcho(ScriptedGeneration):
+    """Returns the request's seed as the only token; `loaded` and `in_flight` are those of the last update."""
 
-    max_model_len = 100
-    tokenizer = None
-
-    async def generate_async(self, prompt_token_ids, config):
-        return GenerationOutput((config.seed if config.seed is not None else -1,), (0.0,), FinishReason.EOS)
-
-    def update_weights(self, state_dict, *, in_flight="finish"):
-        self.loaded, self.in_flight = state_dict, in_flight
-        self.version = getattr(self, "version", 0) + 1
+    def __init__(self) -> None:
+        super().__init__(None, lambda r: (r.config.seed if r.config.seed is not None else -1,),
+                         finish_reason=FinishReason.EOS, logprobs=0.0, max_model_len=100)
 
     @property
-    def weight_version(self):
-        return getattr(self, "version", 0)
+    def loaded(self):
+        return self.updates[-1][0]
 
-    def shutdown(self):
-        pass
+    @property
+    def in_flight(self):
+        return self.updates[-1][1]
 
 
 def test_salted_generation_mixes_the_step_into_seeds():

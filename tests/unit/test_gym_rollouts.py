@@ -22,8 +22,9 @@ from nemo_rl_ext.gym.client import (
     agent_urls_from_server_instances,
     innermost_gym_error,
 )
-from nemo_rl_ext.models.generation import GenerationConfig, GenerationInterface
+from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.serving.threaded_server import ThreadedServer
+from nemo_rl_ext.testing import ScriptedGeneration
 
 NESTED_ERROR_BODY = (Path(__file__).parent.parent / "data" / "gym" / "nested-error-body.txt").read_text()
 """A 500 body of Gym 0.7.0's /run, captured in tests/functional/test_real_gym_rollouts.py."""
@@ -113,20 +114,9 @@ def agents():
         yield fake
 
 
-class UnusedPolicy(GenerationInterface):
-    """The agents here never call the policy; any call is a test failure."""
-
-    max_model_len = 1024
-    tokenizer = None
-
-    async def generate_async(self, prompt_token_ids, config):
-        raise AssertionError("the fake agents do not call the policy")
-
-    def update_weights(self, state_dict):
-        raise AssertionError("nothing updates this policy's weights")
-
-    def shutdown(self):
-        pass
+def UnusedPolicy() -> ScriptedGeneration:  # noqa: N802 - named for what it stands in for
+    """The agents here never call the policy; any call is a test failure (nothing is scripted)."""
+    return ScriptedGeneration(None, (), max_model_len=1024)
 
 
 def gym_datum(idx: int, agent: str, text: str = "what's the weather?") -> DatumSpec:

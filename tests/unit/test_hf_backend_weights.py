@@ -4,20 +4,17 @@ continuation of an aborted turn (its ids and logprobs equal a forward pass under
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
-from typing import Any
 
 import pytest
 import torch
 from backend_checks import chat_prompts, forward_logprobs, gate_forward
 
 from nemo_rl_ext.data.datasets import datum_from_messages
-from nemo_rl_ext.data.records import Message
-from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
+from nemo_rl_ext.testing import ScriptedEnvironment
 
 LONG = GenerationConfig(max_new_tokens=40, temperature=1.0, seed=5)
 
@@ -114,14 +111,9 @@ async def test_abort_stops_rows_in_flight_keeping_their_tokens(backend, models):
                                    atol=1e-4, rtol=0)
 
 
-class OneTurnEnv(EnvironmentInterface):
+def OneTurnEnv() -> ScriptedEnvironment:  # noqa: N802 - named for what it builds
     """Ends every rollout after its first turn."""
-
-    async def step(self, message_logs: Sequence[Sequence[Message]],
-                   metadata: Sequence[Mapping[str, Any] | None]) -> EnvironmentReturn:
-        n = len(message_logs)
-        return EnvironmentReturn([Observation("user", "")] * n, [None] * n, [None] * n, [1.0] * n, [True] * n,
-                                 [None] * n)
+    return ScriptedEnvironment(turns=1, reward=1.0)
 
 
 async def test_an_aborted_turn_continues_on_the_new_weights_into_one_message(backend, models):

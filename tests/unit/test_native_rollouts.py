@@ -11,86 +11,52 @@ import pytest
 from nemo_rl_ext.data.datasets import datum_from_messages
 from nemo_rl_ext.data.generation_counts import GenerationCountError
 from nemo_rl_ext.data.records import Completion, StopReason
-from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
+from nemo_rl_ext.environments.interfaces import Observation
 from nemo_rl_ext.environments.tool_env import ToolCalculatorEnvironment
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
-from nemo_rl_ext.models.generation import (
-    FinishReason,
-    GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
-)
+from nemo_rl_ext.models.generation import GenerationConfig, GenerationOutput
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
+from nemo_rl_ext.testing import Fault, RolloutStep, ScriptedEnvironment, ScriptedGeneration
 
 # ---- test doubles ---------------------------------------------------------------------------------
 
 
-class ScriptedPolicy(GenerationInterface):
-    """Answers turn k of every rollout with script[k] (real token ids); records every call."""
+class ScriptedPolicy(ScriptedGeneration):
+    """Answers turn k of every rollout with script[k] (real token ids); records every call; the first
+    `failures` calls raise ConnectionError."""
 
     def __init__(self, tokenizer, script: Sequence[str], delay_s: float = 0.0, failures: int = 0) -> None:
-        self._tokenizer = tokenizer
-        self.script = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in script]
-        self.delay_s = delay_s
+        super().__init__(tokenizer, list(script), delay_s=delay_s)
+        self.script = [self.encode(s) for s in script]
         self.failures = failures
-        self.calls: list[tuple[list[int], tuple[int, ...]]] = []
-
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return 4096
-
-    def _turn(self, prompt: list[int]) -> int:
-        return self.tokenizer.decode(prompt).count("<|im_start|>assistant") - 1
 
     async def generate_async(self, prompt_token_ids, config: GenerationConfig) -> GenerationOutput:
         if self.failures:
             self.failures -= 1
             raise ConnectionError("engine hiccup")
-        await asyncio.sleep(self.delay_s)
-        ids = self.script[min(self._turn(prompt_token_ids), len(self.script) - 1)]
-        cut = ids[: config.max_new_tokens]
-        eos = self.tokenizer.eos_token_id
-        if len(cut) < len(ids):
-            reason = FinishReason.MAX_NEW_TOKENS
-        else:
-            reason = FinishReason.EOS if cut[-1] == eos else FinishReason.STOP_STRING
-        out = GenerationOutput(tuple(cut), tuple(-0.5 for _ in cut), reason)
-        self.calls.append((list(prompt_token_ids), out.output_ids))
-        return out
-
-    def update_weights(self, state_dict) -> None:
-        raise NotImplementedError("a scripted policy has no weights to update")
-
-    def shutdown(self) -> None:
-        pass
+        return await super().generate_async(prompt_token_ids, config)
 
 
-class EchoEnv(EnvironmentInterface):
+class EchoEnv(ScriptedEnvironment):
     """Never terminates; answers each turn with a user message; reward 0.25 per step."""
 
     def __init__(self, raise_on_sample: int | None = None, hang_on_sample: int | None = None) -> None:
-        self.raise_on_sample = raise_on_sample
-        self.hang_on_sample = hang_on_sample
+        def fault(step: RolloutStep) -> BaseException | Fault | None:
+            sample = step.metadata.get("sample")
+            if sample is not None and sample == raise_on_sample:
+                return RuntimeError("env exploded")
+            if sample is not None and sample == hang_on_sample:
+                return Fault.HANG
+            return None
 
-    async def step(self, message_logs, metadata) -> EnvironmentReturn:
-        sample = metadata[0].get("sample")
-        calls = metadata[0].get("calls", 0) + 1
-        if sample is not None and sample == self.raise_on_sample:
-            raise RuntimeError("env exploded")
-        if sample is not None and sample == self.hang_on_sample:
-            await asyncio.sleep(3600)
-        return EnvironmentReturn(
-            observations=[Observation("user", f"continue please, step {calls}")],
-            metadata=[{**metadata[0], "calls": calls}],
-            next_stop_strings=[None],
-            rewards=[0.25],
-            terminateds=[False],
-            answers=[None],
+        def calls(step: RolloutStep) -> int:
+            return step.metadata.get("calls", 0) + 1
+
+        super().__init__(
+            turns=None, reward=0.25, fault=fault,
+            observation=lambda s: Observation("user", f"continue please, step {calls(s)}"),
+            metadata=lambda s: {**s.metadata, "calls": calls(s)},
         )
 
 
@@ -106,6 +72,11 @@ class SampleTaggingEnv(EchoEnv):
             metadata = [{**metadata[0], "sample": self.seen}]
             self.seen += 1
         return await super().step(message_logs, metadata)
+
+
+def call_pairs(policy: ScriptedGeneration) -> list[tuple[list[int], tuple[int, ...]]]:
+    """(prompt ids, generated ids) of every answered call of `policy`."""
+    return [(c.prompt_token_ids, c.output.output_ids) for c in policy.calls if c.output is not None]
 
 
 def prompt_ids_per_turn(completion: Completion) -> list[tuple[list[int], tuple[int, ...]]]:
@@ -177,7 +148,7 @@ async def test_three_turn_tool_rollout(tiny_model_and_tokenizer):
             assert (m.generation_logprobs is not None) == (m.role == "assistant")
         # the tool turn is framed by the chat template and decodes back to the observation
         assert tok.decode(c.message_log[2].token_ids).startswith("\n<|im_start|>tool\n")
-        assert_token_exact(c, policy.calls)
+        assert_token_exact(c, call_pairs(policy))
     assert record.rollout_metrics["rollout/reward/mean"] == 1.0
     assert record.rollout_metrics["rollout/turns/mean"] == 3.0
     assert record.rollout_metrics["agent/calc/reward/mean"] == 1.0
@@ -186,25 +157,10 @@ async def test_three_turn_tool_rollout(tiny_model_and_tokenizer):
 async def test_prefix_property_with_the_tiny_model(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     backend = HfGeneration(model, tok, max_model_len=1024)
-    calls = []
-
-    class Recording(GenerationInterface):
-        max_model_len = 1024
-        tokenizer = tok
-
-        async def generate_async(self, prompt_token_ids, config):
-            out = await backend.generate_async(prompt_token_ids, config)
-            calls.append((list(prompt_token_ids), out.output_ids))
-            return out
-
-        def update_weights(self, state_dict):
-            backend.update_weights(state_dict)
-
-        def shutdown(self):
-            backend.shutdown()
+    recording = ScriptedGeneration(tok, None, backend=backend, max_model_len=1024)  # records every call
 
     cfg = GenerationConfig(max_new_tokens=8, temperature=1.0, seed=1)
-    mgr = manager(tok, Recording(), EchoEnv(), counts=3, max_rollout_turns=3, generation_config=cfg)
+    mgr = manager(tok, recording, EchoEnv(), counts=3, max_rollout_turns=3, generation_config=cfg)
     try:
         record = await mgr.run_rollout(datum(tok, task="echo"))
     finally:
@@ -213,7 +169,7 @@ async def test_prefix_property_with_the_tiny_model(tiny_model_and_tokenizer):
     for c in record.completions:
         assert c.num_turns == 3 and c.stop_reason is StopReason.MAX_TURNS
         assert c.reward == pytest.approx(0.75)
-        assert_token_exact(c, calls)
+        assert_token_exact(c, call_pairs(recording))
     # distinct seeds per rollout index: the three samples differ
     assert len({c.message_log[1].token_ids for c in record.completions}) > 1
 

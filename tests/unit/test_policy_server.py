@@ -19,15 +19,11 @@ import openai
 import pytest
 import torch
 
-from nemo_rl_ext.models.generation import (
-    FinishReason,
-    GenerationConfig,
-    GenerationInterface,
-    GenerationOutput,
-)
+from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationInterface
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.models.tiny import IM_END, TOOLS_PREAMBLE
 from nemo_rl_ext.serving.policy_server import PolicyServer
+from nemo_rl_ext.testing import Fault, ScriptedGeneration
 
 MAX_MODEL_LEN = 1024
 GYM_REQUESTS = Path(__file__).parent.parent / "data" / "gym_vllm_model_requests.jsonl"
@@ -56,67 +52,24 @@ def forward_logprobs(model, prompt: list[int], output: list[int], temperature: f
     return logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
 
 
-class ScriptedGeneration(GenerationInterface):
-    """Replies with the real tokenizer ids of `reply_ids` (plus EOS if asked), scored by a forward pass."""
+class ScoredScript(ScriptedGeneration):
+    """Replies with the real tokenizer ids of the text given to `reply` (plus EOS if asked), scored by a
+    forward pass; a reply without EOS ends as if max_tokens cut it."""
 
     def __init__(self, model, tokenizer, max_model_len: int = MAX_MODEL_LEN) -> None:
-        self.model, self._tokenizer, self._max_model_len = model, tokenizer, max_model_len
-        self.reply_ids: list[int] = []
-        self.prompts: list[list[int]] = []
-        self.configs: list[GenerationConfig] = []
+        super().__init__(tokenizer, (), finish_reason=FinishReason.MAX_NEW_TOKENS, max_model_len=max_model_len,
+                         logprobs=lambda prompt, ids, config: forward_logprobs(model, prompt, ids, config.temperature))
 
     def reply(self, text: str, *, eos: bool = True) -> list[int]:
         """Script the next replies; returns their ids."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        self.reply_ids = ids + ([self.tokenizer.eos_token_id] if eos else [])
-        return self.reply_ids
-
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    async def generate_async(self, prompt_token_ids, config):
-        self.prompts.append(list(prompt_token_ids))
-        self.configs.append(config)
-        ids = self.reply_ids
-        ended = ids[-1] == self.tokenizer.eos_token_id
-        logprobs = forward_logprobs(self.model, list(prompt_token_ids), ids, config.temperature)
-        reason = FinishReason.EOS if ended else FinishReason.MAX_NEW_TOKENS
-        return GenerationOutput(tuple(ids), tuple(logprobs), reason, ids[-1] if ended else None)
-
-    def update_weights(self, state_dict) -> None:
-        raise NotImplementedError("a scripted generation has no weights to update")
-
-    def shutdown(self) -> None:
-        pass
+        ids = self.encode(text) + ([self.tokenizer.eos_token_id] if eos else [])
+        self.replies = [ids]
+        return ids
 
 
-class FailingGeneration(GenerationInterface):
+def failing_generation(error: Exception | None) -> ScriptedGeneration:
     """Raises `error` on every request; with no error, never answers."""
-
-    tokenizer = None
-
-    def __init__(self, error: Exception | None) -> None:
-        self.error = error
-
-    @property
-    def max_model_len(self) -> int:
-        return MAX_MODEL_LEN
-
-    async def generate_async(self, prompt_token_ids, config):
-        if self.error is None:
-            await asyncio.Event().wait()
-        raise self.error
-
-    def update_weights(self, state_dict) -> None:
-        raise NotImplementedError("a failing generation has no weights to update")
-
-    def shutdown(self) -> None:
-        pass
+    return ScriptedGeneration(None, [Fault.HANG if error is None else error], max_model_len=MAX_MODEL_LEN)
 
 
 def client_for(server: PolicyServer) -> openai.OpenAI:
@@ -156,9 +109,9 @@ def server(backend, tiny_model_and_tokenizer) -> Iterator[PolicyServer]:
 
 
 @pytest.fixture
-def scripted(tiny_model_and_tokenizer) -> Iterator[tuple[ScriptedGeneration, PolicyServer]]:
+def scripted(tiny_model_and_tokenizer) -> Iterator[tuple[ScoredScript, PolicyServer]]:
     model, tokenizer = tiny_model_and_tokenizer
-    gen = ScriptedGeneration(model, tokenizer)
+    gen = ScoredScript(model, tokenizer)
     with PolicyServer(gen, tokenizer, served_model_name="scripted") as srv:
         yield gen, srv
 
@@ -605,20 +558,20 @@ def test_malformed_bodies_are_400(server, body, expected) -> None:
 
 
 def test_backend_failures_become_errors_not_hangs(serve) -> None:
-    broken = serve(FailingGeneration(RuntimeError("engine exploded")))
+    broken = serve(failing_generation(RuntimeError("engine exploded")))
     answer = post(broken, "/v1/chat/completions", {"messages": QUESTION})
     assert answer.status_code == 500 and "RuntimeError: engine exploded" in answer.json()["error"]["message"]
-    refusing = serve(FailingGeneration(ValueError("prompt_token_ids holds ids outside [0, 1024)")))
+    refusing = serve(failing_generation(ValueError("prompt_token_ids holds ids outside [0, 1024)")))
     answer = post(refusing, "/v1/chat/completions", {"messages": QUESTION})
     assert answer.status_code == 400 and "outside [0, 1024)" in answer.json()["error"]["message"]
-    stuck = serve(FailingGeneration(None), request_timeout_s=0.2)
+    stuck = serve(failing_generation(None), request_timeout_s=0.2)
     answer = post(stuck, "/v1/chat/completions", {"messages": QUESTION})
     assert answer.status_code == 504 and "request_timeout_s=0.2" in answer.json()["error"]["message"]
 
 
 def test_server_stops_and_frees_the_port(tiny_model_and_tokenizer) -> None:
     model, tok = tiny_model_and_tokenizer
-    srv = PolicyServer(ScriptedGeneration(model, tok), tok).start()
+    srv = PolicyServer(ScoredScript(model, tok), tok).start()
     url = srv.url
     assert httpx.get(url + "/health").status_code == 200
     srv.stop()

@@ -19,12 +19,13 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.algorithms.grpo_batch import build_training_batch
 from nemo_rl_ext.data.records import Completion, Message, PromptGroupRecord, StopReason
-from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
+from nemo_rl_ext.environments.interfaces import Observation
 from nemo_rl_ext.environments.tool_env import ToolCalculatorEnvironment
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationOutput
+from nemo_rl_ext.testing import ScriptedEnvironment
 
 CONFIG = GenerationConfig(max_new_tokens=64, seed=0)
 GYM_CONFIG = GenerationConfig(max_new_tokens=77, temperature=0.9, top_p=0.95, seed=3)
@@ -238,15 +239,12 @@ async def test_overriding_run_single_rollout_replaces_a_rollout(tiny_model_and_t
     assert len(policy.calls) == 2 * 3  # two real rollouts of three turns; the canned one made no call
 
 
-class StopEnv(EnvironmentInterface):
+class StopEnv(ScriptedEnvironment):
     """Two steps: asks for stop strings ("STOP",) for the second turn; reward 1 at the end."""
 
-    async def step(self, message_logs, metadata):
-        turns = sum(m.role == "assistant" for m in message_logs[0])
-        return EnvironmentReturn(
-            observations=[Observation("user", "again")], metadata=[metadata[0]],
-            next_stop_strings=[("STOP",)], rewards=[float(turns == 2)], terminateds=[turns == 2], answers=[None],
-        )
+    def __init__(self) -> None:
+        super().__init__(turns=2, observation=Observation("user", "again"), next_stop_strings=("STOP",),
+                         reward=lambda s: float(s.turn == 2))
 
 
 async def test_overriding_generate_response_changes_every_turn(tiny_model_and_tokenizer):

@@ -19,23 +19,15 @@ from nemo_rl_ext.evals.driver import build_rollout_setup
 from nemo_rl_ext.experience.build import build_rollouts
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
+from nemo_rl_ext.testing import ScriptedGeneration
 
 REPO = Path(__file__).resolve().parents[2]
 EVAL_CONFIGS = REPO / "examples" / "configs" / "evals"
 
 
-class NoGeneration:
-    """Stands in for a backend: the builders only read its tokenizer."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.max_model_len = 4096
-
-    async def generate_async(self, prompt_token_ids, config):
-        raise AssertionError("nothing is generated here")
-
-    def shutdown(self) -> None:
-        pass
+def NoGeneration(tokenizer) -> ScriptedGeneration:  # noqa: N802 - named for what it stands in for
+    """Stands in for a backend: the builders only read its tokenizer (nothing is scripted to generate)."""
+    return ScriptedGeneration(tokenizer, ())
 
 
 def assert_finite_env_step_limit(manager: RolloutManager) -> None:

@@ -1,0 +1,24 @@
+"""Test doubles shared by the tests, the benchmarks and the scripts: a scripted policy, a sleep-per-token
+engine, scripted and failing environments, and the faults they inject.
+
+They implement the real interfaces (`GenerationInterface`, `EnvironmentInterface`) in full, so a double
+works wherever a backend or an environment does; a test's own special behaviour is a parameter or a small
+subclass of these, never another copy.
+"""
+
+from nemo_rl_ext.testing.environments import FailingEnvironment, RolloutStep, ScriptedEnvironment
+from nemo_rl_ext.testing.faults import Fault
+from nemo_rl_ext.testing.scripted_generation import ScriptedCall, ScriptedGeneration, ScriptedRequest
+from nemo_rl_ext.testing.sleep_engine import SleepGeneration, make_sleep_engine
+
+__all__ = [
+    "FailingEnvironment",
+    "Fault",
+    "RolloutStep",
+    "ScriptedCall",
+    "ScriptedEnvironment",
+    "ScriptedGeneration",
+    "ScriptedRequest",
+    "SleepGeneration",
+    "make_sleep_engine",
+]
