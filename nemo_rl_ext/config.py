@@ -18,7 +18,15 @@ from typing import Annotated, Any, TypeVar
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, PrivateAttr, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 M = TypeVar("M", bound=BaseModel)
@@ -64,14 +72,39 @@ def load_config(path: str | Path | None, overrides: Sequence[str], schema: type[
     except (OmegaConfBaseException, OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
     try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
-        data: Any = OmegaConf.to_container(merged, resolve=True)
+        base_data: Any = OmegaConf.to_container(base, resolve=True)
+        override_data: Any = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path or 'config'} with overrides {list(overrides)}: {exc}") from None
+    context: dict[str, Any] = {}
+    if issubclass(schema, CheckedConfig):  # the file and the overrides each to the canonical spelling, so an
+        # override in an older spelling replaces the file's setting however the file spells it
+        # without a file the overrides are the whole config; with one, the file (as written) is their base
+        file_data = base_data
+        base_data, renames, problems = schema.canonical(base_data, whole=True)
+        override_data, more_renames, more_problems = schema.canonical(
+            override_data, whole=path is None, base=file_data if path is not None else None
+        )
+        renames = {new: old for new, old in renames.items() if not _has_path(override_data, new)}  # overridden
+        context = {"renames": {**renames, **more_renames}, "problems": problems + more_problems}
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(base_data), OmegaConf.create(override_data))
+        data = OmegaConf.to_container(merged, resolve=True)
     except (OmegaConfBaseException, yaml.YAMLError) as exc:
         raise ConfigError(f"{path or 'config'} with overrides {list(overrides)}: {exc}") from None
     try:
-        return schema.model_validate(data)
+        return schema.model_validate(data, context=context or None)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, str(path or "config"))) from None
+
+
+def _has_path(data: Any, path: Sequence[str]) -> bool:
+    """True when the nested dict `data` holds the key path `path`."""
+    for part in path:
+        if not isinstance(data, Mapping) or part not in data:
+            return False
+        data = data[part]
+    return True
 
 
 def config_changes(
@@ -212,10 +245,24 @@ class CheckedConfig(StrictModel):
         return ".".join(str(p) for p in _written_as(path, self._renames))
 
     @classmethod
-    def legacy_spellings(cls, data: dict[str, Any]) -> tuple[Renames, list[RuleProblem]]:
+    def legacy_spellings(
+        cls, data: dict[str, Any], *, whole: bool = True, base: Mapping[str, Any] | None = None
+    ) -> tuple[Renames, list[RuleProblem]]:
         """Rewrite accepted older spellings in `data` (a deep copy, changed in place) to the canonical keys;
-        returns where each moved key came from and any conflicts (both spellings given)."""
+        returns where each moved key came from and any conflicts (both spellings given). `whole`: `data` is a
+        whole config, so defaults of the older spelling apply; else it overrides `base` (the file as written)."""
         return {}, []
+
+    @classmethod
+    def canonical(
+        cls, data: Any, *, whole: bool, base: Mapping[str, Any] | None = None
+    ) -> tuple[Any, Renames, list[RuleProblem]]:
+        """`data` in the canonical spelling (a copy), where each moved key came from, and conflicts."""
+        if not isinstance(data, Mapping):
+            return data, {}, []
+        data = copy.deepcopy(dict(data))
+        renames, problems = cls.legacy_spellings(data, whole=whole, base=base)
+        return data, renames, problems
 
     @classmethod
     def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:
@@ -225,12 +272,14 @@ class CheckedConfig(StrictModel):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _every_problem(cls, data: Any, handler: Any) -> Any:
-        renames: Renames = {}
-        conflicts: list[RuleProblem] = []
+    def _every_problem(cls, data: Any, handler: Any, info: ValidationInfo) -> Any:
+        context = info.context if isinstance(info.context, Mapping) else {}
+        renames: Renames = dict(context.get("renames", {}))
+        conflicts: list[RuleProblem] = list(context.get("problems", []))
         if isinstance(data, Mapping) and not isinstance(data, BaseModel):
-            data = copy.deepcopy(dict(data))
-            renames, conflicts = cls.legacy_spellings(data)
+            data, more_renames, more_conflicts = cls.canonical(data, whole=True)
+            renames.update(more_renames)
+            conflicts += more_conflicts
         field_error: ValidationError | None = None
         model = None
         try:

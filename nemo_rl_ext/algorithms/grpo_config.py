@@ -187,7 +187,9 @@ class GRPOConfig(CheckedConfig):
     keep_last_checkpoints: int | None = Field(default=2, ge=1, description="Delete older ones; None keeps all.")
 
     @classmethod
-    def legacy_spellings(cls, data: dict[str, Any]) -> tuple[Renames, list[RuleProblem]]:
+    def legacy_spellings(
+        cls, data: dict[str, Any], *, whole: bool = True, base: Mapping[str, Any] | None = None
+    ) -> tuple[Renames, list[RuleProblem]]:
         """NeMo-RL's spellings, accepted as the same settings: `grpo.num_generations_per_prompt`,
         `grpo.max_rollout_turns`, `grpo.max_seq_len`, the `env` section and `data.system_prompt` (this
         package's earlier spelling; `env` other than `env.remote` is ignored in nemo_gym mode, as it was)."""

@@ -118,22 +118,32 @@ class EvalConfig(CheckedConfig):
         return self.eval.resolved_ks(self.rollouts.max_samples)
 
     @classmethod
-    def legacy_spellings(cls, data: dict[str, Any]) -> tuple[Renames, list[RuleProblem]]:
-        """The eval's spelling (module docstring) rewritten to the shared `rollouts` section."""
+    def legacy_spellings(
+        cls, data: dict[str, Any], *, whole: bool = True, base: Mapping[str, Any] | None = None
+    ) -> tuple[Renames, list[RuleProblem]]:
+        """The eval's spelling (module docstring) rewritten to the shared `rollouts` section. Only a `whole`
+        config gets the older spelling's defaults (single_turn; the calculator for multi_turn)."""
         renames: Renames = {}
         problems: list[RuleProblem] = []
         ev = data.get("eval")
         if not isinstance(ev, dict):
             return renames, problems
         spelled_new = isinstance(data.get("rollouts"), Mapping)
-        mode = ev.pop("rollout_mode", None if spelled_new else "single_turn")
+        mode = ev.pop("rollout_mode", "single_turn" if whole and not spelled_new else None)
         if mode is not None and mode not in LEGACY_MODES:
             allowed = ", ".join(repr(m) for m in LEGACY_MODES[:-1]) + f" or {LEGACY_MODES[-1]!r}"
             problems.append((("eval", "rollout_mode"), f"Input should be {allowed}", mode))
             mode = None
-        if mode == "multi_turn" and ev.get("environment") is None:
+        if mode == "multi_turn" and whole and ev.get("environment") is None:
             ev["environment"] = "tool_calculator"  # the older spelling's default for multi_turn
-        if mode == "single_turn":
+        rollouts = data.get("rollouts") if spelled_new else {}
+        if mode == "multi_turn" and "max_rollout_turns" not in ev and "max_rollout_turns" not in rollouts:
+            ev["max_rollout_turns"] = None  # multi_turn over a single-turn file: no longer one turn
+        written_mode = mode
+        if mode is None and isinstance(base, Mapping) and isinstance(base.get("eval"), Mapping):
+            base_default = None if isinstance(base.get("rollouts"), Mapping) else "single_turn"
+            written_mode = base["eval"].get("rollout_mode", base_default)
+        if written_mode == "single_turn":  # the file says single_turn: a turn cap > 1 is refused, as it was
             turns = ev.get("max_rollout_turns")
             if isinstance(turns, int) and not isinstance(turns, bool) and turns > 1:
                 problems.append(
@@ -144,6 +154,7 @@ class EvalConfig(CheckedConfig):
                         turns,
                     )
                 )
+        if mode == "single_turn":
             ev["max_rollout_turns"] = 1
         if mode == "nemo_gym":
             for name in ("environment", "system_prompt"):

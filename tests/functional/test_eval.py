@@ -321,9 +321,9 @@ def test_cli_multi_turn_tool_calculator(tiny_model_dir, tmp_path) -> None:
 
 @pytest.mark.timeout(30)
 def test_cli_reports_every_config_problem(tmp_path) -> None:
-    proc = run_cli(
+    proc = run_cli(  # the eval config in NeMo-RL's spelling (eval.rollout_mode: single_turn)
         "--config",
-        "examples/configs/evals/eval.yaml",
+        "tests/unit/older_spelling/eval.yaml",
         "eval.max_rollout_turns=4",
         "policy.generation.temperature=0",
         f"eval.save_path={tmp_path}",

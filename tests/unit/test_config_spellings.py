@@ -73,9 +73,27 @@ def test_errors_name_the_keys_as_written() -> None:
         load_config(OLDER / "grpo_smollm2.yaml", ["grpo.max_seq_len=4096", "env.typo=1"], GRPOConfig)
     text = str(info.value)
     assert "grpo.max_seq_len: exceeds policy.max_model_len (512)" in text and "env.typo:" in text, text
-    # the same setting in both spellings is refused, naming the older one
+    # the same setting in both spellings in one place (the file, or the overrides) is refused, naming the older one
     with pytest.raises(ConfigError, match="eval.num_tests_per_prompt: is the older spelling of rollouts.num_gen"):
-        load_config(SHIPPED / "evals" / "eval.yaml", ["eval.num_tests_per_prompt=2"], EvalConfig)
+        load_config(SHIPPED / "evals" / "eval.yaml",
+                    ["eval.num_tests_per_prompt=2", "rollouts.num_generations_per_prompt=2"], EvalConfig)
+
+
+def test_an_override_in_either_spelling_replaces_the_files_setting() -> None:
+    for file in (SHIPPED / "evals" / "eval.yaml", OLDER / "eval.yaml"):
+        for key in ("eval.num_tests_per_prompt", "rollouts.num_generations_per_prompt"):
+            cfg = load_config(file, [f"{key}=8"], EvalConfig)
+            assert cfg.rollouts.num_generations_per_prompt == 8, (file, key)
+            assert cfg.key_as_written("rollouts.num_generations_per_prompt") == key
+    # NeMo-RL's multi_turn over a single-turn file lifts the one-turn cap and keeps the file's environment
+    multi = load_config(SHIPPED / "evals" / "eval.yaml", ["eval.rollout_mode=multi_turn"], EvalConfig).rollouts
+    assert (multi.mode_name, multi.max_rollout_turns, multi.env.name) == ("multi_turn", None, "math")
+    # a file in the older spelling that says single_turn still refuses a turn cap above one
+    with pytest.raises(ConfigError, match="rollout_mode=single_turn runs one generation"):
+        load_config(OLDER / "eval.yaml", ["eval.max_rollout_turns=4"], EvalConfig)
+    # GRPO: NeMo-RL's grpo.num_generations_per_prompt over the shipped file
+    grpo = load_config(SHIPPED / "grpo_smollm2.yaml", ["grpo.num_generations_per_prompt=2"], GRPOConfig)
+    assert grpo.rollouts.num_generations_per_prompt == 2
 
 
 def test_input_problems_name_the_count_key_as_written(tmp_path: Path) -> None:
