@@ -206,7 +206,7 @@ def profile_rows(summary: EvalSummary) -> tuple[list[str], list[list[str]]]:
             lambda t: f"{_number(t.latency_s.p50, '.3f')} / {_number(t.latency_s.p95, '.3f')}"),
         row("samples with latency", lambda t: f"{t.latency_s.num_samples}"),
     ]
-    return ["", *(name for name, _ in columns)], rows
+    return ["per task", *(name for name, _ in columns)], rows
 
 
 def difficulty_rows(summary: EvalSummary) -> tuple[list[str], list[list[str]]]:
@@ -244,13 +244,15 @@ def profile_lines(summary: EvalSummary, plot_name: str = PROFILE_PLOT) -> list[s
 
 
 def plot_reward_profile(summary: EvalSummary, path: Any) -> None:
-    """Write a PNG of the profile: per task, rates (mean reward, pass@max k, error, truncation), generated
-    tokens and rollout latency (p50 and p95), and the difficulty histogram (prompts per solved fraction)."""
+    """Write a PNG of the profile: per task, rates (mean reward, pass@k at the smallest and largest k, error,
+    truncation), generated tokens and rollout latency (p50 and p95), and the difficulty histogram (prompts
+    per solved fraction)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     columns = _profile_columns(summary)
     names = [name for name, _ in columns]
@@ -271,8 +273,8 @@ def plot_reward_profile(summary: EvalSummary, path: Any) -> None:
             ax.legend(fontsize="small")
 
         rate_series: list[tuple[str, list[float | None]]] = [("mean reward", [t.mean_reward for _, t in columns])]
-        if k is not None:
-            rate_series.append((f"pass@{k}", [t.pass_at_k.get(k) for _, t in columns]))
+        for kk in sorted({min(summary.ks), k} if k is not None else ()):
+            rate_series.append((f"pass@{kk}", [t.pass_at_k.get(kk) for _, t in columns]))
         rate_series += [("error rate", [t.error_rate for _, t in columns]),
                         ("truncation rate", [t.truncation_rate for _, t in columns])]
         bars(rates, rate_series, "fraction")
@@ -289,6 +291,7 @@ def plot_reward_profile(summary: EvalSummary, path: Any) -> None:
         difficulty.set_xticks(bins, DIFFICULTY_BINS, fontsize="small")
         difficulty.set_xlabel(f"fraction of a prompt's samples solved (reward >= {summary.reward_threshold:g})")
         difficulty.set_ylabel("prompts")
+        difficulty.yaxis.set_major_locator(MaxNLocator(integer=True))
         difficulty.grid(alpha=0.3, axis="y")
         difficulty.legend(fontsize="small")
         fig.suptitle(f"{summary.model}: reward profile, {summary.num_prompts} prompts, {summary.rollout_mode}")
