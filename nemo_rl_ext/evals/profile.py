@@ -3,7 +3,7 @@
 Both are pure functions of the completion lines that hold each (prompt, sample) (its result, else its
 latest error), so a resumed run, or shards merged into one file, give the profile an uninterrupted
 single-process run gives, except for the timings (`latency_s`, wall seconds, differ from run to run;
-`without_timings` drops them for a comparison).
+`without_timings` / `untimed_bytes` drop them for a comparison; completions.jsonl lines carry them too).
 
 The profile (summary.json's `profile`): `overall` and `tasks` (one entry per agent, or task, sorted), each a
 `TaskProfile`: prompts, samples, errors and error rate (errors are infrastructure failures, counted, never
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from nemo_rl_ext.evals.lines import CompletionLine, JsonView
 from nemo_rl_ext.evals.store import dumps
@@ -65,6 +66,12 @@ def without_timings(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [without_timings(v) for v in obj]
     return obj
+
+
+def untimed_bytes(data: bytes, indent: bool = False) -> bytes:
+    """A JSON document (a completions line, summary.json: `indent=True`) rewritten by `dumps` without its
+    `TIMING_KEYS`, key order kept: what two runs with the same results agree on byte for byte."""
+    return dumps(without_timings(orjson.loads(data)), indent=indent)
 
 
 @dataclass(frozen=True, eq=False)
