@@ -1,8 +1,7 @@
 """One line of completions.jsonl as a typed record, and what makes a parsed line readable.
 
-`CompletionLine.to_json()` gives exactly the keys, in exactly the order, that the file has always held, then
-`latency_s` (the rollout's wall seconds) when it was measured, so files written before this record existed
-still load and a line without a measurement is byte-identical to the old writer's for the same data.
+`CompletionLine.to_json()` gives exactly the keys, in exactly the order, that the file has always held, so
+files written before this record existed still load and new lines are byte-identical for the same data.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "metadata": (dict,),
     "env_extras": (dict,),
     "message_log": (list,),
-    "latency_s": (int, float, type(None)),
 }
 """Keys a line may lack (hand-written or older lines; they read as None / empty), with their JSON types."""
 
@@ -113,9 +111,6 @@ class CompletionLine(JsonView):
     """What the environment reported about the sample (e.g. `vote_key`, Gym's `gym_result`)."""
     message_log: tuple[LineMessage, ...] = ()
     """The conversation: prompt messages, then the rollout's turns."""
-    latency_s: float | None = None
-    """Wall seconds of the sample's rollout (`Completion.latency_s`); None when not measured (older lines).
-    Written last, and only when measured, so lines without it keep their old bytes."""
 
     @property
     def is_error(self) -> bool:
@@ -123,7 +118,7 @@ class CompletionLine(JsonView):
         return self.stop_reason == ERROR
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object written for this line (the old keys in their order, then `latency_s` when measured)."""
+        """The JSON object written for this line (today's keys, in today's order)."""
         return {
             "prompt_idx": self.prompt_idx,
             "sample_idx": self.sample_idx,
@@ -137,7 +132,6 @@ class CompletionLine(JsonView):
             "metadata": dict(self.metadata),
             "env_extras": dict(self.env_extras),
             "message_log": [m.to_json() for m in self.message_log],
-            **({} if self.latency_s is None else {"latency_s": self.latency_s}),
         }
 
     @classmethod
@@ -159,7 +153,6 @@ class CompletionLine(JsonView):
             metadata=obj.get("metadata") or {},
             env_extras=obj.get("env_extras") or {},
             message_log=tuple(LineMessage.from_json(m) for m in obj.get("message_log") or ()),
-            latency_s=None if obj.get("latency_s") is None else float(obj["latency_s"]),
         )
 
     @classmethod
@@ -184,7 +177,6 @@ class CompletionLine(JsonView):
                 LineMessage(m.role, m.content, len(m.token_ids), tuple(m.token_ids) if save_token_ids else None)
                 for m in completion.message_log
             ),
-            latency_s=completion.latency_s,
         )
 
 

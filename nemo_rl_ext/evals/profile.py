@@ -1,16 +1,22 @@
-"""The per-task reward profile of an eval and the per-prompt difficulty file, computed from the lines alone.
+"""The per-task reward profile of an eval and the per-prompt difficulty file, computed from the completion lines
+(only the latencies come from timings.jsonl).
 
-Both are pure functions of the completion lines that hold each (prompt, sample) (its result, else its
-latest error), so a resumed run, or shards merged into one file, give the profile an uninterrupted
-single-process run gives, except for the timings (`latency_s`, wall seconds, differ from run to run;
-`without_timings` / `untimed_bytes` drop them for a comparison; completions.jsonl lines carry them too).
+What is reproducible, and what is not:
+- completions.jsonl is byte-reproducible: the same config and seeds give the same lines (sorted by prompt and
+  sample) from one process, a resumed run or merged shards. It holds no wall-clock measurement.
+- The rollout timings live next to it in timings.jsonl (timings.py): one entry per written completion.
+- summary.json is a pure function of the completion lines, except `profile.overall.latency_s` and
+  `profile.tasks.*.latency_s` (read from timings.jsonl): two runs with the same completions write summaries
+  equal modulo `profile.*.latency_s`, byte for byte once `untimed_bytes` drops those (`without_timings`
+  does the same to a parsed summary).
 
 The profile (summary.json's `profile`): `overall` and `tasks` (one entry per agent, or task, sorted), each a
 `TaskProfile`: prompts, samples, errors and error rate (errors are infrastructure failures, counted, never
 scored); over the non-error samples: mean reward, pass@k and maj@k (the values of the summary's `metrics`),
 truncation rate, mean turns, generated tokens (the model's own tokens: the assistant messages' `num_tokens`)
-and rollout latency (the samples whose line has `latency_s`; lines written before it was recorded are left
-out, and `latency_s.num_samples` says how many had it); and the histogram of the prompts' solved fractions.
+and rollout latency (from timings.jsonl: the samples without an entry there, e.g. written before timings were
+recorded, are left out, and `latency_s.num_samples` says how many had one); and the histogram of the prompts'
+solved fractions.
 
 The difficulty file (`difficulty.jsonl`, next to summary.json), for a curriculum or dynamic sampling to read:
 one JSON object per prompt, in prompt order, with the keys
@@ -39,6 +45,7 @@ import orjson
 
 from nemo_rl_ext.evals.lines import CompletionLine, JsonView
 from nemo_rl_ext.evals.store import dumps
+from nemo_rl_ext.evals.timings import Timings
 
 PROFILE_PLOT = "reward_profile.png"
 """The profile's PNG, in the output folder."""
@@ -47,7 +54,7 @@ DIFFICULTY_FILE = "difficulty.jsonl"
 DIFFICULTY_BINS: tuple[str, ...] = ("0", "(0, 0.2)", "[0.2, 0.4)", "[0.4, 0.6)", "[0.6, 0.8)", "[0.8, 1)", "1")
 """The histogram's bins of a prompt's solved fraction: none solved, five fifths in between, all solved."""
 TIMING_KEYS = frozenset({"latency_s"})
-"""Keys whose values are wall-clock measurements (they differ between otherwise identical runs)."""
+"""summary.json keys whose values are wall-clock measurements (they differ between otherwise identical runs)."""
 
 
 def difficulty_bin(num_solved: int, num_samples: int) -> str:
@@ -60,7 +67,7 @@ def difficulty_bin(num_solved: int, num_samples: int) -> str:
 
 
 def without_timings(obj: Any) -> Any:
-    """A copy of a parsed JSON value (a line, summary.json) without its `TIMING_KEYS`, at any depth."""
+    """A copy of a parsed JSON value (summary.json) without its `TIMING_KEYS`, at any depth."""
     if isinstance(obj, Mapping):
         return {k: without_timings(v) for k, v in obj.items() if k not in TIMING_KEYS}
     if isinstance(obj, list | tuple):
@@ -69,8 +76,8 @@ def without_timings(obj: Any) -> Any:
 
 
 def untimed_bytes(data: bytes, indent: bool = False) -> bytes:
-    """A JSON document (a completions line, summary.json: `indent=True`) rewritten by `dumps` without its
-    `TIMING_KEYS`, key order kept: what two runs with the same results agree on byte for byte."""
+    """A JSON document (summary.json: `indent=True`) rewritten by `dumps` without its `TIMING_KEYS`, key
+    order kept: what two runs with the same completions agree on byte for byte."""
     return dumps(without_timings(orjson.loads(data)), indent=indent)
 
 
@@ -126,7 +133,7 @@ class TaskProfile(JsonView):
     generated_tokens: Spread
     """Tokens the model generated per non-error sample (the assistant messages' `num_tokens`)."""
     latency_s: Spread
-    """Rollout wall seconds of the non-error samples whose line has `latency_s`."""
+    """Rollout wall seconds of the non-error samples that have an entry in timings.jsonl."""
     difficulty: Mapping[str, int]
     """`DIFFICULTY_BINS` label -> prompts whose solved fraction falls in it (every bin, in order)."""
     num_prompts_unscored: int
@@ -226,7 +233,7 @@ def generated_tokens(line: CompletionLine) -> int:
 
 def _task_profile(
     groups: Sequence[Sequence[CompletionLine]], threshold: float, metrics: Mapping[str, float], prefix: str,
-    ks: Sequence[int],
+    ks: Sequence[int], timings: Timings,
 ) -> TaskProfile:
     lines = [x for g in groups for x in g]
     scored = [x for x in lines if not x.is_error]
@@ -249,21 +256,28 @@ def _task_profile(
         truncation_rate=sum(x.truncated for x in scored) / len(scored) if scored else None,
         mean_turns=sum(x.num_turns for x in scored) / len(scored) if scored else None,
         generated_tokens=Spread.of([generated_tokens(x) for x in scored]),
-        latency_s=Spread.of([x.latency_s for x in scored if x.latency_s is not None]),
+        latency_s=Spread.of(
+            [timings[key] for x in scored if (key := (x.prompt_idx, x.sample_idx)) in timings]
+        ),
         difficulty=hist,
         num_prompts_unscored=unscored,
     )
 
 
 def reward_profile(
-    groups: Sequence[Sequence[CompletionLine]], ks: Sequence[int], threshold: float, metrics: Mapping[str, float]
+    groups: Sequence[Sequence[CompletionLine]],
+    ks: Sequence[int],
+    threshold: float,
+    metrics: Mapping[str, float],
+    timings: Timings | None = None,
 ) -> RewardProfile:
     """The profile of the prompts' lines (`groups[i]`: one line per sample of prompt i, its result or latest
     error; every line of a group has the same `prompt_idx` and `agent`).
 
     `metrics`: `aggregate_eval_metrics` of the same prompts (with `ks` and `threshold`); pass@k, maj@k and
-    mean reward are read from it, so the profile and the summary's table can never disagree. The rest is
-    computed from the lines here."""
+    mean reward are read from it, so the profile and the summary's table can never disagree. `timings`
+    (`read_timings` of the folder; None: none) gives the latencies. The rest is computed from the lines here."""
+    timings = timings or {}
     by_agent: dict[str, list[Sequence[CompletionLine]]] = {}
     for group in groups:
         by_agent.setdefault(group[0].agent, []).append(group)
@@ -278,8 +292,10 @@ def reward_profile(
         for g in groups
     )
     return RewardProfile(
-        overall=_task_profile(groups, threshold, metrics, "", ks),
-        tasks={a: _task_profile(by_agent[a], threshold, metrics, f"agent/{a}/", ks) for a in sorted(by_agent)},
+        overall=_task_profile(groups, threshold, metrics, "", ks, timings),
+        tasks={
+            a: _task_profile(by_agent[a], threshold, metrics, f"agent/{a}/", ks, timings) for a in sorted(by_agent)
+        },
         prompts=prompts,
     )
 

@@ -2,7 +2,8 @@
 
 `EvalSummary.to_json()` gives exactly the keys, in exactly the order, that summary.json has always held, then
 the reward profile (`profile`, see profile.py). The summary is a pure function of the file's lines, so a
-resumed run reports what an uninterrupted one does (the profile's timings aside: they are measurements).
+resumed run reports what an uninterrupted one does, byte for byte, except the profile's `latency_s` entries:
+they are measurements, read from timings.jsonl (timings.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from nemo_rl_ext.evals.lines import CompletionLine, JsonView
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, vote_key
 from nemo_rl_ext.evals.profile import RewardProfile, reward_profile
 from nemo_rl_ext.evals.store import CompletionStore
+from nemo_rl_ext.evals.timings import Timings, read_timings
 
 MAX_LISTED_ERRORS = 50
 """Error samples listed by name in the summary (all of them are counted)."""
@@ -135,14 +137,19 @@ class EvalSummary(JsonView):
 
 
 def summarize(
-    cfg: EvalConfig, datums: Sequence[DatumSpec], expected: Mapping[int, int], store: CompletionStore
+    cfg: EvalConfig,
+    datums: Sequence[DatumSpec],
+    expected: Mapping[int, int],
+    store: CompletionStore,
+    timings: Timings | None = None,
 ) -> EvalSummary:
     """The summary of the lines on disk for `datums` (a pure function of the file's lines).
 
     Each (prompt, sample) counts once, as its result or, when it has none, as its latest error. Metrics,
     truncation rate and mean turns are over the non-error samples; the errors are counted (`num_errors`,
     per agent in `metrics`), listed (`error_samples`, the first MAX_LISTED_ERRORS) and judged against
-    `eval.max_error_rate` (`status`). The reward profile (`profile`) is computed from the same lines.
+    `eval.max_error_rate` (`status`). The reward profile (`profile`) is computed from the same lines, its
+    latencies from `timings` (None: `read_timings` of the store's folder).
     """
     prompts: list[PromptSamples] = []
     lines: list[CompletionLine] = []
@@ -194,5 +201,8 @@ def summarize(
         truncation_rate=sum(x.truncated for x in scored) / len(scored) if scored else None,
         mean_turns=sum(x.num_turns for x in scored) / len(scored) if scored else None,
         metrics=metrics,
-        profile=reward_profile(groups, ks, cfg.eval.reward_threshold, metrics),
+        profile=reward_profile(
+            groups, ks, cfg.eval.reward_threshold, metrics,
+            read_timings(store.path.parent) if timings is None else timings,
+        ),
     )

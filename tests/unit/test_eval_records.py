@@ -76,19 +76,6 @@ def test_a_line_is_written_and_read_exactly_as_before(tmp_path: Path) -> None:
     assert (tmp_path / "again.jsonl").read_bytes() == path.read_bytes()
 
 
-def test_a_measured_latency_is_one_key_appended_to_the_old_line(tmp_path: Path) -> None:
-    rec = record()
-    timed = dataclasses.replace(rec.completions[0], latency_s=0.25)
-    assert timed == rec.completions[0]  # a measurement, not content
-    line = CompletionLine.from_completion(rec, 0, timed, False)
-    assert dumps(line.to_json()) == BEFORE[0][:-1] + b',"latency_s":0.25}'
-    assert CompletionLine.from_json(json.loads(dumps(line.to_json()))).latency_s == 0.25
-    path = tmp_path / "c.jsonl"
-    path.write_bytes(BEFORE[0][:-1] + b',"latency_s":"slow"}\n')
-    with pytest.raises(ConfigError, match=r"line 1: wrong type: latency_s='slow'"):
-        CompletionStore(path)
-
-
 def test_a_line_with_a_bad_message_log_is_named(tmp_path: Path) -> None:
     good = json.loads(BEFORE[1])
     path = tmp_path / "c.jsonl"
