@@ -93,8 +93,7 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def sorted_lines(path: Path) -> list[dict[str, Any]]:
-    """The lines by (prompt, sample), without their timings (wall seconds differ between equal runs)."""
-    return sorted(without_timings(read_lines(path)), key=lambda x: (x["prompt_idx"], x["sample_idx"]))
+    return sorted(read_lines(path), key=lambda x: (x["prompt_idx"], x["sample_idx"]))
 
 
 def untimed(path: Path) -> bytes:
@@ -135,7 +134,6 @@ LINE_KEYS = {
     "metadata",
     "env_extras",
     "message_log",
-    "latency_s",
 }
 
 

@@ -151,10 +151,9 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def final_lines(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
-    """Each pair's result (its first non-error line), or its latest error line when it has none; without
-    the timings (wall seconds differ between equal runs)."""
+    """Each pair's result (its first non-error line), or its latest error line when it has none."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
-    for x in without_timings(read_lines(path)):
+    for x in read_lines(path):
         key = (x["prompt_idx"], x["sample_idx"])
         if key not in out or out[key]["stop_reason"] == "error":
             out[key] = x

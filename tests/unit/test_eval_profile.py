@@ -1,13 +1,15 @@
 """The per-task reward profile (summary.json `profile`, report section, reward_profile.png) and difficulty.jsonl.
 
 The expected numbers are computed here from the hand-built lines (numpy percentiles, combinatorics and brute
-force over k-subsets), not with the code under test; then an eval runs end to end (native with a scripted
-policy, nemo_gym against the fake agents) and writes the profile, the PNG and the difficulty file with the
-latency each rollout recorded.
+force over k-subsets), not with the code under test; the latencies come from a hand-written timings.jsonl
+(stale, null, missing and torn entries included). Then an eval runs end to end (native with a scripted policy,
+nemo_gym against the fake agents) and writes the profile, the PNG and the difficulty file with the latency each
+rollout recorded in timings.jsonl, while completions.jsonl stays free of timings: two runs write the same bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -18,17 +20,21 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
+from test_eval_records import BEFORE, record
 from test_gym_rollouts import FakeAgents, UnusedPolicy
 
+from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.environments.interfaces import Observation
 from nemo_rl_ext.environments.registry import register_environment
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval_async
-from nemo_rl_ext.evals.profile import DIFFICULTY_BINS, without_timings
+from nemo_rl_ext.evals.lines import CompletionLine
+from nemo_rl_ext.evals.profile import DIFFICULTY_BINS, untimed_bytes, without_timings
 from nemo_rl_ext.evals.report import markdown_report, write_report
 from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, dumps
 from nemo_rl_ext.evals.summary import EvalSummary, summarize
+from nemo_rl_ext.evals.timings import TIMINGS_FILE, append_timings, read_timings
 from nemo_rl_ext.testing import RolloutStep, ScriptedEnvironment, ScriptedGeneration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +45,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 # ---- hand-built lines: two agents, known rewards, tokens, latencies, turns, errors, truncations ------------
 
 # (prompt, agent) -> samples; a sample is (reward, answer, turns, assistant token counts, truncated, latency)
-# or "error"; latency None is a line written before latency_s existed (no key at all)
+# or "error"; latency None is a sample without a timing (see write_timings for the ways it can lack one)
 SAMPLES: dict[tuple[int, str], list[Any]] = {
     (0, "alpha"): [(1.0, "4", 1, [5], False, 0.5), (0.0, "5", 1, [7], False, 1.5),
                    (0.6, "4", 2, [3, 4], True, 2.0), "error"],
@@ -58,9 +64,8 @@ def line_json(prompt: int, agent: str, sample: int, spec: Any) -> dict[str, Any]
     user = {"role": "user", "content": "q", "num_tokens": 11}
     if spec == "error":
         return {**base, "reward": 0.0, "answer": None, "stop_reason": "error", "truncated": False, "num_turns": 0,
-                "error": "TimeoutError: late", "metadata": {}, "env_extras": {}, "message_log": [user],
-                "latency_s": 9.0}
-    reward, answer, turns, gen, truncated, latency = spec
+                "error": "TimeoutError: late", "metadata": {}, "env_extras": {}, "message_log": [user]}
+    reward, answer, turns, gen, truncated, _ = spec
     log = [user]
     for i, n in enumerate(gen):  # a tool message between turns: not generated, not counted
         log += [{"role": "tool", "content": "t", "num_tokens": 50}] if i else []
@@ -68,12 +73,29 @@ def line_json(prompt: int, agent: str, sample: int, spec: Any) -> dict[str, Any]
     out = {**base, "reward": reward, "answer": answer, "stop_reason": "truncated" if truncated else "natural",
            "truncated": truncated, "num_turns": turns, "error": None, "metadata": {}, "env_extras": {},
            "message_log": log}
-    return out if latency is None else {**out, "latency_s": latency}
+    return out
+
+
+def write_timings(folder: Path) -> None:
+    """timings.jsonl for SAMPLES: an error's entry (9 s: errors are not profiled), a stale entry that a later one
+    replaces, latency None as a null entry, as a stale value replaced by null, and as no entry at all; then a
+    torn last line (a killed run)."""
+    entries = [{"prompt_idx": 0, "sample_idx": 0, "latency_s": 7.0}]  # replaced below (the latest wins)
+    for (p, _), xs in SAMPLES.items():
+        for s, x in enumerate(xs):
+            latency = 9.0 if x == "error" else x[5]
+            if (p, s) == (4, 2):
+                entries += [{"prompt_idx": p, "sample_idx": s, "latency_s": 5.0}]  # then null: left out
+            if latency is not None or (p, s) != (2, 3):  # (2, 3): no entry at all
+                entries.append({"prompt_idx": p, "sample_idx": s, "latency_s": latency})
+    data = b"".join(orjson.dumps(e) + b"\n" for e in entries)
+    (folder / TIMINGS_FILE).write_bytes(data + b'{"prompt_idx":0,"sample_idx":1,"laten')
 
 
 def write_lines(path: Path) -> None:
     rows = [line_json(p, a, s, x) for (p, a), xs in SAMPLES.items() for s, x in enumerate(xs)]
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    write_timings(path.parent)
 
 
 def cfg_for(save: Path, dataset: Path | None = None, **ev: Any) -> EvalConfig:
@@ -239,22 +261,59 @@ def test_report_png_and_difficulty_file(tmp_path: Path) -> None:
     assert (tmp_path / "difficulty.jsonl").read_bytes() == before
 
 
-def test_older_lines_without_the_new_key_still_summarize(tmp_path: Path) -> None:
+def test_a_folder_without_timings_summarizes_without_latency(tmp_path: Path) -> None:
     write_lines(tmp_path / "completions.jsonl")
-    older = [{k: v for k, v in json.loads(x).items() if k != "latency_s"}
-             for x in (tmp_path / "completions.jsonl").read_text().splitlines()]
-    (tmp_path / "completions.jsonl").write_bytes(b"".join(dumps(r) + b"\n" for r in older))
+    (tmp_path / TIMINGS_FILE).unlink()  # written before timings were recorded
     store = CompletionStore(tmp_path / "completions.jsonl")
     datums = [DatumSpec(p, (), a) for p, a in SAMPLES]
     summary = summarize(cfg_for(tmp_path), datums, {p: len(xs) for (p, _), xs in SAMPLES.items()}, store)
     lat = summary.profile.overall.latency_s
     assert (lat.num_samples, lat.mean, lat.p50, lat.p95) == (0, None, None, None)
     check_task(summary.profile.tasks["alpha"], {**expected_profile("alpha"), "latency": (0, None, None, None)})
-    assert "latency_s" not in dumps(store.line(0, 0).to_json()).decode()  # written back as it was read
     report = markdown_report(summary, "pass_at_k.png")
     assert "| rollout latency s (p50 / p95) | - / - | - / - | - / - |" in report
     write_report(summary, EvalPaths(tmp_path))
     assert (tmp_path / "reward_profile.png").read_bytes()[:8] == PNG
+
+
+def test_timings_read_latest_wins_torn_last_line_ignored_bad_lines_named(tmp_path: Path) -> None:
+    write_timings(tmp_path)
+    got = read_timings(tmp_path)
+    assert got[(0, 0)] == 0.5 and got[(0, 3)] == 9.0  # the stale 7.0 replaced; errors have entries too
+    assert (1, 1) not in got and (2, 3) not in got and (4, 2) not in got  # null, none, stale value then null
+    assert (0, 1) in got and got[(0, 1)] == 1.5  # the torn line (for the same pair) is ignored
+    assert read_timings(tmp_path / "nowhere") == {}
+    (tmp_path / TIMINGS_FILE).write_bytes(
+        b'{"prompt_idx":0,"sample_idx":0,"latency_s":1}\nnot json\n{"prompt_idx":"0","sample_idx":1,'
+        b'"latency_s":"slow"}\n{"prompt_idx":0}\n[1]\n{"prompt_idx":0,"sample_idx":0,"latency_s":2}\n'
+    )
+    with pytest.raises(ConfigError) as err:
+        read_timings(tmp_path)
+    msg = str(err.value)
+    assert f"{tmp_path / TIMINGS_FILE}: 4 unreadable line(s)" in msg and "line 2: not JSON" in msg
+    assert "line 3: wrong type: prompt_idx='0', latency_s='slow'" in msg
+    assert "line 4: missing key(s): sample_idx, latency_s" in msg and "line 5: not an object: [1]" in msg
+
+
+def test_append_timings_skips_written_samples_and_cuts_a_torn_line(tmp_path: Path) -> None:
+    rec = record()  # two completions of one prompt (test_eval_records)
+    timed = dataclasses.replace(rec, completions=[dataclasses.replace(c, latency_s=0.25 * (i + 1))
+                                                  for i, c in enumerate(rec.completions)])
+    # a timed completion's line is byte for byte the line written before timings existed
+    assert dumps(CompletionLine.from_completion(timed, 0, timed.completions[0], False).to_json()) == BEFORE[0]
+    p = rec.prompt_idx
+    assert append_timings(tmp_path, timed, skip={0}) == 1  # sample 0 already had a result: not written
+    assert append_timings(tmp_path, timed, skip={0, 1}) == 0
+    path = tmp_path / TIMINGS_FILE
+    assert path.read_bytes() == b'{"prompt_idx":%d,"sample_idx":1,"latency_s":0.5}\n' % p
+    path.write_bytes(path.read_bytes() + b'{"prompt_idx":%d,"samp' % p)  # killed mid-write
+    assert append_timings(tmp_path, rec) == 2  # not measured: null entries
+    assert path.read_bytes().splitlines() == [
+        b'{"prompt_idx":%d,"sample_idx":1,"latency_s":0.5}' % p,
+        b'{"prompt_idx":%d,"sample_idx":0,"latency_s":null}' % p,
+        b'{"prompt_idx":%d,"sample_idx":1,"latency_s":null}' % p,
+    ]
+    assert read_timings(tmp_path) == {}  # the latest entry of each pair is null
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------
@@ -277,30 +336,47 @@ DELAY_S = 0.05
 """The scripted policy's delay per call: every native rollout (one turn + one step) takes at least this + 20 ms."""
 
 
-async def test_native_eval_writes_the_profile_png_and_difficulty_file(tiny_model_and_tokenizer, tmp_path) -> None:
-    _, tok = tiny_model_and_tokenizer
+LINE_KEYS = ["prompt_idx", "sample_idx", "agent", "reward", "answer", "stop_reason", "truncated", "num_turns", "error",
+             "metadata", "env_extras", "message_log"]
+"""A completions.jsonl line's keys, in order, exactly as before timings were measured."""
+
+
+def eval_rows(tmp_path: Path) -> Path:
     data = tmp_path / "rows.jsonl"
     rows = [json.loads(x) for x in (REPO / "examples/data/arithmetic.jsonl").read_text().splitlines()[:5]]
     data.write_text("".join(json.dumps({**r, "agent_name": "odd" if i % 2 else "even"}) + "\n"
                             for i, r in enumerate(rows)))
+    return data
 
-    def reply(request) -> str:  # the length varies with the prompt and the seed: a mix of rewards
-        return "x" * (1 + request.config.seed % 3)
 
-    policy = ScriptedGeneration(tok, reply, delay_s=DELAY_S)
+def reply(request) -> str:  # the length varies with the prompt and the seed: a mix of rewards
+    return "x" * (1 + request.config.seed % 3)
+
+
+def timing_lines(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (out / TIMINGS_FILE).read_text().splitlines()]
+
+
+async def test_native_eval_writes_the_profile_png_and_difficulty_file(tiny_model_and_tokenizer, tmp_path) -> None:
+    _, tok = tiny_model_and_tokenizer
+    data = eval_rows(tmp_path)
     cfg = cfg_for(tmp_path / "out", data, num_tests_per_prompt={"odd": 2, "_default": 3}, ks=[1, 2])
-    result = await run_eval_async(cfg, generation=policy, progress=False)
+    result = await run_eval_async(cfg, generation=ScriptedGeneration(tok, reply, delay_s=DELAY_S), progress=False)
     assert result.complete
     out = tmp_path / "out"
     lines = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
-    assert len(lines) == 3 * 3 + 2 * 2 and all(list(x)[-1] == "latency_s" for x in lines)
-    assert all(DELAY_S <= x["latency_s"] < 60 for x in lines)
+    assert len(lines) == 3 * 3 + 2 * 2 and all(list(x) == LINE_KEYS for x in lines)  # no timing in a line
+    timings = timing_lines(out)  # one entry per written completion, in the order of the lines
+    assert [(t["prompt_idx"], t["sample_idx"]) for t in timings] == [(x["prompt_idx"], x["sample_idx"]) for x in lines]
+    assert all(list(t) == ["prompt_idx", "sample_idx", "latency_s"] for t in timings)
+    assert all(DELAY_S <= t["latency_s"] < 60 for t in timings)
+    latency = {(t["prompt_idx"], t["sample_idx"]): t["latency_s"] for t in timings}
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary)[-1] == "profile" and summary == result.summary
     for agent in ("even", "odd"):
         mine = [x for x in lines if x["agent"] == agent]
         task = summary["profile"]["tasks"][agent]
-        lat = [x["latency_s"] for x in mine]
+        lat = [latency[x["prompt_idx"], x["sample_idx"]] for x in mine]
         gen = [sum(m["num_tokens"] for m in x["message_log"] if m["role"] == "assistant") for x in mine]
         assert task["latency_s"] == pytest.approx({"num_samples": len(mine), "mean": np.mean(lat),
                                                    "p50": np.percentile(lat, 50), "p95": np.percentile(lat, 95)})
@@ -316,6 +392,48 @@ async def test_native_eval_writes_the_profile_png_and_difficulty_file(tiny_model
         assert d == {"prompt_idx": d["prompt_idx"], "agent": mine[0]["agent"], "num_samples": len(mine),
                      "num_solved": solved, "solved_fraction": solved / len(mine), "num_errors": 0}
     assert 0 < sum(d["num_solved"] for d in difficulty) < len(lines), "want a mix of rewards"
+
+    # a second run (its own timings) writes the same completions bytes, and summary bytes but the latencies
+    again = await run_eval_async(cfg_for(tmp_path / "again", data, num_tests_per_prompt={"odd": 2, "_default": 3},
+                                         ks=[1, 2]),
+                                 generation=ScriptedGeneration(tok, reply, delay_s=DELAY_S), progress=False)
+    assert again.complete
+    two = tmp_path / "again"
+    assert sorted((two / "completions.jsonl").read_bytes().splitlines()) == sorted(
+        (out / "completions.jsonl").read_bytes().splitlines())
+    assert untimed_bytes((two / "summary.json").read_bytes(), indent=True) == untimed_bytes(
+        (out / "summary.json").read_bytes(), indent=True)
+    assert b'"latency_s"' in (two / "summary.json").read_bytes()  # the timings are still reported there
+    assert (two / "difficulty.jsonl").read_bytes() == (out / "difficulty.jsonl").read_bytes()
+
+
+async def test_retried_errors_get_a_timing_per_written_line(tiny_model_and_tokenizer, tmp_path) -> None:
+    _, tok = tiny_model_and_tokenizer
+    data = eval_rows(tmp_path)
+    cfg = cfg_for(tmp_path / "out", data, num_tests_per_prompt=3, ks=[1, 3])
+    broken = [True]
+
+    def flaky(request) -> str:
+        if broken[0] and request.config.seed % 4 == 0:
+            raise RuntimeError("engine down")
+        return reply(request)
+
+    first = await run_eval_async(cfg, generation=ScriptedGeneration(tok, flaky, delay_s=DELAY_S), progress=False)
+    assert 0 < first.errors_written < 15
+    broken[0] = False
+    second = await run_eval_async(cfg, generation=ScriptedGeneration(tok, flaky, delay_s=DELAY_S), progress=False)
+    assert second.retried == first.errors_written and second.errors_written == 0
+    out = tmp_path / "out"
+    lines = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    timings = timing_lines(out)
+    assert len(lines) == 15 + first.errors_written and all(list(x) == LINE_KEYS for x in lines)
+    assert [(t["prompt_idx"], t["sample_idx"]) for t in timings] == [(x["prompt_idx"], x["sample_idx"]) for x in lines]
+    # each pair's latency is that of its latest entry: the retry's, not the error's
+    results = {(x["prompt_idx"], x["sample_idx"]): i for i, x in enumerate(lines) if x["stop_reason"] != "error"}
+    lat = [timings[i]["latency_s"] for i in sorted(results.values())]
+    profile = second.summary.profile.overall.latency_s
+    assert profile.num_samples == 15 and profile.mean == pytest.approx(np.mean(lat))
+    assert read_timings(out) == {key: timings[i]["latency_s"] for key, i in results.items()}
 
 
 @pytest.fixture
@@ -344,8 +462,13 @@ async def test_nemo_gym_eval_records_each_rows_run_time(tiny_model_and_tokenizer
     result = await run_eval_async(cfg, generation=policy, progress=False)
     assert result.complete
     lines = [json.loads(x) for x in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
-    alpha = [x["latency_s"] for x in lines if x["agent"] == "agent_alpha"]
-    beta = [x["latency_s"] for x in lines if x["agent"] == "agent_beta"]
+    assert all("latency_s" not in x for x in lines)
+    timings = timing_lines(tmp_path / "out")
+    assert sorted((t["prompt_idx"], t["sample_idx"]) for t in timings) == sorted(
+        (x["prompt_idx"], x["sample_idx"]) for x in lines)
+    agent = {x["prompt_idx"]: x["agent"] for x in lines}
+    alpha = [t["latency_s"] for t in timings if agent[t["prompt_idx"]] == "agent_alpha"]
+    beta = [t["latency_s"] for t in timings if agent[t["prompt_idx"]] == "agent_beta"]
     assert len(alpha) == 2 and len(beta) == 1 and all(0.3 <= t < 30 for t in alpha) and 0 < beta[0]
     tasks = result.summary.profile.tasks
     assert tasks["agent_alpha"].latency_s.num_samples == 2 and tasks["agent_alpha"].latency_s.p50 == pytest.approx(
