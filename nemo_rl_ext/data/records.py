@@ -63,6 +63,11 @@ class Completion:
     """Environment-specific data: the extracted answer, the raw Gym result, ..."""
     error: str | None = None
     """None, or a short description of what failed (then stop_reason is ERROR)."""
+    latency_s: float | None = field(default=None, compare=False)
+    """Wall seconds from the start of this rollout to its end (native: the single rollout, every turn and
+    environment step; nemo_gym: the row's /run call, retries included); None when not measured. A
+    measurement, not content: completions that differ only here are equal, and an eval writes it to
+    timings.jsonl, never to completions.jsonl (whose bytes must not depend on the clock)."""
 
     @property
     def token_ids(self) -> tuple[int, ...]:

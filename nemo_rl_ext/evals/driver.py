@@ -44,6 +44,7 @@ from nemo_rl_ext.evals.store import (
     row_digests,
 )
 from nemo_rl_ext.evals.summary import EvalSummary, summarize
+from nemo_rl_ext.evals.timings import append_timings
 from nemo_rl_ext.experience.build import build_policy, build_rollouts
 from nemo_rl_ext.experience.rollout_manager import RolloutManager, batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
@@ -267,6 +268,7 @@ async def _roll_out(
                     if i not in have
                 ]
                 written += store.append(lines)
+                append_timings(store.path.parent, record, skip=have)  # timings.jsonl: not in the lines
                 errors += sum(x.is_error for x in lines)
                 records.append(record)
                 bar.update(1)

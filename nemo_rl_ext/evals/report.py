@@ -1,4 +1,5 @@
-"""The eval report: a metric table (printed and in Markdown) and a PNG of pass@k against k per agent.
+"""The eval report: a metric table (printed and in Markdown), a PNG of pass@k against k per agent, the reward
+profile per task (a Markdown table and `reward_profile.png`) and the per-prompt difficulty file.
 
 The table has a row per key of every metric in `metric_defs()` (the list aggregation iterates too), so a
 registered metric shows up here without editing this module.
@@ -10,6 +11,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nemo_rl_ext.evals.metrics import metric_defs
+from nemo_rl_ext.evals.profile import (
+    DIFFICULTY_BINS,
+    DIFFICULTY_FILE,
+    PROFILE_PLOT,
+    TaskProfile,
+    write_difficulty,
+)
 from nemo_rl_ext.evals.store import EvalPaths
 from nemo_rl_ext.evals.summary import EvalSummary
 
@@ -165,11 +173,137 @@ def gym_metric_lines(summary: EvalSummary) -> list[str]:
     return lines
 
 
+def _profile_columns(summary: EvalSummary) -> list[tuple[str, TaskProfile]]:
+    """(header, profile): overall, then each task when there is more than one (as the metric table)."""
+    profile = summary.profile
+    assert profile is not None
+    if len(profile.tasks) == 1:
+        return list(profile.tasks.items())
+    return [("all", profile.overall), *profile.tasks.items()]
+
+
+def profile_rows(summary: EvalSummary) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the reward-profile table: one column per task (and overall), [] rows without one."""
+    if summary.profile is None:
+        return [], []
+    columns = _profile_columns(summary)
+    ks = summary.ks
+
+    def row(name: str, cell: Any) -> list[str]:
+        return [name] + [cell(t) for _, t in columns]
+
+    rows = [
+        row("prompts / samples", lambda t: f"{t.num_prompts} / {t.num_samples}"),
+        row("mean reward", lambda t: _number(t.mean_reward, ".3f")),
+        *(row(f"pass@{k}", lambda t, k=k: _number(t.pass_at_k.get(k), ".3f")) for k in ks),
+        *(row(f"maj@{k}", lambda t, k=k: _number(t.maj_at_k.get(k), ".3f")) for k in ks),
+        row("error rate", lambda t: f"{t.error_rate:.3f}"),
+        row("truncation rate", lambda t: _number(t.truncation_rate, ".3f")),
+        row("turns (mean)", lambda t: _number(t.mean_turns, ".2f")),
+        row("generated tokens (mean / p95)",
+            lambda t: f"{_number(t.generated_tokens.mean, '.1f')} / {_number(t.generated_tokens.p95, '.1f')}"),
+        row("rollout latency s (p50 / p95)",
+            lambda t: f"{_number(t.latency_s.p50, '.3f')} / {_number(t.latency_s.p95, '.3f')}"),
+        row("samples with latency", lambda t: f"{t.latency_s.num_samples}"),
+    ]
+    return ["per task", *(name for name, _ in columns)], rows
+
+
+def difficulty_rows(summary: EvalSummary) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the difficulty histogram: prompts per solved-fraction bin, one column per task."""
+    if summary.profile is None:
+        return [], []
+    columns = _profile_columns(summary)
+    rows = [[f"solved {b}"] + [str(t.difficulty[b]) for _, t in columns] for b in DIFFICULTY_BINS]
+    rows.append(["every sample an error"] + [str(t.num_prompts_unscored) for _, t in columns])
+    return ["prompts", *(name for name, _ in columns)], rows
+
+
+def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def profile_lines(summary: EvalSummary, plot_name: str = PROFILE_PLOT) -> list[str]:
+    """The report's "Reward profile" section ([] for a summary without a profile)."""
+    if summary.profile is None:
+        return []
+    return [
+        "",
+        "## Reward profile",
+        "",
+        f"Per task, over the non-error samples (errors are counted in the error rate only); latency is each "
+        f"sample's rollout wall time; a prompt's solved fraction is its samples with reward >= "
+        f"{summary.reward_threshold:g} (per prompt in `{DIFFICULTY_FILE}`).",
+        "",
+        *_markdown_table(*profile_rows(summary)),
+        "",
+        *_markdown_table(*difficulty_rows(summary)),
+        "",
+        f"![reward profile per task]({plot_name})",
+    ]
+
+
+def plot_reward_profile(summary: EvalSummary, path: Any) -> None:
+    """Write a PNG of the profile: per task, rates (mean reward, pass@k at the smallest and largest k, error,
+    truncation), generated tokens and rollout latency (p50 and p95), and the difficulty histogram (prompts
+    per solved fraction)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
+
+    columns = _profile_columns(summary)
+    names = [name for name, _ in columns]
+    x = np.arange(len(columns))
+    k = max(summary.ks) if summary.ks else None
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=100)
+    try:
+        (rates, tokens), (latency, difficulty) = axes
+
+        def bars(ax: Any, series: list[tuple[str, list[float | None]]], ylabel: str) -> None:
+            width = 0.8 / len(series)
+            for i, (label, values) in enumerate(series):
+                ax.bar(x + (i - (len(series) - 1) / 2) * width, [np.nan if v is None else v for v in values],
+                       width, label=label)
+            ax.set_xticks(x, names)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize="small")
+
+        rate_series: list[tuple[str, list[float | None]]] = [("mean reward", [t.mean_reward for _, t in columns])]
+        for kk in sorted({min(summary.ks), k} if k is not None else ()):
+            rate_series.append((f"pass@{kk}", [t.pass_at_k.get(kk) for _, t in columns]))
+        rate_series += [("error rate", [t.error_rate for _, t in columns]),
+                        ("truncation rate", [t.truncation_rate for _, t in columns])]
+        bars(rates, rate_series, "fraction")
+        rates.set_ylim(0, 1.05)
+        bars(tokens, [("mean", [t.generated_tokens.mean for _, t in columns]),
+                      ("p95", [t.generated_tokens.p95 for _, t in columns])], "generated tokens per sample")
+        bars(latency, [("p50", [t.latency_s.p50 for _, t in columns]),
+                       ("p95", [t.latency_s.p95 for _, t in columns])], "rollout latency (s)")
+        bins = np.arange(len(DIFFICULTY_BINS))
+        width = 0.8 / len(columns)
+        for i, (name, t) in enumerate(columns):
+            difficulty.bar(bins + (i - (len(columns) - 1) / 2) * width, [t.difficulty[b] for b in DIFFICULTY_BINS],
+                           width, label=name)
+        difficulty.set_xticks(bins, DIFFICULTY_BINS, fontsize="small")
+        difficulty.set_xlabel(f"fraction of a prompt's samples solved (reward >= {summary.reward_threshold:g})")
+        difficulty.set_ylabel("prompts")
+        difficulty.yaxis.set_major_locator(MaxNLocator(integer=True))
+        difficulty.grid(alpha=0.3, axis="y")
+        difficulty.legend(fontsize="small")
+        fig.suptitle(f"{summary.model}: reward profile, {summary.num_prompts} prompts, {summary.rollout_mode}")
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
 def markdown_report(summary: EvalSummary, plot_name: str) -> str:
-    """A short Markdown summary: what was run, the metric table and the plot."""
-    header, rows = metric_rows(summary)
-    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    table += ["| " + " | ".join(r) + " |" for r in rows]
+    """A short Markdown summary: what was run, the metric table and the plot, the reward profile."""
+    table = _markdown_table(*metric_rows(summary))
     stops = ", ".join(f"{k}: {v}" for k, v in summary.stop_reasons.items())
     note = error_note(summary, max_listed=20)
     return "\n".join(
@@ -188,6 +322,7 @@ def markdown_report(summary: EvalSummary, plot_name: str) -> str:
             *table,
             "",
             f"![pass@k against k]({plot_name})",
+            *profile_lines(summary),
             *gym_metric_lines(summary),
             "",
         ]
@@ -195,6 +330,11 @@ def markdown_report(summary: EvalSummary, plot_name: str) -> str:
 
 
 def write_report(summary: EvalSummary, paths: EvalPaths) -> None:
-    """Write the PNG plot and the Markdown summary into the output folder."""
+    """Write the PNG plots, the Markdown summary and (when the summary has its per-prompt rows)
+    difficulty.jsonl into the output folder."""
     plot_pass_at_k(summary, paths.plot)
+    if summary.profile is not None:
+        plot_reward_profile(summary, paths.root / PROFILE_PLOT)
+        if summary.profile.prompts is not None:
+            write_difficulty(paths.root / DIFFICULTY_FILE, summary.profile.prompts)
     paths.report.write_text(markdown_report(summary, paths.plot.name))

@@ -1,7 +1,9 @@
 """The eval's summary (summary.json) as a typed record, and its computation from the completions on disk.
 
-`EvalSummary.to_json()` gives exactly the keys, in exactly the order, that summary.json has always held.
-The summary is a pure function of the file's lines, so a resumed run reports what an uninterrupted one does.
+`EvalSummary.to_json()` gives exactly the keys, in exactly the order, that summary.json has always held, then
+the reward profile (`profile`, see profile.py). The summary is a pure function of the file's lines, so a
+resumed run reports what an uninterrupted one does, byte for byte, except the profile's `latency_s` entries:
+they are measurements, read from timings.jsonl (timings.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.lines import CompletionLine, JsonView
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, vote_key
+from nemo_rl_ext.evals.profile import RewardProfile, reward_profile
 from nemo_rl_ext.evals.store import CompletionStore
+from nemo_rl_ext.evals.timings import Timings, read_timings
 
 MAX_LISTED_ERRORS = 50
 """Error samples listed by name in the summary (all of them are counted)."""
@@ -87,9 +91,11 @@ class EvalSummary(JsonView):
     """`aggregate_eval_metrics` over the prompts: flat, slash-namespaced keys."""
     gym_metrics: Mapping[str, Any] | None = None
     """nemo_gym mode: agent -> Gym's own `/aggregate_metrics` answer (or its error); None otherwise."""
+    profile: RewardProfile | None = None
+    """The per-task reward profile (profile.py); None for a summary written before it existed."""
 
     def to_json(self) -> dict[str, Any]:
-        """The summary.json object (today's keys, in today's order; `gym_metrics` only when set)."""
+        """The summary.json object (the older keys in their order; `gym_metrics`, then `profile`, when set)."""
         out: dict[str, Any] = {
             "rollout_mode": self.rollout_mode,
             "model": self.model,
@@ -111,6 +117,8 @@ class EvalSummary(JsonView):
         }
         if self.gym_metrics is not None:
             out["gym_metrics"] = dict(self.gym_metrics)
+        if self.profile is not None:
+            out["profile"] = self.profile.to_json()
         return out
 
     @classmethod
@@ -123,28 +131,36 @@ class EvalSummary(JsonView):
                 "ks": tuple(obj["ks"]),
                 "agents": tuple(obj["agents"]),
                 "error_samples": tuple(ErrorSample(**e) for e in obj["error_samples"]),
+                "profile": None if obj.get("profile") is None else RewardProfile.from_json(obj["profile"]),
             }
         )
 
 
 def summarize(
-    cfg: EvalConfig, datums: Sequence[DatumSpec], expected: Mapping[int, int], store: CompletionStore
+    cfg: EvalConfig,
+    datums: Sequence[DatumSpec],
+    expected: Mapping[int, int],
+    store: CompletionStore,
+    timings: Timings | None = None,
 ) -> EvalSummary:
     """The summary of the lines on disk for `datums` (a pure function of the file's lines).
 
     Each (prompt, sample) counts once, as its result or, when it has none, as its latest error. Metrics,
     truncation rate and mean turns are over the non-error samples; the errors are counted (`num_errors`,
     per agent in `metrics`), listed (`error_samples`, the first MAX_LISTED_ERRORS) and judged against
-    `eval.max_error_rate` (`status`).
+    `eval.max_error_rate` (`status`). The reward profile (`profile`) is computed from the same lines, its
+    latencies from `timings` (None: `read_timings` of the store's folder).
     """
     prompts: list[PromptSamples] = []
     lines: list[CompletionLine] = []
+    groups: list[list[CompletionLine]] = []
     for d in datums:
         group = [store.line(d.idx, s) for s in range(expected[d.idx])]
         missing = [s for s, x in enumerate(group) if x is None]
         assert not missing, f"prompt {d.idx} has samples without a line: {missing}"
         present = [x for x in group if x is not None]
         lines.extend(present)
+        groups.append(present)
         scored = [x for x in present if not x.is_error]
         prompts.append(
             PromptSamples(
@@ -155,6 +171,7 @@ def summarize(
             )
         )
     ks = cfg.ks
+    metrics = aggregate_eval_metrics(prompts, ks, cfg.eval.reward_threshold)
     n = len(lines)
     scored = [x for x in lines if not x.is_error]
     errors = [x for x in lines if x.is_error]
@@ -183,5 +200,9 @@ def summarize(
         error_samples=tuple(ErrorSample.of_line(x) for x in errors[:MAX_LISTED_ERRORS]),
         truncation_rate=sum(x.truncated for x in scored) / len(scored) if scored else None,
         mean_turns=sum(x.num_turns for x in scored) / len(scored) if scored else None,
-        metrics=aggregate_eval_metrics(prompts, ks, cfg.eval.reward_threshold),
+        metrics=metrics,
+        profile=reward_profile(
+            groups, ks, cfg.eval.reward_threshold, metrics,
+            read_timings(store.path.parent) if timings is None else timings,
+        ),
     )

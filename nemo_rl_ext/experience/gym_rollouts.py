@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import threading
@@ -308,7 +309,13 @@ class AsyncNemoGymRolloutImpl:
         return metrics
 
     async def _run_row(self, client: GymClient, row: Mapping[str, Any]) -> tuple[Completion, bool]:
-        """One row -> (its completion, whether Gym answered it)."""
+        """One row -> (its completion, with the wall seconds of its /run call, retries included, as
+        `latency_s`; whether Gym answered it)."""
+        start = time.perf_counter()
+        completion, answered = await self._row_completion(client, row)
+        return dataclasses.replace(completion, latency_s=time.perf_counter() - start), answered
+
+    async def _row_completion(self, client: GymClient, row: Mapping[str, Any]) -> tuple[Completion, bool]:
         label = f"row {row.get('_ng_task_index')}, sample {row.get('_ng_rollout_index')}"
         agent = agent_name_of(row)
         try:

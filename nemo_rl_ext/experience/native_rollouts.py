@@ -8,6 +8,7 @@ turn) and `_aggregate_rollout_metrics` (the group's metrics).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
@@ -174,6 +175,7 @@ class AsyncRolloutImpl:
         """Run rollout number `traj_idx` of the prompt to its end; returns the completion and its metrics.
 
         A failure becomes an error completion (`fault_policy.on_error="record"`) or raises `RolloutError`.
+        The completion carries the rollout's wall time (`latency_s`), errors included.
         The metrics: `prompt_messages`, `generation_time_s`, `env_time_s` (read by `_aggregate_rollout_metrics`).
         """
         env = self._environment(input_sample)
@@ -185,6 +187,7 @@ class AsyncRolloutImpl:
             env_metadata=dict(input_sample.extra_env_info),
         )
         token = _CURRENT_SAMPLE.set(_Sample(input_sample.idx, traj_idx, len(input_sample.message_log)))
+        start = time.perf_counter()
         try:
             completion = await self._turn_loop(state, env)
         except Exception as exc:
@@ -193,6 +196,7 @@ class AsyncRolloutImpl:
             completion = state.finish(StopReason.ERROR, truncated=False, error=describe(exc))
         finally:
             _CURRENT_SAMPLE.reset(token)
+        completion = dataclasses.replace(completion, latency_s=time.perf_counter() - start)
         metrics = {
             "prompt_messages": float(len(input_sample.message_log)),
             "generation_time_s": state.generation_s,

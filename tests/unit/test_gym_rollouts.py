@@ -83,6 +83,8 @@ class FakeAgents:
                 return JSONResponse("Hit an exception calling an inner server", status_code=500)
             if text == "hang":
                 await asyncio.sleep(30)
+            if text.startswith("sleep "):  # a slow agent: answers after this many seconds
+                await asyncio.sleep(float(text.split()[1]))
             if text == "nested":  # a real /run body: our policy server's 400, nested by three Gym servers
                 return Response(NESTED_ERROR_BODY, status_code=500, media_type="application/json")
             if text == "badprefix":
