@@ -162,7 +162,7 @@ def run_problems(run_root: Path, jobs: Sequence[JobStore]) -> list[str]:
         if changed:
             problems.append(f"config of {job.name} differs from {ref.name}: " + "; ".join(changed))
     seeds = ref.cfg.eval.seeds
-    shard = ref.cfg.eval.shard_spec or ShardSpec(0, 1)
+    shard = ref.cfg.eval.shard_spec  # None: stores filled by a dynamic assignment (no static shard to miss)
     for job in with_cfg:
         assert job.cfg is not None
         own_seed = None if job.cfg.eval.seeds is None else job.cfg.policy.generation.seed
@@ -173,15 +173,15 @@ def run_problems(run_root: Path, jobs: Sequence[JobStore]) -> list[str]:
             problems.append(f"{job.name}: holds shard {job.cfg.eval.shard}, not the {spec.text} of its folder name")
     present = {(j.seed, j.root.name) for j in jobs}
     for seed in seeds if seeds is not None else (None,):
-        for i in range(shard.count):
-            spec = ShardSpec(i, shard.count)
+        for i in range(shard.count if shard is not None else 0):
+            spec = ShardSpec(i, shard.count if shard is not None else 1)
             if (seed, spec.name) not in present:
                 hint = f"eval.shard={spec.text}" + (f" eval.seed_index={seeds.index(seed)}" if seeds else "")
                 name = store_root(run_root, seed, spec).relative_to(run_root)
                 problems.append(f"missing shard: {name} (not started; run it with {hint})")
     for job in jobs:
         spec = ShardSpec.from_name(job.root.name)
-        if spec is not None and spec.count != shard.count:
+        if spec is not None and shard is not None and spec.count != shard.count:
             problems.append(f"{job.name}: a shard of {spec.count}, but this run has {shard.count} shards")
         elif job.record is None:
             problems.append(f"incomplete shard: {job.name} (no shard.json: it has not started rolling out; "
@@ -214,7 +214,7 @@ def run_problems(run_root: Path, jobs: Sequence[JobStore]) -> list[str]:
 
 
 def union_lines(
-    jobs: Sequence[JobStore], num_prompts: int
+    jobs: Sequence[JobStore], num_prompts: int, group: str = ""
 ) -> tuple[list[tuple[CompletionLine, bytes]], dict[int, int], list[str]]:
     """The group's lines sorted by (prompt_idx, sample_idx) with their bytes, each prompt's sample count, and
     the problems: a pair whose results differ between two stores (both files named), counts that disagree,
@@ -245,10 +245,12 @@ def union_lines(
                                           if len(conflicts) > MAX_LISTED else [])
     uncovered = [p for p in range(num_prompts) if p not in expected]
     if uncovered:
-        problems.append(f"prompt(s) {uncovered[:MAX_LISTED]} ({len(uncovered)}) are in no store's shard.json")
+        problems.append(f"{group}prompt(s) {uncovered[:MAX_LISTED]} ({len(uncovered)}) are in no store's shard.json")
     lacking = [(p, s) for p, n in sorted(expected.items()) for s in range(n) if (p, s) not in chosen]
     if lacking:
-        problems.append(f"{len(lacking)} (prompt, sample) pair(s) have no line in any store: {lacking[:MAX_LISTED]}")
+        problems.append(
+            f"{group}{len(lacking)} (prompt, sample) pair(s) have no line in any store: {lacking[:MAX_LISTED]}"
+        )
     lines = [(chosen[k][0], chosen[k][1]) for k in sorted(chosen) if k[0] in expected and k[1] < expected[k[0]]]
     return lines, expected, problems
 
@@ -399,7 +401,8 @@ def merge_run(run_root: Path | str) -> MergeResult:
         unions = {}
         for seed in groups:
             members = [j for j in jobs if j.seed == seed]
-            unions[seed] = (members, *union_lines(members, ref.record.num_prompts))
+            label = "" if seed is None else f"seeds/{seed}: "
+            unions[seed] = (members, *union_lines(members, ref.record.num_prompts, label))
             problems += unions[seed][3]
         raise_problems(problems, f"the stores in {run_root}")
         summaries: dict[int, EvalSummary] = {}

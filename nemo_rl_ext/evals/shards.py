@@ -54,12 +54,12 @@ class ShardSpec:
         """`"I/N"` -> ShardSpec; ValueError saying what is wrong (the caller names the key)."""
         m = _SPEC.fullmatch(text) if isinstance(text, str) else None
         if m is None:
-            raise ValueError(f"must look like I/N (shard I of N, 0-based, e.g. 0/4), got {text!r}")
+            raise ValueError("must look like I/N (shard I of N, 0-based, e.g. 0/4)")
         index, count = int(m.group(1)), int(m.group(2))
         if count < 1:
-            raise ValueError(f"N must be >= 1, got {text!r}")
+            raise ValueError(f"N must be >= 1 (shard I of N), not {count}")
         if index >= count:
-            raise ValueError(f"I must be in 0..N-1 (0-based), got {text!r}")
+            raise ValueError(f"I must be in 0..{count - 1} (shards are 0-based: I of N), not {index}")
         return cls(index, count)
 
     @classmethod
