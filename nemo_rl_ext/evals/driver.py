@@ -176,9 +176,9 @@ async def run_store_async(
     manager = None
     try:
         datums, manager = build_rollout_setup(cfg, gen, rows)
+        manager.preflight(datums)  # every row, also in a shard: each shard reports the same missing counts
         if shard is not None:  # the datums keep their dataset index: seeds and the merge key depend on it
             datums = [d for d in datums if shard.owns(d.idx)]
-        manager.preflight(datums)
         expected = {d.idx: manager.counts.for_agent(d.agent) for d in datums}
         if shard is not None:
             shard_record(cfg, len(rows), expected, finished=False).write(paths.root)

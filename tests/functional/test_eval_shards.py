@@ -195,3 +195,40 @@ def test_multi_turn_shards_in_process_equal_an_unsharded_run(tiny_model_dir, gen
     plain = run_eval(cfg(tmp_path / "plain"), generation=generation, progress=False)
     assert sorted_line_bytes(plain.paths.completions) == (tmp_path / "sharded" / "completions.jsonl").read_bytes()
     assert plain.paths.summary.read_bytes() == (tmp_path / "sharded" / "summary.json").read_bytes()
+
+
+@pytest.mark.gym
+@pytest.mark.timeout(900)
+def test_nemo_gym_shards_each_launch_gym_and_merge_to_the_known_metrics(
+    gym_venv, tiny_model_and_tokenizer, tmp_path
+) -> None:
+    from test_eval_gym import ArithmeticPolicy  # the scripted policy whose metrics are worked by hand there
+
+    _, tokenizer = tiny_model_and_tokenizer
+    data = REPO / "examples" / "data" / "gym_arithmetic.jsonl"
+    root = tmp_path / "gym"
+
+    def cfg(shard: str) -> EvalConfig:
+        return load_config(
+            REPO / "examples" / "configs" / "evals" / "nemo_gym_eval.yaml",
+            [f"eval.save_path={root}", f"eval.dataset_path={data}", "eval.num_prompts=6",
+             "rollouts.num_generations_per_prompt={agent_alpha: 4, _default: 2}", "eval.ks=[1,2,3,4]",
+             f"eval.shard={shard}", f"rollouts.gym.launch.gym_venv={gym_venv}",
+             f"rollouts.gym.launch.config_paths=[{REPO / 'examples' / 'configs' / 'gym' / 'arithmetic_agents.yaml'}]"],
+            EvalConfig,
+        )
+
+    first = run_eval(cfg("0/2"), generation=ArithmeticPolicy(tokenizer), progress=False)
+    assert first.complete and first.summary is None and first.waiting_for == ("shards/1-of-2",)
+    last = run_eval(cfg("1/2"), generation=ArithmeticPolicy(tokenizer), progress=False)
+    assert last.summary is not None and last.summary.rollout_mode == "nemo_gym"
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    for i, prompts in ((0, [0, 2, 4]), (1, [1, 3, 5])):  # each store sent its own rows, materialized there
+        sent = [json.loads(x) for x in (root / "shards" / f"{i}-of-2" / "gym_rows.jsonl").read_text().splitlines()]
+        want = [(p, rows[p]["agent_ref"]["name"]) for p in prompts for _ in range(4 if p % 2 == 0 else 2)]
+        assert [(r["_ng_task_index"], r["agent_ref"]["name"]) for r in sent] == want
+    metrics = last.summary.metrics  # the values worked by hand in test_eval_gym.py, from the merged lines
+    expected = {"agent/agent_alpha/pass@2": 4 / 9, "agent/agent_alpha/maj@3": 2 / 9, "agent/agent_beta/pass@2": 2 / 3,
+                "pass@1": 3 / 8, "maj@2": 3 / 8, "pass@4": 2 / 3, "maj@4": 1 / 6, "mean_reward": 3 / 8}
+    assert {key: metrics.get(key) for key in expected} == pytest.approx(expected, abs=1e-12)
+    assert last.summary.gym_metrics is None and (root / "completions.jsonl").read_bytes().count(b"\n") == 18
