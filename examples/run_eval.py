@@ -14,9 +14,10 @@ pass_at_k.png, report.md. Re-running with the same save_path resumes: finished (
 are skipped, error samples (infrastructure failures) are retried, and the summary equals that of an
 uninterrupted run.
 
-Exit status: 0 done; 1 stopped before every sample was rolled out (re-run to resume); 2 a user error
-(config, dataset, output folder); 3 done, but more samples ended as errors than eval.max_error_rate
-allows (re-run to retry them).
+Exit status: 0 done (a job of a sharded / seeded run: its slice is done, the merge waits for the others);
+1 stopped before every sample was rolled out (re-run to resume); 2 a user error (config, dataset, output folder;
+for `merge`: a missing or unfinished shard, differing configs or rows, non-identical duplicates); 3 done, but
+more samples ended as errors than eval.max_error_rate allows (re-run to retry them).
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"incomplete: re-run with the same eval.save_path (and eval.shard) to resume ({result.paths.root})")
         return 1
     print(f"\n{format_metric_table(result.summary)}\n")
+    completions = "seeds/<seed>/completions.jsonl" if cfg.eval.seeds is not None else result.paths.completions.name
     print(
-        f"outputs in {result.paths.root}/: {result.paths.summary.name}, {result.paths.completions.name}, "
+        f"outputs in {result.paths.root}/: {result.paths.summary.name}, {completions}, "
         f"{result.paths.report.name}, {result.paths.plot.name}"
     )
     if result.errors_left:
