@@ -15,6 +15,9 @@ Error completions (a dead server, a failed generation, an environment that raise
 not answers: the metrics use the other samples, the summary counts them (`num_errors`, `status`), and a
 re-run rolls them out again. `summary["status"]` is "errors_left" when more than `eval.max_error_rate` of
 the samples ended as errors (the CLI then exits 3).
+
+With `eval.shard` or `eval.seeds` the run is split into jobs (shards.py): each job is this same loop over its
+slice of the datums (dataset indices kept) into its own store, and the last job to finish merges (merge.py).
 """
 
 from __future__ import annotations
