@@ -1,6 +1,12 @@
 """Evaluate a policy: pass@k, maj@k, mean@k and mean reward, overall and per agent.
 
     python examples/run_eval.py --config examples/configs/evals/eval.yaml [key.sub=value ...]
+    python examples/run_eval.py merge RUN_FOLDER
+
+Evaluation as a job array: `eval.shard=I/N` (0-based) evaluates the prompts with index % N == I into
+`<save_path>/shards/<I>-of-<N>/`; `eval.seeds=[s1,s2,...]` runs a job per seed (`eval.seed_index=J` picks one,
+else every seed runs in turn) into `<save_path>/seeds/<s>/shards/...`. The last job to finish merges (or
+`merge RUN_FOLDER`): a sorted completions.jsonl per group, summary.json and report.md from it alone.
 
 Rollout modes (`eval.rollout_mode`): single_turn, multi_turn (native environment loop), nemo_gym (Gym
 agents). Outputs in `eval.save_path`: config.yaml, completions.jsonl, summary.json, runs.jsonl,
@@ -8,9 +14,10 @@ pass_at_k.png, report.md. Re-running with the same save_path resumes: finished (
 are skipped, error samples (infrastructure failures) are retried, and the summary equals that of an
 uninterrupted run.
 
-Exit status: 0 done; 1 stopped before every sample was rolled out (re-run to resume); 2 a user error
-(config, dataset, output folder); 3 done, but more samples ended as errors than eval.max_error_rate
-allows (re-run to retry them).
+Exit status: 0 done (a job of a sharded / seeded run: its slice is done, the merge waits for the others);
+1 stopped before every sample was rolled out (re-run to resume); 2 a user error (config, dataset, output folder;
+for `merge`: a missing or unfinished shard, differing configs or rows, non-identical duplicates); 3 done, but
+more samples ended as errors than eval.max_error_rate allows (re-run to retry them).
 """
 
 from __future__ import annotations
@@ -23,7 +30,32 @@ from nemo_rl_ext.evals.config import EvalConfig, check_inputs
 from nemo_rl_ext.lifecycle import stop_on_signals
 
 
+def merge_main(argv: list[str]) -> int:
+    """`run_eval.py merge RUN_FOLDER`: merge the job stores of a sharded / seeded run."""
+    parser = argparse.ArgumentParser(prog="run_eval.py merge", description="Merge the shards (and seeds) of a run.")
+    parser.add_argument("run_folder", help="the run's eval.save_path")
+    args = parser.parse_args(argv)
+    from nemo_rl_ext.evals.merge import merge_run
+    from nemo_rl_ext.evals.report import format_metric_table
+
+    try:
+        result = merge_run(args.run_folder)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"merged {len(result.stores)} store(s) of {result.root}\n\n{format_metric_table(result.summary)}\n")
+    print(f"outputs in {result.root}/: summary.json, report.md, pass_at_k.png" + (
+        ", seeds/<seed>/completions.jsonl" if result.seed_summaries else ", completions.jsonl"))
+    if result.summary.status == "errors_left":
+        print(f"error: {result.summary.num_errors} error sample(s) left; re-run their shards", file=sys.stderr)
+        return 3
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -48,12 +80,19 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{result.groups_generated} group(s) rolled out, {result.completions_written} completion(s) written, "
         f"{result.skipped_completions} already on disk; {result.wall_time_s:.1f} s"
     )
+    if result.summary is None and result.complete and result.waiting_for:
+        print(
+            f"this job is done; the merge runs when the last job finishes (or: run_eval.py merge "
+            f"{result.paths.root}). Not finished yet: {', '.join(result.waiting_for)}"
+        )
+        return 0
     if result.summary is None:
-        print(f"incomplete: re-run with the same eval.save_path to resume ({result.paths.root})")
+        print(f"incomplete: re-run with the same eval.save_path (and eval.shard) to resume ({result.paths.root})")
         return 1
     print(f"\n{format_metric_table(result.summary)}\n")
+    completions = "seeds/<seed>/completions.jsonl" if cfg.eval.seeds is not None else result.paths.completions.name
     print(
-        f"outputs in {result.paths.root}/: {result.paths.summary.name}, {result.paths.completions.name}, "
+        f"outputs in {result.paths.root}/: {result.paths.summary.name}, {completions}, "
         f"{result.paths.report.name}, {result.paths.plot.name}"
     )
     if result.errors_left:

@@ -30,9 +30,11 @@ from nemo_rl_ext.config import (
     raise_problems,
     raw_field,
 )
+from nemo_rl_ext.evals.shards import ShardSpec
 from nemo_rl_ext.experience.config import RolloutsConfig, largest_count, rollouts_rule_problems
 from nemo_rl_ext.gym.config import resolve_gym_path
 from nemo_rl_ext.models.config import PolicyConfig
+from nemo_rl_ext.models.generation.interfaces import SEED_LIMIT
 
 LEGACY_MODES = ("single_turn", "multi_turn", "nemo_gym")
 """The values of the eval's `eval.rollout_mode` (NeMo-RL's spelling)."""
@@ -81,6 +83,50 @@ class EvalSettings(StrictModel):
         description="Share of samples that may end as errors (infrastructure failures, not answers) for the "
         "run to succeed; above it the CLI exits 3. 0: any error left fails the run; 1: errors never do.",
     )
+    shard: str | None = Field(
+        default=None,
+        description="`I/N`: evaluate only shard I (0-based) of N, the prompts with index % N == I, into "
+        "`<save_path>/[seeds/<seed>/]shards/<I>-of-<N>/`; the last shard to finish merges (evals/shards.py).",
+    )
+    seeds: tuple[int, ...] | None = Field(
+        default=None,
+        description="One job per seed (its `policy.generation.seed`), each its own store under "
+        "`<save_path>/seeds/<seed>/`; the merge pools each prompt's samples over the seeds. Without "
+        "`seed_index` one invocation runs every seed, one after another.",
+    )
+    seed_index: int | None = Field(
+        default=None, ge=0, description="Run only the job of `seeds[seed_index]` (0-based; a job array's index)."
+    )
+
+    @field_validator("shard")
+    @classmethod
+    def _valid_shard(cls, value: str | None) -> str | None:
+        return None if value is None else ShardSpec.parse(value).text
+
+    @field_validator("seeds")
+    @classmethod
+    def _valid_seeds(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("seeds must list at least one seed (or be null)")
+        bad = [s for s in value if not 0 <= s < SEED_LIMIT]
+        if bad:
+            raise ValueError(f"every seed must be in [0, 2**63); bad: {bad}")
+        repeated = sorted({s for s in value if value.count(s) > 1})
+        if repeated:
+            raise ValueError(f"every seed must be listed once; repeated: {repeated}")
+        return value
+
+    @property
+    def shard_spec(self) -> ShardSpec | None:
+        """The parsed `shard`, or None."""
+        return None if self.shard is None else ShardSpec.parse(self.shard)
+
+    @property
+    def is_job(self) -> bool:
+        """True when the run is split into jobs (`shard` or `seeds` set): each job writes its own store."""
+        return self.shard is not None or self.seeds is not None
 
     @field_validator("ks")
     @classmethod
@@ -114,8 +160,10 @@ class EvalConfig(CheckedConfig):
 
     @property
     def ks(self) -> tuple[int, ...]:
-        """The k values reported (`eval.ks`, or the default for the largest sample count)."""
-        return self.eval.resolved_ks(self.rollouts.max_samples)
+        """The k values reported (`eval.ks`, or the default for the largest sample count); with `eval.seeds`,
+        those that fit one seed's samples (the larger ones are reported over the seeds' pooled samples)."""
+        n = self.rollouts.max_samples
+        return tuple(k for k in self.eval.resolved_ks(n) if k <= n) or (n,)
 
     @classmethod
     def legacy_spellings(
@@ -184,15 +232,28 @@ class EvalConfig(CheckedConfig):
                 largest = largest_count(counts)
             except (TypeError, ValueError):
                 return problems
-            too_big = [k for k in ks if k > largest]
+            seeds = raw_field(EvalSettings, data.get("eval"), "seeds")
+            num_seeds = len(seeds) if seeds not in (INVALID, None) else 1
+            too_big = [k for k in ks if k > largest * num_seeds]
             if too_big:
+                pooled = f" x {num_seeds} seeds" if num_seeds > 1 else ""
                 problems.append(
                     (
                         ("eval", "ks"),
                         f"k={too_big} larger than the largest sample count ({largest} from "
-                        "num_generations_per_prompt) would be reported for no prompt",
+                        f"num_generations_per_prompt{pooled}) would be reported for no prompt",
                         list(ks),
                     )
+                )
+        ev = data.get("eval")
+        seed_index = raw_field(EvalSettings, ev, "seed_index")
+        seeds = raw_field(EvalSettings, ev, "seeds")
+        if seed_index not in (INVALID, None) and seeds is not INVALID:
+            if seeds is None:
+                problems.append((("eval", "seed_index"), "selects a seed of eval.seeds, which is not set", seed_index))
+            elif seed_index >= len(seeds):
+                problems.append(
+                    (("eval", "seed_index"), f"must be < {len(seeds)} (the number of eval.seeds)", seed_index)
                 )
         return problems
 

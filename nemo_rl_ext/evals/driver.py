@@ -15,6 +15,9 @@ Error completions (a dead server, a failed generation, an environment that raise
 not answers: the metrics use the other samples, the summary counts them (`num_errors`, `status`), and a
 re-run rolls them out again. `summary["status"]` is "errors_left" when more than `eval.max_error_rate` of
 the samples ended as errors (the CLI then exits 3).
+
+With `eval.shard` or `eval.seeds` the run is split into jobs (shards.py): each job is this same loop over its
+slice of the datums (dataset indices kept) into its own store, and the last job to finish merges (merge.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from nemo_rl_ext.data.datasets import load_jsonl
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.evals.config import EvalConfig, dataset_file
 from nemo_rl_ext.evals.lines import CompletionLine
+from nemo_rl_ext.evals.shards import ShardRecord, ShardSpec, store_root
 from nemo_rl_ext.evals.store import (
     CompletionStore,
     EvalPaths,
@@ -99,6 +103,8 @@ class EvalResult:
     """Error lines this call appended (infrastructure failures recorded, to be retried)."""
     retried: int = 0
     """(prompt, sample) pairs whose latest line was an error when this call started (rolled out again)."""
+    waiting_for: tuple[str, ...] = ()
+    """Jobs of a sharded or seeded run: the stores not finished yet (so nothing was merged); empty otherwise."""
 
     @property
     def errors_left(self) -> bool:
@@ -131,8 +137,28 @@ async def run_eval_async(
     stop_after_groups: int | None = None,
 ) -> EvalResult:
     """`run_eval` inside a running event loop."""
+    if cfg.eval.is_job:
+        return await run_jobs_async(
+            cfg, generation=generation, progress=progress, stop_after_groups=stop_after_groups
+        )
+    return await run_store_async(
+        cfg, Path(cfg.eval.save_path), generation=generation, progress=progress, stop_after_groups=stop_after_groups
+    )
+
+
+async def run_store_async(
+    cfg: EvalConfig,
+    root: Path,
+    *,
+    generation: GenerationInterface | None = None,
+    progress: bool = True,
+    stop_after_groups: int | None = None,
+) -> EvalResult:
+    """Run (or resume) the eval of `cfg` into the store `root`: the whole run's folder, or one job's
+    (`cfg.eval.shard` set: only the prompts the shard owns, a shard.json beside them, no summary)."""
     start = time.perf_counter()
-    paths = EvalPaths(Path(cfg.eval.save_path))
+    paths = EvalPaths(root)
+    shard = cfg.eval.shard_spec
     paths.root.mkdir(parents=True, exist_ok=True)
     store = CompletionStore(paths.completions)  # ConfigError on a garbage line
     if store.torn_bytes:
@@ -154,8 +180,12 @@ async def run_eval_async(
     manager = None
     try:
         datums, manager = build_rollout_setup(cfg, gen, rows)
-        manager.preflight(datums)
+        manager.preflight(datums)  # every row, also in a shard: each shard reports the same missing counts
+        if shard is not None:  # the datums keep their dataset index: seeds and the merge key depend on it
+            datums = [d for d in datums if shard.owns(d.idx)]
         expected = {d.idx: manager.counts.for_agent(d.agent) for d in datums}
+        if shard is not None:
+            shard_record(cfg, len(rows), expected, finished=False).write(paths.root)
         todo = [d for d in datums if len(store.done(d.idx, expected[d.idx])) < expected[d.idx]]
         skipped = sum(len(store.done(d.idx, expected[d.idx])) for d in datums)
         retried = sum(len(store.failed(d.idx, expected[d.idx])) for d in datums)
@@ -218,7 +248,9 @@ async def run_eval_async(
         )
     complete = not missing and len(records) == len(todo)
     summary = None
-    if complete:
+    if shard is not None:  # a job's store: the summary comes from the merge of every job's store
+        shard_record(cfg, len(rows), expected, finished=complete).write(paths.root)
+    elif complete:
         summary = summarize(cfg, datums, expected, store)
         if cfg.rollouts.mode == "nemo_gym":
             from nemo_rl_ext.evals.gym_eval import load_aggregate
@@ -237,6 +269,97 @@ async def run_eval_async(
         write_report(summary, paths)
     return EvalResult(
         paths, complete, summary, len(records), written, skipped, wall, metrics, errors_written, retried
+    )
+
+
+def job_config(cfg: EvalConfig, seed_index: int | None, shard: ShardSpec) -> EvalConfig:
+    """The config of one job: `eval.shard`, and with `eval.seeds` its `seed_index` and that seed as
+    `policy.generation.seed` (what the job's config.yaml records and its resume compares)."""
+    ev = {"shard": shard.text, "seed_index": seed_index}
+    policy = cfg.policy
+    if seed_index is not None and cfg.eval.seeds is not None:
+        gen = policy.generation.model_copy(update={"seed": cfg.eval.seeds[seed_index]})
+        policy = policy.model_copy(update={"generation": gen})
+    return cfg.model_copy(update={"eval": cfg.eval.model_copy(update=ev), "policy": policy})
+
+
+def job_configs(cfg: EvalConfig) -> list[EvalConfig]:
+    """The jobs one invocation runs: the selected seed (`eval.seed_index`) or every seed, each as shard
+    `eval.shard` (default 0/1)."""
+    shard = cfg.eval.shard_spec or ShardSpec(0, 1)
+    seeds = cfg.eval.seeds
+    if seeds is None:
+        return [job_config(cfg, None, shard)]
+    indices = [cfg.eval.seed_index] if cfg.eval.seed_index is not None else range(len(seeds))
+    return [job_config(cfg, i, shard) for i in indices]
+
+
+def job_root(cfg: EvalConfig) -> Path:
+    """The store of a job config (`job_config`)."""
+    seeds, index, shard = cfg.eval.seeds, cfg.eval.seed_index, cfg.eval.shard_spec
+    assert shard is not None, "not a job config"
+    return store_root(Path(cfg.eval.save_path), None if seeds is None or index is None else seeds[index], shard)
+
+
+async def run_jobs_async(
+    cfg: EvalConfig,
+    *,
+    generation: GenerationInterface | None = None,
+    progress: bool = True,
+    stop_after_groups: int | None = None,
+) -> EvalResult:
+    """Run the jobs `cfg` selects one after another on one backend, then merge when every job of the run
+    has finished (under a lock: jobs finishing at once merge one after the other, to the same files).
+
+    The result's `summary` is the merged one (None while other jobs are still running: `waiting_for`)."""
+    from nemo_rl_ext.evals.merge import merge_run, unfinished_jobs
+
+    start = time.perf_counter()
+    jobs = job_configs(cfg)
+    own_generation = generation is None
+    gen = build_policy(jobs[0].policy)[1] if generation is None else generation
+    results = []
+    try:
+        for job in jobs:
+            if len(jobs) > 1:
+                print(f"job {job_root(job).relative_to(cfg.eval.save_path)}")
+            results.append(
+                await run_store_async(
+                    job, job_root(job), generation=gen, progress=progress, stop_after_groups=stop_after_groups
+                )
+            )
+            if not results[-1].complete:
+                break
+    finally:
+        if own_generation:
+            gen.shutdown()
+    root = Path(cfg.eval.save_path)
+    complete = len(results) == len(jobs) and all(r.complete for r in results)
+    waiting = tuple(unfinished_jobs(root, cfg)) if complete else ()
+    summary = merge_run(root).summary if complete and not waiting else None
+    return EvalResult(
+        paths=EvalPaths(root),
+        complete=complete,
+        summary=summary,
+        groups_generated=sum(r.groups_generated for r in results),
+        completions_written=sum(r.completions_written for r in results),
+        skipped_completions=sum(r.skipped_completions for r in results),
+        wall_time_s=time.perf_counter() - start,
+        rollout_metrics=results[-1].rollout_metrics if len(results) == 1 else {},
+        errors_written=sum(r.errors_written for r in results),
+        retried=sum(r.retried for r in results),
+        waiting_for=waiting,
+    )
+
+
+def shard_record(cfg: EvalConfig, num_rows: int, expected: dict[int, int], finished: bool) -> ShardRecord:
+    """The shard.json of a job's store."""
+    return ShardRecord(
+        shard=cfg.eval.shard,
+        seed=cfg.policy.generation.seed if cfg.eval.seeds is not None else None,
+        num_prompts=num_rows,
+        samples=expected,
+        finished=finished,
     )
 
 

@@ -105,10 +105,17 @@ class CompletionStore:
     a completion (a file that was edited or belongs to something else: the user must look at it).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, repair: bool = True, keep_bytes: bool = False) -> None:
         self.path = path
+        self.repair = repair
+        """True: opening the store cuts a torn last line off the file; False (a reader, e.g. the merge): the
+        torn line is skipped and the file is left as it is."""
+        self.keep_bytes = keep_bytes
+        """True: keep each pair's line as written (`line_bytes`), for byte-exact comparison and copying."""
+        self.line_bytes: dict[tuple[int, int], bytes] = {}
+        """With `keep_bytes`: the bytes (without newline) of the line `line()` returns, per pair."""
         self.torn_bytes = 0
-        """Bytes of a torn last line that opening the store cut off (0 when the file was whole)."""
+        """Bytes of a torn last line that opening the store cut off, or skipped (0 when the file was whole)."""
         self.results: dict[tuple[int, int], CompletionLine] = {}
         """The result of each (prompt_idx, sample_idx) that has one: its first non-error line."""
         self.errors: dict[tuple[int, int], CompletionLine] = {}
@@ -126,10 +133,11 @@ class CompletionStore:
         end = data.rfind(b"\n") + 1
         if end < len(data):  # a torn last line from a killed run: cut it off
             self.torn_bytes = len(data) - end
-            with open(self.path, "r+b") as f:
-                f.truncate(end)
-                f.flush()
-                os.fsync(f.fileno())
+            if self.repair:
+                with open(self.path, "r+b") as f:
+                    f.truncate(end)
+                    f.flush()
+                    os.fsync(f.fileno())
             data = data[:end]
         problems = []
         for lineno, line in enumerate(data.splitlines(), start=1):
@@ -141,7 +149,7 @@ class CompletionStore:
                 problems.append(f"line {lineno}: not JSON ({exc})")
                 continue
             try:
-                self._add(CompletionLine.from_json(row))
+                self._add(CompletionLine.from_json(row), line)
             except ValueError as exc:  # what line_problem found
                 problems.append(f"line {lineno}: {exc}")
         if problems:
@@ -153,16 +161,31 @@ class CompletionStore:
                 f"(fix or move the file, or use another eval.save_path):\n  {shown}"
             )
 
-    def _add(self, row: CompletionLine) -> None:
+    def _add(self, row: CompletionLine, raw: bytes) -> None:
         key = (row.prompt_idx, row.sample_idx)
         if key in self.results:
             self.duplicates += 1
-        elif row.is_error:
+            return
+        if row.is_error:
             self.error_lines += 1
             self.errors[key] = row
         else:
             self.errors.pop(key, None)
             self.results[key] = row
+        if self.keep_bytes:
+            self.line_bytes[key] = raw
+
+    @classmethod
+    def of_lines(cls, rows: Iterable[CompletionLine]) -> CompletionStore:
+        """A store in memory holding `rows` (read in order, as from a file); nothing is written."""
+        store = cls(Path("/nonexistent/in-memory-store.jsonl"), repair=False)
+        for row in rows:
+            store._add(row, b"")
+        return store
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (prompt_idx, sample_idx) that has a line, sorted."""
+        return sorted(self.results.keys() | self.errors.keys())
 
     def line(self, prompt_idx: int, sample_idx: int) -> CompletionLine | None:
         """What the pair holds now: its result, else its latest error line, else None."""
@@ -188,7 +211,7 @@ class CompletionStore:
             f.flush()
             os.fsync(f.fileno())
         for line in payload.splitlines():
-            self._add(CompletionLine.from_json(orjson.loads(line)))  # exactly what a later read gives
+            self._add(CompletionLine.from_json(orjson.loads(line)), line)  # exactly what a later read gives
         return len(rows)
 
 
