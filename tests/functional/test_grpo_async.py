@@ -102,12 +102,12 @@ def _initial_weights(config_file: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_max_lag_2_learns_the_task_within_the_bound(config_file: Path, tmp_path: Path) -> None:
     metrics, _ = run(config_file, f"output_dir={tmp_path}", *ASYNC, "grpo.async.max_lag=2")
     assert [m["step"] for m in metrics] == list(range(1, 31))
     rewards = [m["rollout/reward/mean"] for m in metrics]
-    # measured: first 5 steps 0.112, last 5 steps 0.998 (the synchronous run: 0.114 and 0.998)
+    # one run (timing decides each lag, so runs differ): first 5 steps 0.112, last 5 0.996 (sync: 0.114, 0.998)
     assert sum(rewards[:5]) / 5 < 0.2, rewards
     assert sum(rewards[-5:]) / 5 >= 0.95, rewards
     assert max(lag_max(metrics)) == 2.0  # the bound is reached (the run really is asynchronous) ...
