@@ -14,6 +14,10 @@ metrics go to `metrics.jsonl` (and TensorBoard); checkpoints every `save_period`
 Sampling seeds: every rollout request is seeded (policy.generation.seed, else grpo.seed, then per prompt,
 sample and turn by the rollout implementation), and the backend mixes in the step and rollout-batch number
 (`SaltedGeneration`), so each step samples afresh and a resumed run replays the same draws.
+
+Asynchronous GRPO (`grpo.async.enabled`, `_run_async`): `AsyncCollector` keeps groups in flight while the
+trainer trains and refits on a worker thread; each trained group is at most `grpo.async.max_lag` policy
+versions behind (see `staleness` and `async_collector`). With `max_lag: 0` it is the synchronous loop.
 """
 
 from __future__ import annotations
