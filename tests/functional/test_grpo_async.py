@@ -78,8 +78,8 @@ def lag_max(metrics: list[dict]) -> list[float]:
 
 @pytest.fixture
 def one_torch_thread():
-    """One torch thread while the test runs: with two, the BLAS may pick its thread count by the machine's load
-    (MKL's dynamic threads), which moved train/loss by one ulp in 1 of 8 runs on a loaded 2-core machine."""
+    """One torch thread while the test runs: with two, step 1's train/loss differed by one ulp in 1 of 8 runs on a
+    loaded 2-core machine (cause not pinned down; one thread takes the thread count out of the kernels)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
