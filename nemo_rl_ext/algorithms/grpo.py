@@ -14,16 +14,22 @@ metrics go to `metrics.jsonl` (and TensorBoard); checkpoints every `save_period`
 Sampling seeds: every rollout request is seeded (policy.generation.seed, else grpo.seed, then per prompt,
 sample and turn by the rollout implementation), and the backend mixes in the step and rollout-batch number
 (`SaltedGeneration`), so each step samples afresh and a resumed run replays the same draws.
+
+Asynchronous GRPO (`grpo.async.enabled`, `_run_async`): `AsyncCollector` keeps groups in flight while the
+trainer trains and refits on a worker thread; each trained group is at most `grpo.async.max_lag` policy
+versions behind (see `staleness` and `async_collector`). With `max_lag: 0` it is the synchronous loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +37,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from nemo_rl_ext.algorithms.async_collector import AsyncCollector
 from nemo_rl_ext.algorithms.checkpoint import (
     Checkpoint,
     latest_checkpoint,
@@ -57,7 +64,7 @@ from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
 from nemo_rl_ext.experience.build import build_policy, build_rollouts, make_datums
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig
+from nemo_rl_ext.models.generation.interfaces import GenerationConfig, InFlightPolicy
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
 from nemo_rl_ext.models.policy import resolve_model_path
 
@@ -257,6 +264,20 @@ class GRPO:
         start = time.perf_counter()
         records, metrics = self._runner.run(self._collect(step))
         rollout_done = time.perf_counter()
+        self._train_records(records, metrics)
+        train_done = time.perf_counter()
+        if metrics.get("train/optimizer_steps", 0.0) > 0:
+            self.generation.update_weights(self.trainer.state_dict())
+        refit_done = time.perf_counter()
+        self._cluster_metrics(metrics)
+        metrics["timing/rollout_s"] = rollout_done - start
+        metrics["timing/train_s"] = train_done - rollout_done
+        metrics["timing/refit_s"] = refit_done - train_done
+        self.step = step
+        return metrics
+
+    def _train_records(self, records: Sequence[PromptGroupRecord], metrics: dict[str, float]) -> None:
+        """Advantages and one policy update on `records` (none: no optimizer step); adds to `metrics`."""
         if records:
             batch = build_training_batch(
                 records,
@@ -271,38 +292,35 @@ class GRPO:
             metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         else:  # dynamic sampling found no group with reward variance: nothing to learn from
             metrics["train/optimizer_steps"] = 0.0
-        train_done = time.perf_counter()
-        if metrics.get("train/optimizer_steps", 0.0) > 0:
-            self.generation.update_weights(self.trainer.state_dict())
-        refit_done = time.perf_counter()
+
+    def _cluster_metrics(self, metrics: dict[str, float]) -> None:
         if isinstance(self.generation.inner, RoutedGeneration):  # a Ray pool: per-replica counters
             metrics.update(self.generation.inner.metrics())
             metrics["cluster/weight_version"] = float(self.generation.inner.weight_version)
-        metrics["timing/rollout_s"] = rollout_done - start
-        metrics["timing/train_s"] = train_done - rollout_done
-        metrics["timing/refit_s"] = refit_done - train_done
-        self.step = step
-        return metrics
 
     def validate(self) -> dict[str, float]:
         """Roll out the validation prompts with the current weights; eval metrics under `val/`."""
+        return self._runner.run(self._validate())
+
+    async def _validate(self) -> dict[str, float]:
         if not self.val_datums:
             return {}
         start = time.perf_counter()
-        self.generation.salt = (VAL_SALT,)
-        records, rollout = self._runner.run(  # the training manager (and its servers), another count
-            self.manager.run_rollouts(
+        salt, self.generation.salt = self.generation.salt, (VAL_SALT,)
+        try:  # the training manager (and its servers), another count
+            records, rollout = await self.manager.run_rollouts(
                 self.val_datums, progress=False, counts=self.cfg.validation.num_generations_per_prompt
             )
-        )
+        finally:
+            self.generation.salt = salt
         metrics = aggregate_eval_metrics([prompt_samples_from_record(r) for r in records], self.cfg.validation.ks)
         metrics.update(rollout)
         out = {f"val/{k}": v for k, v in metrics.items()}
         out["timing/val_s"] = time.perf_counter() - start
         return out
 
-    def save(self) -> Path:
-        """Checkpoint the current step."""
+    def save(self, extra: Mapping[str, Any] | None = None) -> Path:
+        """Checkpoint the current step (`extra`: more JSON for the checkpoint's state)."""
         return save_checkpoint(
             self.checkpoint_root,
             self.step,
@@ -310,7 +328,7 @@ class GRPO:
             tokenizer=self.tokenizer,
             optimizer=self.trainer.optimizer,
             data_state=self.train_data.state_dict(),
-            extra={"config": self.cfg.model_dump(mode="json")},
+            extra={"config": self.cfg.model_dump(mode="json"), **(extra or {})},
             keep_last=self.cfg.keep_last_checkpoints,
         )
 
@@ -327,23 +345,85 @@ class GRPO:
         bar = tqdm(total=settings.max_num_steps, initial=self.step, desc="grpo", unit="step",
                    disable=not log_cfg.progress)
         try:
+            if settings.async_.enabled:
+                self._runner.run(self._run_async(history, bar))
             while self.step < settings.max_num_steps:
                 start = time.perf_counter()
                 metrics = self.train_step()
-                last = self.step == settings.max_num_steps
-                if settings.val_period and (self.step % settings.val_period == 0 or last):
+                if self._validates_now():
                     metrics.update(self.validate())
-                metrics["timing/step_s"] = time.perf_counter() - start
-                self.logger.log(self.step, metrics)
-                history.append({"step": self.step, **metrics})
-                self._print(self.step, metrics)
-                if settings.save_period and (self.step % settings.save_period == 0 or last):
-                    self.save()
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics.get('rollout/reward/mean', float('nan')):.3f}")
+                self._end_step(metrics, start, history, bar)
         finally:
             bar.close()
         return history
+
+    def _validates_now(self) -> bool:
+        period = self.cfg.grpo.val_period
+        return bool(period) and (self.step % period == 0 or self.step == self.cfg.grpo.max_num_steps)
+
+    def _end_step(self, metrics: dict[str, float], start: float, history: list[dict[str, float]], bar: Any,
+                  checkpoint_extra: Mapping[str, Any] | None = None) -> None:
+        """Log, print and (every save_period steps and at the last) checkpoint the step just done."""
+        settings = self.cfg.grpo
+        metrics["timing/step_s"] = time.perf_counter() - start
+        self.logger.log(self.step, metrics)
+        history.append({"step": self.step, **metrics})
+        self._print(self.step, metrics)
+        if settings.save_period and (self.step % settings.save_period == 0 or self.step == settings.max_num_steps):
+            self.save(checkpoint_extra)
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics.get('rollout/reward/mean', float('nan')):.3f}")
+
+    async def _run_async(self, history: list[dict[str, float]], bar: Any) -> None:
+        """Asynchronous GRPO (`grpo.async`, see `async_collector`): the collector keeps groups in flight while
+        the trainer steps on the groups it hands over; every step refits the engine (`in_flight` says what
+        happens to the generations in flight), even one without an optimizer step, so that the policy
+        version is the step count. A checkpoint skips the rows in flight or waiting (`data_state` counts
+        them as drawn): a resumed run never replays a group that may have wedged the run."""
+        settings = self.cfg.grpo
+        knobs = settings.async_
+        collector = AsyncCollector(
+            self.manager, self.train_data, knobs, per_step=settings.num_prompts_per_step, version=self.step,
+            offset=self.step - self.generation.weight_version, salt_prefix=TRAIN_SALT,
+            dynamic=settings.dynamic_sampling, measures_tokens=self.cfg.rollouts.mode == "native",
+        )
+        self.generation.salt = (TRAIN_SALT, self.step + 1, 0)  # requests outside a group's scope (nemo_gym)
+        loop = asyncio.get_running_loop()
+        threads = torch.get_num_threads()  # the trainer thread computes as the main thread would
+        executor = ThreadPoolExecutor(1, thread_name_prefix="grpo-trainer", initializer=torch.set_num_threads,
+                                      initargs=(threads,))
+        collector.start()
+        try:
+            while self.step < settings.max_num_steps:
+                start = time.perf_counter()
+                taken = await collector.take()
+                rollout_done = time.perf_counter()
+                records = [g.record for g in taken.groups]
+                metrics = batch_metrics(taken.generated, rollout_done - start)
+                metrics.update(taken.metrics)
+                await collector.guard(loop.run_in_executor(executor, self._train_records, records, metrics))
+                train_done = time.perf_counter()
+                refit = functools.partial(self._refit, in_flight=knobs.in_flight)
+                await collector.guard(loop.run_in_executor(executor, refit))
+                refit_done = time.perf_counter()
+                self.step += 1
+                collector.set_version(self.step)
+                self.generation.salt = (TRAIN_SALT, self.step + 1, 0)
+                self._cluster_metrics(metrics)
+                metrics["async/trainer_wait_s"] = metrics["timing/rollout_s"] = rollout_done - start
+                metrics["timing/train_s"] = train_done - rollout_done
+                metrics["timing/refit_s"] = refit_done - train_done
+                if self._validates_now():
+                    metrics.update(await collector.guard(self._validate()))
+                    self.generation.salt = (TRAIN_SALT, self.step + 1, 0)
+                extra = {"async": {"policy_version": self.step, "skipped_rows": collector.pending_rows()}}
+                self._end_step(metrics, start, history, bar, extra)
+        finally:
+            await collector.aclose()
+            executor.shutdown(wait=True)
+
+    def _refit(self, in_flight: InFlightPolicy) -> None:
+        self.generation.update_weights(self.trainer.state_dict(), in_flight=in_flight)
 
     def _print(self, step: int, m: Mapping[str, float]) -> None:
         if not self.cfg.logger.print_steps:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
 from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, move_key, raw_field
@@ -60,8 +60,36 @@ class DynamicSamplingSettings(StrictModel):
     )
 
 
+class AsyncSettings(StrictModel):
+    """Asynchronous GRPO (`algorithms/async_collector.py`): rollouts stay in flight while the trainer steps,
+    each trained group at most `max_lag` policy versions behind the weights it trains."""
+
+    enabled: bool = Field(default=False, description="Stream groups to the trainer; false: the synchronous loop.")
+    max_lag: int = Field(
+        default=1, ge=0, description="Most policy versions a trained group's oldest token may lag; 0 is on-policy."
+    )
+    in_flight: Literal["finish", "abort"] = Field(
+        default="finish",
+        description="Generations in flight at a weight update: finish on the old weights, or abort and continue "
+        "on the new ones (the turn keeps its tokens, each with its version).",
+    )
+    oversample: int = Field(
+        default=0, ge=0, description="Groups started beyond what the steps within max_lag need (straggler slack)."
+    )
+    group_deadline_s: float | None = Field(
+        default=None, gt=0.0, description="A group running longer is cancelled and counted; None: no deadline."
+    )
+    queue_size: int | None = Field(
+        default=None, ge=1, description="Most finished groups waiting for the trainer (admission stops); None: "
+        "what max_lag and oversample allow."
+    )
+
+
 class GRPOSettings(StrictModel):
     """The loop: how many prompts and samples per step, for how long, and when to validate and save."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True, validate_by_name=True,
+                              validate_by_alias=True)
 
     num_prompts_per_step: int = Field(default=8, ge=1, description="Prompts (groups) per training step.")
     max_num_steps: int = Field(default=100, ge=1, description="Training steps of the whole run.")
@@ -84,6 +112,9 @@ class GRPOSettings(StrictModel):
         default=0, ge=0, description="Checkpoint every this many steps and at the last; 0 never."
     )
     seed: int = Field(default=42, description="Seed of data order, torch, and rollouts when generation.seed is unset.")
+    async_: AsyncSettings = Field(
+        default_factory=AsyncSettings, alias="async", description="Asynchronous GRPO (`grpo.async` in YAML)."
+    )
 
 
 class LossSettings(StrictModel):
@@ -213,7 +244,8 @@ class GRPOConfig(CheckedConfig):
 
     @classmethod
     def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:
-        """The shared rollouts rules (`rollouts_rule_problems`), and sampling is never greedy."""
+        """The shared rollouts rules (`rollouts_rule_problems`), sampling is never greedy, and an asynchronous
+        run's queue holds at least one step's groups."""
         policy = data.get("policy")
         generation = policy.get("generation") if isinstance(policy, Mapping) else None
         temperature = raw_field(GenerationConfig, generation, "temperature")
@@ -224,6 +256,18 @@ class GRPOConfig(CheckedConfig):
                     ("policy", "generation", "temperature"),
                     "must be > 0: GRPO compares sampled completions",
                     temperature,
+                )
+            )
+        grpo = data.get("grpo")
+        settings = grpo.get("async") if isinstance(grpo, Mapping) else None
+        queue_size = raw_field(AsyncSettings, settings, "queue_size")
+        per_step = raw_field(GRPOSettings, grpo, "num_prompts_per_step")
+        if queue_size not in (None, INVALID) and per_step is not INVALID and queue_size < per_step:
+            problems.append(
+                (
+                    ("grpo", "async", "queue_size"),
+                    f"must be >= grpo.num_prompts_per_step ({per_step}): the trainer waits for a step's groups",
+                    queue_size,
                 )
             )
         return problems

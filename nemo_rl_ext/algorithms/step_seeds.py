@@ -7,11 +7,18 @@ backend, rather than rebuilding the RolloutManager each step, keeps one manager 
 NeMo Gym manager starts servers on first use) and works for any rollout mode: every seeded request that
 reaches the backend, in-process or through the policy server, gets `mix(seed, salt)`. Unseeded requests
 stay unseeded.
+
+Asynchronous GRPO has groups of several steps in flight at once, so each group runs inside a `RequestScope`
+(a context variable: the native rollouts' requests run in the group's task) that carries its own salt and
+records the oldest weight version its outputs came back with. Requests from outside any scope (the policy
+server's thread in nemo_gym mode, validation) use the wrapper's `salt`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,8 +39,23 @@ def mix_seed(seed: int, salt: Sequence[int]) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1)[0]) % (2**31 - 1)
 
 
+@dataclass
+class RequestScope:
+    """The requests of one asynchronous group: the salt they are seeded with and the versions they came back with."""
+
+    salt: tuple[int, ...]
+    """Mixed into every seeded request made inside the scope (instead of the wrapper's `salt`)."""
+    min_version: int | None = None
+    """The oldest `weight_version` of an output returned inside the scope so far (None: none yet)."""
+
+
+REQUEST_SCOPE: ContextVar[RequestScope | None] = ContextVar("nemo_rl_ext_request_scope", default=None)
+"""The scope of the running task (set by the asynchronous collector for each group's task)."""
+
+
 class SaltedGeneration(GenerationInterface):
-    """Forwards to `inner`, replacing each request's seed with `mix_seed(seed, salt)`; set `salt` per step."""
+    """Forwards to `inner`, replacing each request's seed with `mix_seed(seed, salt)`; set `salt` per step
+    (or run the requests inside a `RequestScope`, whose salt wins)."""
 
     def __init__(self, inner: GenerationInterface, salt: Sequence[int] = ()) -> None:
         self.inner = inner
@@ -48,9 +70,14 @@ class SaltedGeneration(GenerationInterface):
         return self.inner.tokenizer
 
     async def generate_async(self, prompt_token_ids: list[int], config: GenerationConfig) -> GenerationOutput:
-        if config.seed is not None and self.salt:
-            config = config.model_copy(update={"seed": mix_seed(config.seed, self.salt)})
-        return await self.inner.generate_async(prompt_token_ids, config)
+        scope = REQUEST_SCOPE.get()
+        salt = scope.salt if scope is not None else self.salt
+        if config.seed is not None and salt:
+            config = config.model_copy(update={"seed": mix_seed(config.seed, salt)})
+        output = await self.inner.generate_async(prompt_token_ids, config)
+        if scope is not None and (scope.min_version is None or output.weight_version < scope.min_version):
+            scope.min_version = output.weight_version
+        return output
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
         self.inner.update_weights(state_dict, in_flight=in_flight)
