@@ -42,6 +42,7 @@ from nemo_rl_ext.evals.lines import CompletionLine
 from nemo_rl_ext.evals.shards import ShardRecord, ShardSpec, group_root, store_root
 from nemo_rl_ext.evals.store import RESUME_MAY_CHANGE, CompletionStore, EvalPaths, dumps
 from nemo_rl_ext.evals.summary import EvalSummary, summarize
+from nemo_rl_ext.evals.timings import TIMINGS_FILE, read_timings
 
 MERGE_MAY_DIFFER = (RESUME_MAY_CHANGE - {"eval.num_prompts"}) | {
     "eval.shard",
@@ -267,6 +268,20 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _merged_timings(jobs: Sequence[JobStore], pairs: set[tuple[int, int]]) -> dict[tuple[int, int], float]:
+    """The latencies of the merged (prompt, sample) pairs, from the stores' timings.jsonl (a pair a store holds
+    no line for is not taken from it; a wall-clock time is a measurement, so stores need not agree)."""
+    merged: dict[tuple[int, int], float] = {}
+    for job in jobs:
+        if job.store is None:
+            continue
+        held = set(job.store.keys())
+        for pair, latency in read_timings(job.root).items():
+            if pair in pairs and pair in held:
+                merged.setdefault(pair, latency)
+    return merged
+
+
 def _datums(expected: Mapping[int, int]) -> list[DatumSpec]:
     """Placeholder datums for `summarize`, which reads only their `idx` (the merge loads no tokenizer)."""
     return [DatumSpec(idx=p, message_log=(), task_name="") for p in sorted(expected)]
@@ -292,7 +307,11 @@ def write_group(
     if fingerprint.exists():
         _write_atomic(paths.dataset, fingerprint.read_bytes())
     store = CompletionStore(paths.completions, repair=False)  # read back: the summary is the file's
-    summary = summarize(cfg, _datums(expected), expected, store)
+    timings = _merged_timings(jobs, {(line.prompt_idx, line.sample_idx) for line, _ in lines})
+    _write_atomic(folder / TIMINGS_FILE, b"".join(
+        dumps({"prompt_idx": p, "sample_idx": s, "latency_s": v}) + b"\n" for (p, s), v in sorted(timings.items())
+    ))
+    summary = summarize(cfg, _datums(expected), expected, store, timings=timings)
     _write_atomic(paths.summary, dumps(summary.to_json(), indent=True) + b"\n")
     write_report(summary, paths)
     record = {"stores": [j.name for j in jobs], "num_prompts": len(expected), "num_completions": len(lines)}
@@ -316,15 +335,19 @@ def write_pooled(
     from nemo_rl_ext.evals.report import write_report
 
     pooled: list[CompletionLine] = []
+    pooled_timings: dict[tuple[int, int], float] = {}
     for j, seed in enumerate(seeds):
         store = CompletionStore(EvalPaths(group_root(run_root, seed)).completions, repair=False)
+        seed_timings = read_timings(group_root(run_root, seed))
         for p, s in store.keys():
             line = store.line(p, s)
             assert line is not None
             pooled.append(dataclasses.replace(line, sample_idx=j * expected[p] + s))
+            if (p, s) in seed_timings:
+                pooled_timings[(p, j * expected[p] + s)] = seed_timings[(p, s)]
     pcfg = pooled_config(cfg, len(seeds))
     pexpected = {p: n * len(seeds) for p, n in expected.items()}
-    summary = summarize(pcfg, _datums(pexpected), pexpected, CompletionStore.of_lines(pooled))
+    summary = summarize(pcfg, _datums(pexpected), pexpected, CompletionStore.of_lines(pooled), timings=pooled_timings)
     pass1 = {s: per_seed[s].metrics["pass@1"] for s in seeds if "pass@1" in per_seed[s].metrics}
     extra: dict[str, float] = {"seeds/num_seeds": float(len(seeds))}
     extra.update({f"seeds/{s}/pass@1": v for s, v in pass1.items()})
