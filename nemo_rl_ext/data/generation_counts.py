@@ -60,11 +60,11 @@ class GenerationCounts:
             )
         return self.default
 
-    def preflight(self, rows: Iterable[tuple[int, str]]) -> None:
+    def preflight(self, rows: Iterable[tuple[int, str]], *, warn_unused: bool = True) -> None:
         """Check a dataset before any generation, given (row index, agent name) pairs.
 
-        Every row whose agent has no count is reported in one error; dict keys that match no row give
-        one UserWarning listing them (a typo catcher).
+        Every row whose agent has no count is reported in one error; with `warn_unused`, dict keys that
+        match no row give one UserWarning listing them (a typo catcher; off for a batch of a dataset).
         """
         rows = list(rows)
         missing: dict[str, list[int]] = {}
@@ -80,7 +80,7 @@ class GenerationCounts:
             )
         seen = {agent for _, agent in rows}
         unused = sorted(set(self.per_agent) - seen)
-        if unused:
+        if unused and warn_unused:
             warnings.warn(
                 f"num_generations_per_prompt has keys that match no row's agent: {unused} "
                 f"(agents in the data: {sorted(seen)})",

@@ -113,9 +113,12 @@ class RolloutManager:
             for env in self.owned_environments:
                 env.shutdown()
 
-    def preflight(self, datums: Sequence[DatumSpec], counts: GenerationCounts | None = None) -> None:
-        """Check a dataset before any generation: every row's agent has a count (one error for all)."""
-        (counts or self.counts).preflight((d.idx, d.agent) for d in datums)
+    def preflight(
+        self, datums: Sequence[DatumSpec], counts: GenerationCounts | None = None, *, warn_unused: bool = True
+    ) -> None:
+        """Check a dataset before any generation: every row's agent has a count (one error for all); with
+        `warn_unused`, count keys that match no row's agent give a UserWarning."""
+        (counts or self.counts).preflight(((d.idx, d.agent) for d in datums), warn_unused=warn_unused)
 
     async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
         """Roll out one prompt N times and score the completions."""
@@ -137,7 +140,7 @@ class RolloutManager:
         override = None
         if counts is not None:
             override = counts if isinstance(counts, GenerationCounts) else GenerationCounts.parse(counts)
-        self.preflight(datums, override)
+        self.preflight(datums, override, warn_unused=False)  # a batch need not hold every agent of the data
         if not datums:
             return
         limit = asyncio.Semaphore(max_concurrent_prompts or len(datums))
