@@ -225,6 +225,9 @@ def main() -> None:
     if skipped:
         contenders = [c for c in contenders if c not in TRLS]
         print(f"TRL skipped: {skipped}")
+    if not contenders:
+        print("nothing left to run")
+        return
     elif set(TRLS) & set(contenders):
         trl_version = importlib.metadata.version("trl")
         if trl_version != TRL_VERSION:
