@@ -160,14 +160,17 @@ class PolicyTrainer:
         self.pad_token_id = pad_token_id
         self.reference_model = reference_model.eval().requires_grad_(False) if reference_model else None
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.device = next(model.parameters()).device
         self.optimizer = torch.optim.AdamW(
             self.parameters,
             lr=optimizer.lr,
             betas=optimizer.betas,
             eps=optimizer.eps,
             weight_decay=optimizer.weight_decay,
+            # the fused kernel (CPU and CUDA; the same update up to rounding): SmolLM2-135M's step takes
+            # 0.07 s instead of 0.3-0.5 s on one CPU thread. Other devices keep the default implementation.
+            fused=True if self.device.type in ("cpu", "cuda") else None,
         )
-        self.device = next(model.parameters()).device
 
     def _batch(self, items: Sequence[CompletionTensors]) -> tuple[torch.Tensor, ...]:
         """(input ids, attention mask, loss mask, generation logprobs), right-padded, on the device."""
