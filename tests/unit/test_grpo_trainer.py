@@ -201,3 +201,21 @@ def test_refit_makes_the_backend_score_like_the_trainer(tiny_model_and_tokenizer
     for key, value in trainer.state_dict().items():
         assert torch.equal(engine.state_dict()[key], value)
     assert not torch.equal(engine.state_dict()["model.norm.weight"], model.state_dict()["model.norm.weight"])
+
+
+def test_the_optimizer_is_fused_adamw_with_the_same_update(tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    items = sample(model, tokenizer, 1.0, n=4)
+    trainer = make_trainer(copy.deepcopy(model), lr=1e-2, weight_decay=0.1)
+    assert trainer.optimizer.defaults["fused"] is True  # the CPU kernel, as TRL's default adamw_torch_fused
+    reference = make_trainer(copy.deepcopy(model), lr=1e-2, weight_decay=0.1)
+    reference.optimizer = torch.optim.AdamW(reference.parameters, lr=1e-2, weight_decay=0.1)  # the for-loop one
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    trainer.train_step(items, advantages)
+    reference.train_step(items, advantages)
+    changed = 0
+    for key, value in reference.state_dict().items():
+        # Adam's first step moves each weight by about lr (1e-2); where a gradient is near eps, rounding shows
+        torch.testing.assert_close(trainer.state_dict()[key], value, atol=1e-4, rtol=0)
+        changed += not torch.equal(value, model.state_dict()[key])
+    assert changed > 0
