@@ -46,7 +46,7 @@ def events(root: Path) -> list[dict]:
 @pytest.mark.timeout(400)
 def test_two_ray_workers_merge_to_the_bytes_of_one_shard(local_ray, tiny_model_dir, one_shard, tmp_path) -> None:
     root = tmp_path / "ray"
-    result = run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", "eval.max_concurrent_prompts=2",
+    result = run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", "eval.max_concurrent_prompts=1",
                              WORKER_CPUS), progress=False)
     assert result.complete and result.summary is not None
     assert result.groups_generated == NUM_PROMPTS and result.completions_written == NUM_PROMPTS * SAMPLES
