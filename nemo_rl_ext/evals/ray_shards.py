@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -53,6 +53,9 @@ from nemo_rl_ext.evals.store import (
 )
 from nemo_rl_ext.models.config import ClusterConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
+
+if TYPE_CHECKING:
+    from nemo_rl_ext.evals.driver import EvalResult
 
 DEFAULT_IN_FLIGHT = 8
 """Prompts a worker keeps in flight when `eval.max_concurrent_prompts` is null."""
@@ -161,9 +164,9 @@ class EvalWorker:
     async def run(self, jobs: Sequence[tuple[EvalConfig, str]], queue: Any, in_flight: int) -> dict[str, int]:
         """Lease prompts from `queue` until it is done, `in_flight` at a time; `jobs[g]` is group g's config
         and store. Returns what this incarnation generated."""
+        start = time.perf_counter()
         groups = [self._open(cfg, Path(root)) for cfg, root in jobs]
         finished: list[Item] = []
-        start = time.perf_counter()
 
         async def flush() -> None:
             if not finished:
@@ -262,7 +265,9 @@ class _Slot:
     incarnation: int = 0
 
 
-def run_ray_eval(cfg: EvalConfig, *, engine_factory: EngineFactory | None = None, progress: bool = True) -> Any:
+def run_ray_eval(
+    cfg: EvalConfig, *, engine_factory: EngineFactory | None = None, progress: bool = True
+) -> EvalResult:
     """Run (or resume) `cfg` on `eval.ray_workers` Ray workers and merge (module docstring); an `EvalResult`."""
     from nemo_rl_ext.cluster import init_ray
     from nemo_rl_ext.evals.driver import EvalResult, load_rows
@@ -274,6 +279,13 @@ def run_ray_eval(cfg: EvalConfig, *, engine_factory: EngineFactory | None = None
     save_path.mkdir(parents=True, exist_ok=True)
     groups = group_configs(cfg)
     num_rows = len(load_rows(cfg))
+    for seed, gcfg in groups:  # a changed config is a user error: found before any worker starts
+        for root in sorted((group_root(save_path, seed) / "shards").glob("worker-*")):
+            paths = EvalPaths(root)
+            if paths.completions.exists() and paths.completions.stat().st_size > 0:
+                check_resumable(paths.config, gcfg.model_dump(mode="json"),
+                                lambda saved: EvalConfig.model_validate(saved).model_dump(mode="json"),
+                                gcfg.key_as_written)
     items, skipped, retried = todo_items(save_path, groups, num_rows)
     if skipped or retried:
         print(f"resume: {skipped} completion(s) already in {save_path}/.../shards, {retried} error sample(s) to "
@@ -321,7 +333,7 @@ def run_ray_eval(cfg: EvalConfig, *, engine_factory: EngineFactory | None = None
                     back = ray.get(queue.release.remote(slot.name), timeout=60)
                     slot.deaths += 1
                     restart = slot.deaths < cluster.max_failures
-                    reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+                    reason = " ".join(str(err).split())[:500] or type(err).__name__
                     event(event="died", worker=slot.name, requeued=[list(i) for i in back], deaths=slot.deaths,
                           restarted=restart, reason=reason)
                     print(f"{slot.name} died ({reason}); {len(back)} prompt(s) back to the queue; " + (

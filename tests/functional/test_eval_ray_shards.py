@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_eval_shards import NUM_PROMPTS, SAMPLES, overrides, same_summary
 
-from nemo_rl_ext.config import load_config
+from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
 from nemo_rl_ext.evals.ray_shards import EVENTS_FILE
@@ -65,6 +65,24 @@ def test_two_ray_workers_merge_to_the_bytes_of_one_shard(local_ray, tiny_model_d
     again = run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", WORKER_CPUS), progress=False)
     assert again.groups_generated == 0 and again.skipped_completions == NUM_PROMPTS * SAMPLES  # resume: nothing
     assert (root / "completions.jsonl").read_bytes() == merged
+    with pytest.raises(ConfigError, match=r"policy.generation.max_new_tokens"):  # a changed config: before Ray work
+        run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", WORKER_CPUS, "policy.generation.max_new_tokens=9"),
+                 progress=False)
+
+
+@pytest.mark.timeout(400)
+def test_seeds_on_two_ray_workers_merge_as_seed_jobs_do(local_ray, tiny_model_dir, generation, tmp_path) -> None:
+    few = ("eval.num_prompts=8", "eval.seeds=[3,7]")
+    jobs = run_eval(config(tiny_model_dir, tmp_path / "jobs", *few), generation=generation, progress=False)
+    ray = run_eval(config(tiny_model_dir, tmp_path / "ray", *few, "eval.ray_workers=2", WORKER_CPUS), progress=False)
+    assert jobs.summary is not None and ray.summary is not None
+    for seed in ("3", "7"):
+        a, b = tmp_path / "jobs" / "seeds" / seed, tmp_path / "ray" / "seeds" / seed
+        assert (a / "completions.jsonl").read_bytes() == (b / "completions.jsonl").read_bytes()
+        assert same_summary(a / "summary.json", b / "summary.json")
+        assert sorted(p.name for p in (b / "shards").iterdir()) == ["worker-0", "worker-1"]
+    assert same_summary(tmp_path / "jobs" / "summary.json", tmp_path / "ray" / "summary.json")
+    assert ray.summary.metrics["num_samples"] == 8 * SAMPLES * 2
 
 
 @pytest.mark.timeout(400)
