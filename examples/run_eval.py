@@ -7,6 +7,9 @@ Evaluation as a job array: `eval.shard=I/N` (0-based) evaluates the prompts with
 `<save_path>/shards/<I>-of-<N>/`; `eval.seeds=[s1,s2,...]` runs a job per seed (`eval.seed_index=J` picks one,
 else every seed runs in turn) into `<save_path>/seeds/<s>/shards/...`. The last job to finish merges (or
 `merge RUN_FOLDER`): a sorted completions.jsonl per group, summary.json and report.md from it alone.
+On Ray: `eval.ray_workers=N` starts N Ray workers (each its own engine, Ray from `policy.cluster`) that pull
+prompts from a shared queue into `<save_path>/shards/worker-<k>/`; a dead worker's prompts go back to the queue
+(`<save_path>/ray_workers.jsonl` records it), and this process merges when the queue is done.
 
 Rollout modes (`eval.rollout_mode`): single_turn, multi_turn (native environment loop), nemo_gym (Gym
 agents). Outputs in `eval.save_path`: config.yaml, completions.jsonl, summary.json, runs.jsonl,

@@ -97,6 +97,19 @@ class EvalSettings(StrictModel):
     seed_index: int | None = Field(
         default=None, ge=0, description="Run only the job of `seeds[seed_index]` (0-based; a job array's index)."
     )
+    ray_workers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Evaluate on N Ray workers (Ray from `policy.cluster`; null there: a local Ray), each with its "
+        "own engine and store `<save_path>/[seeds/<seed>/]shards/worker-<k>/`, pulling prompts from a shared "
+        "queue; this process merges when the queue is empty (evals/ray_shards.py).",
+    )
+    ray_lease_timeout_s: float | None = Field(
+        default=3600.0,
+        gt=0,
+        description="With ray_workers: a prompt a worker has held this long goes back to the queue and the worker "
+        "is restarted (it may hang); null: no limit (a dead worker's prompts still go back at once).",
+    )
 
     @field_validator("shard")
     @classmethod
@@ -122,6 +135,11 @@ class EvalSettings(StrictModel):
     def shard_spec(self) -> ShardSpec | None:
         """The parsed `shard`, or None."""
         return None if self.shard is None else ShardSpec.parse(self.shard)
+
+    @property
+    def on_ray(self) -> bool:
+        """True when the run's prompts are pulled by `ray_workers` Ray workers (ray_shards.py)."""
+        return self.ray_workers is not None
 
     @property
     def is_job(self) -> bool:
@@ -255,7 +273,40 @@ class EvalConfig(CheckedConfig):
                 problems.append(
                     (("eval", "seed_index"), f"must be < {len(seeds)} (the number of eval.seeds)", seed_index)
                 )
-        return problems
+        return problems + ray_worker_problems(data)
+
+
+def ray_worker_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
+    """`eval.ray_workers` with what it can't run with: a static shard or seed job (the queue hands out every
+    prompt of every seed), nemo_gym (each worker would launch its own Gym: not supported yet), unseeded sampling
+    (a dead worker's prompt is rolled out again elsewhere, and the merge needs the two to agree byte for byte),
+    and a replica pool (each worker builds its own engine)."""
+    ev = data.get("eval")
+    workers = raw_field(EvalSettings, ev, "ray_workers")
+    if workers in (INVALID, None):
+        return []
+    problems: list[RuleProblem] = []
+    for key, why in (("shard", "the queue hands out every prompt; drop eval.shard"),
+                     ("seed_index", "the workers run every seed of eval.seeds; drop eval.seed_index")):
+        value = raw_field(EvalSettings, ev, key)
+        if value not in (INVALID, None):
+            problems.append((("eval", key), f"can't be combined with eval.ray_workers ({why})", value))
+    mode = raw_field(RolloutsConfig, data.get("rollouts"), "mode")
+    if mode == "nemo_gym":
+        problems.append((("eval", "ray_workers"), "is not supported in nemo_gym mode yet (each worker would launch "
+                         "its own Gym); run static shards (eval.shard=I/N) instead", workers))
+    policy = data.get("policy") if isinstance(data.get("policy"), Mapping) else {}
+    generation = policy.get("generation") if isinstance(policy.get("generation"), Mapping) else {}
+    seeds = raw_field(EvalSettings, ev, "seeds")
+    if generation.get("seed") is None and seeds in (INVALID, None):
+        problems.append((("policy", "generation", "seed"), "must be set with eval.ray_workers (or use eval.seeds): a "
+                         "dead worker's prompt is rolled out again by another, and the merge needs the two to agree "
+                         "byte for byte", None))
+    cluster = raw_field(PolicyConfig, policy, "cluster")
+    if cluster not in (INVALID, None) and cluster.num_replicas > 1:
+        problems.append((("policy", "cluster", "num_replicas"), "must be 1 with eval.ray_workers (each worker builds "
+                         "its own engine with policy.cluster.replica's resources)", cluster.num_replicas))
+    return problems
 
 
 def input_problems(cfg: EvalConfig) -> list[str]:

@@ -18,6 +18,8 @@ the samples ended as errors (the CLI then exits 3).
 
 With `eval.shard` or `eval.seeds` the run is split into jobs (shards.py): each job is this same loop over its
 slice of the datums (dataset indices kept) into its own store, and the last job to finish merges (merge.py).
+With `eval.ray_workers` Ray workers pull the prompts from a shared queue instead, each into its own store, and
+this process merges (ray_shards.py).
 """
 
 from __future__ import annotations
@@ -123,7 +125,10 @@ def run_eval(
 
     `generation`: a backend to use (not shut down here); None builds `cfg.policy`'s. `stop_after_groups`
     (tests): stop once this many groups are written, as if the run had been killed there.
+    With `eval.ray_workers` the run goes to Ray workers that build their own engines (ray_shards.py).
     """
+    if cfg.eval.on_ray:
+        return _on_ray(cfg, generation, progress, stop_after_groups)
     return asyncio.run(
         run_eval_async(cfg, generation=generation, progress=progress, stop_after_groups=stop_after_groups)
     )
@@ -137,6 +142,8 @@ async def run_eval_async(
     stop_after_groups: int | None = None,
 ) -> EvalResult:
     """`run_eval` inside a running event loop."""
+    if cfg.eval.on_ray:
+        return await asyncio.to_thread(_on_ray, cfg, generation, progress, stop_after_groups)
     if cfg.eval.is_job:
         return await run_jobs_async(
             cfg, generation=generation, progress=progress, stop_after_groups=stop_after_groups
@@ -270,6 +277,18 @@ async def run_store_async(
     return EvalResult(
         paths, complete, summary, len(records), written, skipped, wall, metrics, errors_written, retried
     )
+
+
+def _on_ray(
+    cfg: EvalConfig, generation: GenerationInterface | None, progress: bool, stop_after_groups: int | None
+) -> EvalResult:
+    """`run_eval` with `eval.ray_workers`: each worker builds its own engine, so none may be handed in."""
+    if generation is not None or stop_after_groups is not None:
+        raise ValueError("with eval.ray_workers each Ray worker builds its own engine from `policy`: pass no "
+                         "generation (and no stop_after_groups); see evals/ray_shards.run_ray_eval")
+    from nemo_rl_ext.evals.ray_shards import run_ray_eval
+
+    return run_ray_eval(cfg, progress=progress)
 
 
 def job_config(cfg: EvalConfig, seed_index: int | None, shard: ShardSpec) -> EvalConfig:

@@ -1,0 +1,131 @@
+"""The shared queue of an eval on Ray workers: which prompts are still to do, and which worker holds which.
+
+    queue = PromptQueue([(0, p) for p in range(24)], lease_timeout_s=600)
+    queue.lease("worker-0")          # -> [(0, 0)]: the worker rolls the prompt out into its own store
+    queue.complete("worker-0", [(0, 0)])
+    queue.release("worker-1")        # worker-1 died: the prompts it held go back to the front of the queue
+
+A plain class (ray_shards.py makes it a Ray actor), so the lease rules are tested without Ray. An item is
+(group, prompt_idx): the group is the seed's index with `eval.seeds`, else 0. A worker leases an item when it has
+a free slot, so a slow worker takes fewer items and no worker waits for another's fixed slice. An item stays
+leased until its worker completes it; it goes back to the queue when the worker dies (`release`, called by the
+driver that watches the workers) or when its lease is older than `lease_timeout_s` (`expire`: the driver then
+kills that worker, which may hang). A completion from a worker whose lease was taken back still counts: the
+lines are on disk in its store, and a second worker's lines for the same prompt are byte-identical (seeded).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+Item = tuple[int, int]
+"""(group, prompt_idx): the seed's index in `eval.seeds` (0 without seeds) and the prompt's dataset index."""
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    """A snapshot of the queue (for progress and the run's record)."""
+
+    pending: int
+    """Items nobody holds yet."""
+    leased: dict[str, int]
+    """Worker -> items it holds."""
+    done: int
+    """Items completed."""
+    requeued: int
+    """Items that went back to the queue (their worker died or its lease expired), counted each time."""
+    total: int
+    """Items the queue started with."""
+
+    @property
+    def finished(self) -> bool:
+        """True when every item is completed."""
+        return self.done == self.total
+
+
+class PromptQueue:
+    """Pending items, leases per worker, completed items; see the module docstring."""
+
+    def __init__(
+        self,
+        items: Sequence[Item],
+        lease_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        items = [(int(g), int(p)) for g, p in items]
+        if len(set(items)) != len(items):
+            raise ValueError("every item must be queued once")
+        self._pending: deque[Item] = deque(items)
+        self._leases: dict[str, dict[Item, float]] = {}
+        """worker -> {item: when it was leased}."""
+        self._done: set[Item] = set()
+        self._total = len(items)
+        self._requeued = 0
+        self._timeout = lease_timeout_s
+        self._clock = clock
+
+    def lease(self, worker: str, n: int = 1) -> list[Item] | None:
+        """Up to `n` items for `worker`, oldest first; [] when none is pending but some are leased (one may
+        come back: ask again later); None when every item is done (the worker can stop)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, not {n}")
+        if len(self._done) == self._total:
+            return None
+        now = self._clock()
+        taken: list[Item] = []
+        held = self._leases.setdefault(worker, {})
+        while self._pending and len(taken) < n:
+            item = self._pending.popleft()
+            if item in self._done:  # completed by a worker whose lease had been taken back
+                continue
+            held[item] = now
+            taken.append(item)
+        if not taken and len(self._done) == self._total:
+            return None
+        return taken
+
+    def complete(self, worker: str, items: Iterable[Item]) -> None:
+        """`worker` has every line of `items` in its store: they are done (whoever holds them now)."""
+        for item in items:
+            item = (int(item[0]), int(item[1]))
+            self._done.add(item)
+            for held in self._leases.values():
+                held.pop(item, None)
+
+    def release(self, worker: str) -> list[Item]:
+        """`worker` died: the items it held go back to the front of the queue (in lease order); returns them."""
+        held = self._leases.pop(worker, {})
+        back = [item for item in held if item not in self._done]
+        self._pending.extendleft(reversed(back))
+        self._requeued += len(back)
+        return back
+
+    def expire(self) -> dict[str, list[Item]]:
+        """Take back every lease older than `lease_timeout_s`; returns worker -> the items taken from it."""
+        if self._timeout is None:
+            return {}
+        now = self._clock()
+        out: dict[str, list[Item]] = {}
+        for worker, held in self._leases.items():
+            old = [item for item, since in held.items() if now - since > self._timeout]
+            for item in old:
+                del held[item]
+            if old:
+                out[worker] = old
+        back = [item for items in out.values() for item in items]
+        self._pending.extendleft(reversed(back))
+        self._requeued += len(back)
+        return out
+
+    def status(self) -> QueueStatus:
+        """The current counts."""
+        return QueueStatus(
+            pending=sum(item not in self._done for item in self._pending),
+            leased={w: len(h) for w, h in self._leases.items() if h},
+            done=len(self._done),
+            requeued=self._requeued,
+            total=self._total,
+        )

@@ -1,0 +1,131 @@
+"""An eval on 2 Ray workers pulling prompts from a shared queue (the session's local Ray, the tiny model): the merged
+files equal those of a 1-shard run; a worker killed mid-run gives its prompts back to the queue and the run still
+merges to the same bytes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_eval_shards import NUM_PROMPTS, SAMPLES, overrides, same_summary
+
+from nemo_rl_ext.config import ConfigError, load_config
+from nemo_rl_ext.evals.config import EvalConfig
+from nemo_rl_ext.evals.driver import run_eval
+from nemo_rl_ext.evals.ray_shards import EVENTS_FILE
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER_CPUS = "policy.cluster={replica: {num_cpus: 0.5}}"  # two workers fit the session's 2-CPU Ray with room
+
+
+def config(tiny_model_dir: Path, save_path: Path, *extra: str) -> EvalConfig:
+    return load_config(REPO / "examples/configs/evals/eval.yaml", overrides(tiny_model_dir, save_path, *extra),
+                       EvalConfig)
+
+
+@pytest.fixture(scope="module")
+def one_shard(tiny_model_dir, generation, tmp_path_factory) -> Path:
+    """The run as one static shard (in this process); its merge is the reference."""
+    root = tmp_path_factory.mktemp("one") / "run"
+    result = run_eval(config(tiny_model_dir, root, "eval.shard=0/1"), generation=generation, progress=False)
+    assert result.summary is not None
+    return root
+
+
+def held_prompts(store: Path) -> list[int]:
+    return json.loads((store / "shard.json").read_text())["prompts"]
+
+
+def events(root: Path) -> list[dict]:
+    return [json.loads(x) for x in (root / EVENTS_FILE).read_text().splitlines()]
+
+
+@pytest.mark.timeout(400)
+def test_two_ray_workers_merge_to_the_bytes_of_one_shard(local_ray, tiny_model_dir, one_shard, tmp_path) -> None:
+    root = tmp_path / "ray"
+    result = run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", "eval.max_concurrent_prompts=1",
+                             WORKER_CPUS), progress=False)
+    assert result.complete and result.summary is not None
+    assert result.groups_generated == NUM_PROMPTS and result.completions_written == NUM_PROMPTS * SAMPLES
+
+    merged = (root / "completions.jsonl").read_bytes()
+    assert merged == (one_shard / "completions.jsonl").read_bytes()
+    assert merged.count(b"\n") == NUM_PROMPTS * SAMPLES
+    assert same_summary(root / "summary.json", one_shard / "summary.json")
+    stores = sorted(p.name for p in (root / "shards").iterdir())
+    assert stores == ["worker-0", "worker-1"]
+    held = [held_prompts(root / "shards" / s) for s in stores]
+    assert sorted(held[0] + held[1]) == list(range(NUM_PROMPTS))  # every prompt once: pulled, not sliced
+    assert held[0] and held[1], held  # both workers pulled prompts
+    assert [e["event"] for e in events(root)] == ["started", "started", "finished"]
+
+    again = run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", WORKER_CPUS), progress=False)
+    assert again.groups_generated == 0 and again.skipped_completions == NUM_PROMPTS * SAMPLES  # resume: nothing
+    assert (root / "completions.jsonl").read_bytes() == merged
+    with pytest.raises(ConfigError, match=r"policy.generation.max_new_tokens"):  # a changed config: before Ray work
+        run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", WORKER_CPUS, "policy.generation.max_new_tokens=9"),
+                 progress=False)
+
+
+@pytest.mark.timeout(400)
+def test_seeds_on_two_ray_workers_merge_as_seed_jobs_do(local_ray, tiny_model_dir, generation, tmp_path) -> None:
+    few = ("eval.num_prompts=8", "eval.seeds=[3,7]")
+    jobs = run_eval(config(tiny_model_dir, tmp_path / "jobs", *few), generation=generation, progress=False)
+    ray = run_eval(config(tiny_model_dir, tmp_path / "ray", *few, "eval.ray_workers=2", WORKER_CPUS), progress=False)
+    assert jobs.summary is not None and ray.summary is not None
+    for seed in ("3", "7"):
+        a, b = tmp_path / "jobs" / "seeds" / seed, tmp_path / "ray" / "seeds" / seed
+        assert (a / "completions.jsonl").read_bytes() == (b / "completions.jsonl").read_bytes()
+        assert same_summary(a / "summary.json", b / "summary.json")
+        assert sorted(p.name for p in (b / "shards").iterdir()) == ["worker-0", "worker-1"]
+    assert same_summary(tmp_path / "jobs" / "summary.json", tmp_path / "ray" / "summary.json")
+    assert ray.summary.metrics["num_samples"] == 8 * SAMPLES * 2
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("max_failures", [1, 2], ids=["taken-out", "restarted"])
+def test_a_killed_worker_gives_its_prompts_back_and_the_merge_is_unchanged(
+    local_ray, tiny_model_dir, one_shard, tmp_path, max_failures
+) -> None:
+    root = tmp_path / "killed"
+    victim_store = root / "shards" / "worker-1" / "completions.jsonl"
+    killed: list[str] = []
+
+    def kill_worker_1() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            started = [e for e in events(root) if e["event"] == "started" and e["worker"] == "worker-1"] \
+                if (root / EVENTS_FILE).exists() else []
+            if started and victim_store.exists() and victim_store.read_bytes().count(b"\n") >= 2 * SAMPLES:
+                local_ray.kill(local_ray.get_actor(started[0]["actor"]), no_restart=True)
+                killed.append(started[0]["actor"])
+                return
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_worker_1, daemon=True)
+    killer.start()
+    cfg = config(tiny_model_dir, root, "eval.ray_workers=2", "eval.max_concurrent_prompts=1", WORKER_CPUS,
+                 f"policy.cluster.max_failures={max_failures}")
+    result = run_eval(cfg, progress=False)
+    killer.join(timeout=10)
+    assert killed, "worker-1 finished before it could be killed"
+    assert result.complete and result.summary is not None
+
+    log = events(root)
+    [died] = [e for e in log if e["event"] == "died"]
+    assert died["worker"] == "worker-1" and died["restarted"] is (max_failures > 1)
+    assert died["requeued"], "worker-1 held no prompt when it was killed"
+    requeued = {p for _, p in died["requeued"]}
+    starts = [e["worker"] for e in log if e["event"] == "started"]
+    assert sorted(starts) == (["worker-0", "worker-1", "worker-1"] if max_failures > 1 else ["worker-0", "worker-1"])
+    assert log[-1]["event"] == "finished" and log[-1]["requeued"] == len(requeued)
+
+    held = {s.name: held_prompts(s) for s in (root / "shards").iterdir()}
+    assert set().union(*held.values()) == set(range(NUM_PROMPTS))
+    if max_failures == 1:  # taken out: worker-0 rolled out what worker-1 held when it died
+        assert requeued <= set(held["worker-0"])
+    assert (root / "completions.jsonl").read_bytes() == (one_shard / "completions.jsonl").read_bytes()
+    assert same_summary(root / "summary.json", one_shard / "summary.json")
