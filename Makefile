@@ -60,7 +60,7 @@ functional: setup
 	@$(call run_pytest,tests/functional)
 
 test: lint
-	@$(call run_pytest,tests/unit tests/functional)
+	@$(call run_pytest,tests/unit tests/functional --durations=15)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
