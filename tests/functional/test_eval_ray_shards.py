@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_eval_shards import NUM_PROMPTS, SAMPLES, overrides, same_summary
+from test_eval_shard_jobs import NUM_PROMPTS, SAMPLES, overrides, same_summary
 
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
