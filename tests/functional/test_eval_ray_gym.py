@@ -1,6 +1,6 @@
 """A nemo_gym eval on 2 Ray workers (the session's local Ray, the tiny model through a real NeMo Gym): each worker
-launches its own Gym on its own ports, each store keeps its gym_rows.jsonl, the merge equals a 1-shard run's bytes,
-and no Gym server outlives the run."""
+launches its own Gym on its own ports, each store keeps its gym_rows.jsonl, the merge equals a 1-shard run's (but
+for Gym's per-call ids and float noise in the logprobs: see `gym_stable`), and no Gym server outlives the run."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from gym_processes import wait_until_gone
+from test_eval_shards import same_summary
 
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.evals.config import EvalConfig
@@ -84,8 +85,13 @@ def test_nemo_gym_on_two_ray_workers_each_launch_gym_and_merge_to_the_bytes_of_o
     assert result.complete and result.summary is not None and result.summary.rollout_mode == "nemo_gym"
     assert result.groups_generated == NUM_PROMPTS and result.completions_written == NUM_SAMPLES
     merged = (root / "completions.jsonl").read_bytes()
-    assert merged == (tmp_path / "one" / "completions.jsonl").read_bytes()
-    assert merged.count(b"\n") == NUM_SAMPLES
+    ours, ref = merged.splitlines(), (tmp_path / "one" / "completions.jsonl").read_bytes().splitlines()
+    assert len(ours) == len(ref) == NUM_SAMPLES
+    for a, b in zip(ours, ref, strict=True):  # equal but for what Gym makes up per call and float noise
+        (a, a_logprobs), (b, b_logprobs) = gym_stable(a), gym_stable(b)
+        assert a == b
+        assert a_logprobs == pytest.approx(b_logprobs, abs=1e-4)
+    same_summary(root / "summary.json", tmp_path / "one" / "summary.json")
     assert result.summary.gym_metrics is None  # Gym's own aggregate needs a live Gym: not in a merged summary
     assert all(json.loads(x)["error"] is None for x in merged.splitlines())  # every sample went through Gym
 
@@ -115,6 +121,20 @@ def test_nemo_gym_on_two_ray_workers_each_launch_gym_and_merge_to_the_bytes_of_o
     again = run_eval(cfg, progress=False)  # resume: nothing left to roll out, the same merge
     assert again.groups_generated == 0 and again.skipped_completions == NUM_SAMPLES
     assert (root / "completions.jsonl").read_bytes() == merged
+
+
+def gym_stable(raw: bytes) -> tuple[dict, list[float]]:
+    """A completion line without what Gym makes up for each call (the response's `id` and `created_at`, each
+    output item's `id`), and apart from it the generation logprobs (equal up to float noise: the engine's
+    batches hold whichever requests arrived together)."""
+    line = json.loads(raw)
+    response = line["env_extras"]["gym_result"]["response"]
+    del response["id"], response["created_at"]
+    logprobs = []
+    for item in response["output"]:
+        item.pop("id", None)
+        logprobs += item.pop("generation_log_probs", [])
+    return line, logprobs
 
 
 def _gym_name(proc: psutil.Process) -> str | None:
