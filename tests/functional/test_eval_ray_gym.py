@@ -72,7 +72,7 @@ class GymWatch:
 
 @pytest.mark.gym
 @pytest.mark.timeout(900)
-def test_nemo_gym_on_two_ray_workers_each_launch_gym_and_merge_to_the_bytes_of_one_shard(
+def test_nemo_gym_on_two_ray_workers_each_launch_gym_and_merge_as_one_shard(
     local_ray, gym_venv, tiny_model_dir, tmp_path
 ) -> None:
     one = run_eval(config(tiny_model_dir, gym_venv, tmp_path / "one", "eval.shard=0/1"), progress=False)
