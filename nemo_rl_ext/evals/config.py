@@ -32,7 +32,7 @@ from nemo_rl_ext.config import (
 )
 from nemo_rl_ext.evals.shards import ShardSpec
 from nemo_rl_ext.experience.config import RolloutsConfig, largest_count, rollouts_rule_problems
-from nemo_rl_ext.gym.config import resolve_gym_path
+from nemo_rl_ext.gym.config import GymConfig, resolve_gym_path
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import SEED_LIMIT
 
@@ -102,7 +102,8 @@ class EvalSettings(StrictModel):
         ge=1,
         description="Evaluate on N Ray workers (Ray from `policy.cluster`; null there: a local Ray), each with its "
         "own engine and store `<save_path>/[seeds/<seed>/]shards/worker-<k>/`, pulling prompts from a shared "
-        "queue; this process merges when the queue is empty (evals/ray_shards.py).",
+        "queue; this process merges when the queue is empty (evals/ray_shards.py). In nemo_gym mode each worker "
+        "serves its own policy server and, with rollouts.gym.launch (mode direct), launches its own Gym.",
     )
     ray_lease_timeout_s: float | None = Field(
         default=3600.0,
@@ -278,7 +279,7 @@ class EvalConfig(CheckedConfig):
 
 def ray_worker_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
     """`eval.ray_workers` with what it can't run with: a static shard or seed job (the queue hands out every
-    prompt of every seed), nemo_gym (each worker would launch its own Gym: not supported yet), unseeded sampling
+    prompt of every seed), in nemo_gym mode what is fixed to one port (`_gym_worker_problems`), unseeded sampling
     (a dead worker's prompt is rolled out again elsewhere, and the merge needs the two to agree byte for byte),
     and a replica pool (each worker builds its own engine)."""
     ev = data.get("eval")
@@ -291,10 +292,8 @@ def ray_worker_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
         value = raw_field(EvalSettings, ev, key)
         if value not in (INVALID, None):
             problems.append((("eval", key), f"can't be combined with eval.ray_workers ({why})", value))
-    mode = raw_field(RolloutsConfig, data.get("rollouts"), "mode")
-    if mode == "nemo_gym":
-        problems.append((("eval", "ray_workers"), "is not supported in nemo_gym mode yet (each worker would launch "
-                         "its own Gym); run static shards (eval.shard=I/N) instead", workers))
+    if raw_field(RolloutsConfig, data.get("rollouts"), "mode") == "nemo_gym":
+        problems += _gym_worker_problems(data, workers)
     policy = data.get("policy") if isinstance(data.get("policy"), Mapping) else {}
     generation = policy.get("generation") if isinstance(policy.get("generation"), Mapping) else {}
     seeds = raw_field(EvalSettings, ev, "seeds")
@@ -306,6 +305,38 @@ def ray_worker_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
     if cluster not in (INVALID, None) and cluster.num_replicas > 1:
         problems.append((("policy", "cluster", "num_replicas"), "must be 1 with eval.ray_workers (each worker builds "
                          "its own engine with policy.cluster.replica's resources)", cluster.num_replicas))
+    return problems
+
+
+def _gym_worker_problems(data: Mapping[str, Any], workers: int) -> list[RuleProblem]:
+    """nemo_gym on Ray workers: each worker (and, with `eval.seeds`, each seed in it) serves its own policy
+    server and, with `rollouts.gym.launch`, launches its own Gym; what is fixed to one port can exist only once:
+    a running Gym's model server (it calls the one policy URL), a set `gym.policy_port`, ng_run's head server."""
+    gym = raw_field(RolloutsConfig, data.get("rollouts"), "gym")
+    if not isinstance(gym, GymConfig):
+        return []  # missing or invalid: the rollouts rules say so
+    seeds = raw_field(EvalSettings, data.get("eval"), "seeds")
+    num_seeds = len(seeds) if seeds not in (INVALID, None) else 1
+    servers = workers * num_seeds
+    if servers == 1:
+        return []
+    many = f"eval.ray_workers={workers}" + (f" x {num_seeds} eval.seeds" if num_seeds > 1 else "")
+    many += f" would serve {servers} policy servers (one per worker and seed)"
+    if gym.launch is None:
+        if not gym.serve_policy:
+            return []  # Gym calls another model server: every worker may share the running Gym
+        key = ("rollouts", "gym", "head_server_url" if gym.head_server_url else "agent_urls")
+        return [(key, f"a running Gym's model server calls one policy URL (rollouts.gym.policy_port), but {many}; "
+                 "use rollouts.gym.launch (each worker starts its own Gym) or eval.ray_workers=1 without eval.seeds",
+                 gym.head_server_url or gym.agent_urls)]
+    problems: list[RuleProblem] = []
+    if gym.policy_port != 0:
+        problems.append((("rollouts", "gym", "policy_port"), f"must be 0 (a free port each) with {many}",
+                         gym.policy_port))
+    if gym.launch.mode == "ng_run":
+        problems.append((("rollouts", "gym", "launch", "mode"), f"ng_run's head server listens on "
+                         f"rollouts.gym.launch.head_server_port, one per machine, but {many}, each launching "
+                         "its own Gym; use mode direct", gym.launch.mode))
     return problems
 
 

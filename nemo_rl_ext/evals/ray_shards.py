@@ -14,6 +14,14 @@ eval driver's own loop (`driver._roll_out`) into the worker's store `<save_path>
 worker-<k>/`, whose shard.json lists the prompts it holds every line of (written before the prompts are
 reported done, so a prompt the queue counts as done is in some store's shard.json).
 
+In nemo_gym mode each worker (each group of it, with `eval.seeds`) serves its engine on its own policy server
+(a free port) and, with `rollouts.gym.launch` (mode direct), launches its own Gym pointed at it, when its first
+prompt starts; the Gym is stopped when the worker's `run` ends (or by `shutdown`; a killed worker's Gym by the
+launcher's watchdog). The store keeps the rows it may send in gym_rows.jsonl (every prompt's, written before
+the first is sent; a resumed worker sends those). A running Gym calls one policy URL, and ng_run's head server
+has one port, so those need one policy server in all (config.py `_gym_worker_problems`). The merged summary
+has no `gym_metrics` (merge.py).
+
 A worker that dies (killed, out of memory, its node lost) is seen by the driver as its `run` call failing:
 the prompts it held go back to the front of the queue, and the worker is started again on the same store
 (a group already on disk is skipped, a torn last line is cut) until it has died `policy.cluster.max_failures`
@@ -132,6 +140,7 @@ class EvalWorker:
 
             self.generation = build_policy(cfg.policy.model_copy(update={"cluster": None}))[1]
         self.stats = {"groups_generated": 0, "completions_written": 0, "errors_written": 0}
+        self._managers: list[Any] = []  # shut down by `run` or `shutdown`: the policy servers and Gyms they started
 
     def ready(self) -> int:
         """The worker's process id (returns once the engine is built)."""
@@ -153,13 +162,29 @@ class EvalWorker:
         rows = load_rows(cfg)
         check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
         paths.config.write_text(dump_config(cfg))
-        datums, manager = build_rollout_setup(cfg, self.generation, rows)
+        datums, manager = build_rollout_setup(self._runtime_config(cfg, root), self.generation, rows)
+        self._managers.append(manager)
         manager.preflight(datums)
         expected = {d.idx: manager.counts.for_agent(d.agent) for d in datums}
+        if cfg.rollouts.mode == "nemo_gym":  # every row this worker may send, on disk before the first is sent
+            from nemo_rl_ext.evals import gym_eval
+
+            gym_eval.materialize_rows(manager.impl, datums, expected, root, resuming)
         group = _Group(cfg, root, store, manager, {d.idx: d for d in datums}, expected, len(rows))
         group.held = {p: n for p, n in expected.items() if all(store.line(p, s) is not None for s in range(n))}
         group.write_record()
         return group
+
+    def _runtime_config(self, cfg: EvalConfig, root: Path) -> EvalConfig:
+        """`cfg` as this worker runs it (config.yaml keeps `cfg`): a set `rollouts.gym.launch.work_dir` gets a
+        folder per worker and group, as every worker launches its own Gym (logs of the same names)."""
+        gym = cfg.rollouts.gym if cfg.rollouts.mode == "nemo_gym" else None
+        if gym is None or gym.launch is None or gym.launch.work_dir is None:
+            return cfg
+        sub = root.relative_to(Path(cfg.eval.save_path)).as_posix().replace("/", "-")
+        launch = gym.launch.model_copy(update={"work_dir": gym.launch.work_dir / sub})
+        rollouts = cfg.rollouts.model_copy(update={"gym": gym.model_copy(update={"launch": launch})})
+        return cfg.model_copy(update={"rollouts": rollouts})
 
     async def run(self, jobs: Sequence[tuple[EvalConfig, str]], queue: Any, in_flight: int) -> dict[str, int]:
         """Lease prompts from `queue` until it is done, `in_flight` at a time; `jobs[g]` is group g's config
@@ -214,15 +239,21 @@ class EvalWorker:
             await flush()
         finally:
             flushing.cancel()
-            for group in groups:
-                await group.manager.shutdown()
+            await self._stop_managers()
         wall = time.perf_counter() - start
         for group in groups:
             with open(EvalPaths(group.root).runs, "ab") as f:
                 f.write(dumps({"worker": self.name, **self.stats, "wall_time_s": wall}) + b"\n")
         return dict(self.stats)
 
-    def shutdown(self) -> None:
+    async def _stop_managers(self) -> None:
+        """Stop every manager opened (its policy server and Gym, in nemo_gym mode), each once."""
+        while self._managers:
+            await self._managers.pop().shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop the managers still open (a worker stopped mid-run), then the engine."""
+        await self._stop_managers()
         self.generation.shutdown()
 
 

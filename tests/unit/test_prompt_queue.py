@@ -103,8 +103,6 @@ def test_ray_workers_refuse_what_they_cannot_run_all_at_once() -> None:
     assert "eval.shard: can't be combined with eval.ray_workers" in msg and "(got '0/2')" in msg
     assert "policy.generation.seed: must be set with eval.ray_workers (or use eval.seeds)" in msg
     assert "policy.cluster.num_replicas: must be 1 with eval.ray_workers" in msg and "(got 2)" in msg
-    with pytest.raises(ConfigError, match=r"eval.ray_workers: is not supported in nemo_gym mode yet"):
-        load_config(None, [*BASE, "eval.ray_workers=2", "rollouts.mode=nemo_gym"], EvalConfig)
     with pytest.raises(ConfigError, match=r"eval.seed_index: can't be combined with eval.ray_workers"):
         load_config(None, [*BASE, "eval.ray_workers=2", "eval.seeds=[1,2]", "eval.seed_index=0"], EvalConfig)
     with pytest.raises(ConfigError, match=r"eval.ray_workers: Input should be greater than or equal to 1"):
@@ -113,6 +111,43 @@ def test_ray_workers_refuse_what_they_cannot_run_all_at_once() -> None:
                              "eval.seeds=[3,7]"], EvalConfig)  # each seed is the seed of its group
     assert cfg.eval.on_ray and [(s, c.policy.generation.seed) for s, c in group_configs(cfg)] == [(3, 3), (7, 7)]
     assert not load_config(None, BASE, EvalConfig).eval.on_ray
+
+
+GYM = [*BASE, "rollouts.mode=nemo_gym"]
+LAUNCH = "rollouts.gym.launch={gym_venv: /gym, config_paths: [agents.yaml]}"
+RUNNING = ["rollouts.gym.head_server_url=http://127.0.0.1:11000", "rollouts.gym.policy_port=8000"]
+
+
+def gym_problems(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [*GYM, *overrides], EvalConfig)
+    return str(info.value)
+
+
+def test_ray_workers_in_nemo_gym_mode_launch_a_gym_each_and_refuse_what_is_bound_to_one_port() -> None:
+    cfg = load_config(None, [*GYM, LAUNCH, "eval.ray_workers=2"], EvalConfig)  # each worker launches its Gym
+    assert cfg.eval.on_ray and cfg.rollouts.gym.launch.mode == "direct"
+    msg = gym_problems(LAUNCH, "eval.ray_workers=2", "rollouts.gym.launch.mode=ng_run", "rollouts.gym.policy_port=5000")
+    assert "2 problem(s)" in msg
+    assert ("rollouts.gym.policy_port: must be 0 (a free port each) with eval.ray_workers=2 would serve 2 policy "
+            "servers (one per worker and seed) (got 5000)") in msg
+    assert "rollouts.gym.launch.mode: ng_run's head server listens on rollouts.gym.launch.head_server_port" in msg
+    assert "use mode direct (got 'ng_run')" in msg
+    msg = gym_problems(*RUNNING, "eval.ray_workers=2")  # a running Gym's model server calls one policy URL
+    assert "1 problem(s)" in msg and "rollouts.gym.head_server_url: a running Gym's model server calls one " in msg
+    assert "use rollouts.gym.launch (each worker starts its own Gym) or eval.ray_workers=1 without eval.seeds" in msg
+    assert "(got 'http://127.0.0.1:11000')" in msg
+    msg = gym_problems("rollouts.gym.agent_urls={agent_alpha: 'http://127.0.0.1:9'}", "rollouts.gym.policy_port=8000",
+                       "eval.ray_workers=1", "eval.seeds=[1,2]")  # one worker, but a policy server per seed
+    assert "rollouts.gym.agent_urls: a running Gym's" in msg and "eval.ray_workers=1 x 2 eval.seeds would serve 2" in msg
+    with pytest.raises(ConfigError, match=r"gym.launch.mode: ng_run's head server"):  # a Gym per seed, too
+        load_config(None, [*GYM, LAUNCH, "rollouts.gym.launch.mode=ng_run", "eval.ray_workers=1", "eval.seeds=[1,2]"],
+                    EvalConfig)
+    for ok in ([*RUNNING, "eval.ray_workers=1"],  # one policy server: the one Gym calls
+               [LAUNCH, "rollouts.gym.launch.mode=ng_run", "eval.ray_workers=1"],
+               ["rollouts.gym.agent_urls={agent_alpha: 'http://127.0.0.1:9'}", "rollouts.gym.serve_policy=false",
+                "eval.ray_workers=3"]):  # Gym calls another model server: the workers serve none
+        assert load_config(None, [*GYM, *ok], EvalConfig).eval.on_ray
 
 
 def line(p: int, s: int, error: bool = False) -> CompletionLine:
