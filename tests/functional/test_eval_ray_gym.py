@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from gym_processes import wait_until_gone
-from test_eval_shards import same_summary
+from test_eval_shard_jobs import same_summary
 
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.evals.config import EvalConfig
