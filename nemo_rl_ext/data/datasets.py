@@ -13,6 +13,7 @@ import orjson
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.data.chat import tokenize_prompt
+from nemo_rl_ext.data.jsonl import json_lines, listed
 from nemo_rl_ext.data.records import DatumSpec
 
 SHIPPED_ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "data" / "arithmetic.jsonl"
@@ -20,15 +21,9 @@ SHIPPED_ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "data" /
 
 def load_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Rows of a JSONL file; every unreadable line and every row missing a required key in one error."""
-    rows, problems = [], []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            problems.append(f"line {lineno}: not JSON ({exc})")
-            continue
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for lineno, _, row in json_lines(Path(path).read_bytes(), problems):
         if not isinstance(row, dict):
             problems.append(f"line {lineno}: expected an object, got {type(row).__name__}")
             continue
@@ -37,7 +32,7 @@ def load_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[dict[str,
             problems.append(f"line {lineno}: missing key(s) {missing}")
         rows.append(row)
     if problems:
-        raise ValueError(f"{path}: {len(problems)} bad row(s):\n  " + "\n  ".join(problems))
+        raise ValueError(f"{path}: {len(problems)} bad row(s):\n" + listed(problems))
     return rows
 
 

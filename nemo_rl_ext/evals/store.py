@@ -32,6 +32,7 @@ import orjson
 from omegaconf import OmegaConf
 
 from nemo_rl_ext.config import ConfigError, config_changes
+from nemo_rl_ext.data.jsonl import json_lines, listed
 from nemo_rl_ext.evals.lines import CompletionLine
 
 RESUME_MAY_CHANGE = frozenset(
@@ -139,26 +140,16 @@ class CompletionStore:
                     f.flush()
                     os.fsync(f.fileno())
             data = data[:end]
-        problems = []
-        for lineno, line in enumerate(data.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                problems.append(f"line {lineno}: not JSON ({exc})")
-                continue
+        problems: list[str] = []
+        for lineno, line, row in json_lines(data, problems):
             try:
                 self._add(CompletionLine.from_json(row), line)
             except ValueError as exc:  # what line_problem found
                 problems.append(f"line {lineno}: {exc}")
         if problems:
-            shown = "\n  ".join(problems[:20]) + (
-                f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-            )
             raise ConfigError(
                 f"{self.path}: {len(problems)} unreadable line(s), not from a killed run "
-                f"(fix or move the file, or use another eval.save_path):\n  {shown}"
+                f"(fix or move the file, or use another eval.save_path):\n{listed(problems)}"
             )
 
     def _add(self, row: CompletionLine, raw: bytes) -> None:

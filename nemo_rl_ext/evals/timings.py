@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-import orjson
-
 from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.data.jsonl import json_lines, listed
 from nemo_rl_ext.data.records import PromptGroupRecord
 from nemo_rl_ext.evals.store import dumps
 
@@ -88,15 +87,8 @@ def read_timings(folder: Path) -> dict[tuple[int, int], float]:
     data = path.read_bytes()
     data = data[: data.rfind(b"\n") + 1]
     latest: dict[tuple[int, int], float | None] = {}
-    problems = []
-    for lineno, line in enumerate(data.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            problems.append(f"line {lineno}: not JSON ({exc})")
-            continue
+    problems: list[str] = []
+    for lineno, _, row in json_lines(data, problems):
         problem = _entry_problem(row)
         if problem:
             problems.append(f"line {lineno}: {problem}")
@@ -104,9 +96,8 @@ def read_timings(folder: Path) -> dict[tuple[int, int], float]:
         latency = row["latency_s"]
         latest[(row["prompt_idx"], row["sample_idx"])] = None if latency is None else float(latency)
     if problems:
-        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ConfigError(
             f"{path}: {len(problems)} unreadable line(s), not from a killed run (fix the lines, or delete the file: "
-            f"the profile then has no latencies):\n  {shown}"
+            f"the profile then has no latencies):\n{listed(problems)}"
         )
     return {key: v for key, v in latest.items() if v is not None}

@@ -29,7 +29,14 @@ def start(script: str, args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
         return subprocess.Popen([sys.executable, str(REPO / "examples" / script), *args], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=interruptible)
+
+
+def interruptible() -> None:
+    """In the child, before exec: SIGINT back to its default (a test run started as a background job of a
+    shell without job control has SIGINT ignored, and its children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for(proc: subprocess.Popen, ready, log: Path, within_s: float, what: str) -> None:

@@ -50,10 +50,18 @@ with stop_on_signals(name="job"):
 """
 
 
+def interruptible() -> None:
+    """In the child, before exec: SIGINT back to its default. A shell without job control starts background
+    jobs with SIGINT ignored (and a test run started so passes that on); Python then installs no
+    KeyboardInterrupt handler, as a user's `cmd &` expects, and a test that sends SIGINT must undo it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(code: str, *args: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)},
+        preexec_fn=interruptible,
     )
     assert proc.stdout.readline().strip() == "ready"
     return proc
