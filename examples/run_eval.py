@@ -93,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"incomplete: re-run with the same eval.save_path (and eval.shard) to resume ({result.paths.root})")
         return 1
     print(f"\n{format_metric_table(result.summary)}\n")
+    from nemo_rl_ext.evals.profile import DIFFICULTY_FILE, PROFILE_PLOT
+
     completions = "seeds/<seed>/completions.jsonl" if cfg.eval.seeds is not None else result.paths.completions.name
     print(
         f"outputs in {result.paths.root}/: {result.paths.summary.name}, {completions}, "
-        f"{result.paths.report.name}, {result.paths.plot.name}"
+        f"{result.paths.report.name}, {result.paths.plot.name}, {PROFILE_PLOT}, {DIFFICULTY_FILE}"
     )
     if result.errors_left:
         print(f"error: {result.summary['num_errors']} error sample(s) left; see above", file=sys.stderr)

@@ -29,6 +29,7 @@ import httpx
 import pytest
 import torch
 from backend_checks import backend_params, forward_logprobs, not_greedy, policy_section
+from test_grpo_gym import gym_grpo_config
 
 from nemo_rl_ext.algorithms.grpo import GRPO
 from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
@@ -258,31 +259,7 @@ def test_run_grpo_nemo_gym(backend, gym_venv, tmp_path):
     from nemo_rl_ext.models.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0, initializer_range=0.05)
-    rows = read_lines(GYM_ROWS)
-    data = tmp_path / "rows.jsonl"  # an answer of common characters: the dense grader gives partial credit
-    data.write_text("".join(json.dumps({**r, "expected_answer": "what is the answer to it"}) + "\n" for r in rows))
-    cfg = GRPOConfig.model_validate(
-        {
-            "policy": policy_section(backend, model_dir, MAX_MODEL_LEN,
-                                     generation={"max_new_tokens": 8, "temperature": 1.0}),
-            "data": {"train_path": str(data), "shuffle": False},
-            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": {"agent_alpha": 4, "agent_beta": 3},
-                     "max_num_steps": 2, "max_seq_len": 256, "seed": 3},
-            "optimizer": {"lr": 1.0e-3, "micro_batch_size": 8},
-            "rollouts": {
-                "mode": "nemo_gym",
-                "gym": {
-                    "launch": {
-                        "gym_venv": str(gym_venv),
-                        "config_paths": [str(REPO / "tests/functional/gym_configs/dense_arithmetic_agents.yaml")],
-                    },
-                    "row_timeout_s": 120,
-                },
-            },
-            "logger": {"progress": False, "tensorboard": False, "print_steps": False},
-            "output_dir": str(tmp_path / "run"),
-        }
-    )
+    cfg = gym_grpo_config(policy_section(backend, model_dir, MAX_MODEL_LEN), gym_venv, tmp_path, steps=2)
     with GRPO(cfg) as grpo:
         assert type(grpo.generation.inner).__name__ == {"hf": "HfGeneration", "vllm": "VllmGeneration"}[backend]
         grpo.run()

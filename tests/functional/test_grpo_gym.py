@@ -35,37 +35,22 @@ def nemo_rl_advantages(rewards: list[float]) -> list[float]:
     return out
 
 
-def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch):
-    from nemo_rl_ext.algorithms import grpo as grpo_module
-    from nemo_rl_ext.models.tiny import build_tiny_model
+def gym_grpo_config(policy: dict, gym_venv: Path, tmp_path: Path, *, steps: int) -> GRPOConfig:
+    """GRPO over NeMo Gym on the shipped Gym rows, two agents with 4 and 3 samples, Gym launched for the run.
 
-    batches = []  # (records, batch) of every step, as the trainer gets them
-
-    def recording_build_training_batch(records, **kwargs):
-        batch = build_training_batch(records, **kwargs)
-        batches.append((list(records), batch))
-        return batch
-
-    monkeypatch.setattr(grpo_module, "build_training_batch", recording_build_training_batch)
-
-    model_dir = build_tiny_model(tmp_path / "tiny", seed=0, initializer_range=0.05)
-    # the shipped Gym rows, with an expected answer made of common characters so that the random tiny
-    # model's text gets partial credit from the similarity grader (rewards differ within a group)
+    The rows' expected answer is made of common characters, so that the random tiny model's text gets partial
+    credit from the similarity grader (rewards differ within a group)."""
     rows = [json.loads(line) for line in (REPO / "examples/data/gym_arithmetic.jsonl").read_text().splitlines()]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({**r, "expected_answer": "what is the answer to it"}) + "\n" for r in rows))
-    cfg = GRPOConfig.model_validate(
+    return GRPOConfig.model_validate(
         {
-            "policy": {
-                "model_name": str(model_dir),
-                "max_model_len": 512,
-                "generation": {"max_new_tokens": 8, "temperature": 1.0},
-            },
+            "policy": {**policy, "generation": {"max_new_tokens": 8, "temperature": 1.0}},
             "data": {"train_path": str(data), "shuffle": False},
             "grpo": {
                 "num_prompts_per_step": 2,
                 "num_generations_per_prompt": {"agent_alpha": 4, "agent_beta": 3},
-                "max_num_steps": 1,
+                "max_num_steps": steps,
                 "max_seq_len": 256,
                 "seed": 3,
             },
@@ -84,6 +69,23 @@ def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch):
             "output_dir": str(tmp_path / "run"),
         }
     )
+
+
+def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch):
+    from nemo_rl_ext.algorithms import grpo as grpo_module
+    from nemo_rl_ext.models.tiny import build_tiny_model
+
+    batches = []  # (records, batch) of every step, as the trainer gets them
+
+    def recording_build_training_batch(records, **kwargs):
+        batch = build_training_batch(records, **kwargs)
+        batches.append((list(records), batch))
+        return batch
+
+    monkeypatch.setattr(grpo_module, "build_training_batch", recording_build_training_batch)
+
+    model_dir = build_tiny_model(tmp_path / "tiny", seed=0, initializer_range=0.05)
+    cfg = gym_grpo_config({"model_name": str(model_dir), "max_model_len": 512}, gym_venv, tmp_path, steps=1)
     with GRPO(cfg) as grpo:
         before = {k: v.detach().clone() for k, v in grpo.trainer.model.state_dict().items()}
         grpo.run()
