@@ -72,12 +72,11 @@ def instant_tool_policy(tokenizer) -> ScriptedGeneration:
 
 
 def tiny_tokenizer():
-    from transformers import AutoTokenizer
-
     from nemo_rl_ext.models.config import PolicyConfig
+    from nemo_rl_ext.models.loading import load_tokenizer
     from nemo_rl_ext.models.policy import resolve_model_path
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(PolicyConfig(model_name="tiny")))
+    return load_tokenizer(resolve_model_path(PolicyConfig(model_name="tiny")))
 
 
 def serve_policy(port: int) -> None:

@@ -59,6 +59,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     check_state_dict,
 )
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict
+from nemo_rl_ext.models.loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class VllmGeneration(GenerationInterface):
         AsyncEngineArgs, self._AsyncLLM, self._SamplingParams, self._TokensPrompt, kind = _import_vllm()
         self._final_only = kind.FINAL_ONLY
         self.model_path = str(model_path)
-        self._tokenizer = _load_tokenizer(self.model_path)
+        self._tokenizer = load_tokenizer(self.model_path)
         args: dict[str, Any] = {
             "model": self.model_path,
             "dtype": dtype,
@@ -406,14 +407,6 @@ def weight_version_of(completion) -> int:
             f"(spans {spans!r}); an output must carry exactly one"
         )
     return int(versions.pop())
-
-
-def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"  # as `load_model_and_tokenizer` gives the hf backend
-    return tokenizer
 
 
 def _checkpoint_names(folder: Path) -> frozenset[str]:
