@@ -22,3 +22,12 @@ def tiny_model_and_tokenizer(tiny_model_dir: Path) -> tuple[Any, Any]:
     from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture
+def agents():
+    """Fake NeMo Gym agent servers (`agent_alpha`, `agent_beta`) on 127.0.0.1: `nemo_rl_ext.testing.FakeAgents`."""
+    from nemo_rl_ext.testing import FakeAgents
+
+    with FakeAgents() as fake:
+        yield fake
