@@ -85,17 +85,6 @@ def start_engine(model_dir: Path, max_model_len: int):
     return engine
 
 
-def forward_logprobs(model, context: list[int], output: list[int], temperature: float) -> list[float]:
-    """log_softmax(logits / T) of `output` after `context`, from one transformers forward pass (T=0 -> 1)."""
-    import torch
-
-    ids = torch.tensor([context + output])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(context) - 1 : -1].float()
-    logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    return logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # gym
 # ---------------------------------------------------------------------------------------------------------
@@ -137,6 +126,7 @@ def assistant_turns(completion) -> list[tuple[list[int], object]]:
 def check_records(name, datums, records, metrics, recorder, hf_model, *, min_turns: int) -> dict:
     """The acceptance checks of one rollout batch; returns numbers for the report."""
     from nemo_rl_ext.data.records import StopReason
+    from nemo_rl_ext.testing import forward_logprobs
 
     sizes = [len(r.completions) for r in records]
     assert sizes == [COUNTS[d.agent] for d in datums], sizes
@@ -164,7 +154,7 @@ def check_records(name, datums, records, metrics, recorder, hf_model, *, min_tur
                 out, temperature = matches[0]
                 assert message.generation_logprobs == tuple(out.logprobs), "logprobs differ from the engine's"
                 # and they are the trainer's logprobs of those ids: log_softmax(logits / T), same weights
-                ref = forward_logprobs(hf_model, context, list(message.token_ids), temperature)
+                ref = forward_logprobs(hf_model, context, message.token_ids, temperature).tolist()
                 diff = max(abs(a - b) for a, b in zip(ref, out.logprobs, strict=True))
                 max_diff = max(max_diff, diff)
                 assert diff < LOGPROB_ATOL, diff
@@ -356,6 +346,7 @@ def run_grpo(args) -> None:
     from nemo_rl_ext.config import load_config
     from nemo_rl_ext.models.generation import GenerationConfig
     from nemo_rl_ext.models.tiny import build_tiny_model
+    from nemo_rl_ext.testing import forward_logprobs
 
     work = Path(tempfile.mkdtemp(prefix="vllm_cpu_grpo_"))
     model_dir = build_tiny_model(work / "soft_tiny", seed=0, initializer_range=0.05)
@@ -439,7 +430,7 @@ def run_grpo(args) -> None:
         for p, out, ref in zip(probes, after, trainer_out, strict=True):
             ids = list(out.output_ids)
             same_ids += ids[: len(ref)] == ref
-            lp = forward_logprobs(grpo.trainer.model, p, ids, 0.0)
+            lp = forward_logprobs(grpo.trainer.model, p, ids, 0.0).tolist()
             max_diff = max(max_diff, max(abs(a - b) for a, b in zip(lp, out.logprobs, strict=True)))
         log(
             f"after refit: greedy ids equal to the trainer's own greedy decode on {same_ids}/{len(probes)} "
