@@ -31,3 +31,14 @@ def agents():
 
     with FakeAgents() as fake:
         yield fake
+
+
+@pytest.fixture
+def stand_in_vllm():
+    """(StandInEngine, VllmGeneration wired to it): the vLLM backend's code paths without vLLM
+    (`nemo_rl_ext.testing.vllm_engine`)."""
+    from nemo_rl_ext.testing.vllm_engine import StandInEngine, vllm_on_stand_in
+
+    engine = StandInEngine()
+    with vllm_on_stand_in(engine) as gen:
+        yield engine, gen

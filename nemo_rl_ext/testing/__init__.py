@@ -4,7 +4,8 @@ reference forward pass that engine logprobs are checked against.
 
 They implement the real interfaces (`GenerationInterface`, `EnvironmentInterface`) in full, so a double
 works wherever a backend or an environment does; a test's own special behaviour is a parameter or a small
-subclass of these, never another copy.
+subclass of these, never another copy. A stand-in for vLLM's engine (`testing.vllm_engine`) is imported from
+its module (it imports the vLLM backend).
 """
 
 from nemo_rl_ext.testing.environments import FailingEnvironment, RolloutStep, ScriptedEnvironment
