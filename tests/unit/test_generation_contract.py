@@ -140,6 +140,7 @@ def test_stop_token_ends_the_generation_and_is_kept(gen, tiny_model_and_tokenize
     assert out.output_ids == free.output_ids[: free.output_ids.index(stop) + 1]
     assert out.logprobs == pytest.approx(free.logprobs[: len(out.output_ids)], abs=LOGPROB_ATOL)
     assert out.finish_reason is FinishReason.STOP_TOKEN and out.matched_stop == stop and not out.truncated
+    assert out.finish_reason.openai == "stop"
 
 
 def test_stop_string_ends_the_generation_at_the_completing_token(gen, tiny_model_and_tokenizer):
@@ -160,6 +161,7 @@ def test_length_limits_say_which_limit(gen, tiny_model_and_tokenizer):
     base = chat_prompts(tokenizer, 1)[0]
     short = run(gen.generate_async(base, GenerationConfig(max_new_tokens=3, temperature=0)))
     assert len(short.output_ids) == 3 and short.finish_reason is FinishReason.MAX_NEW_TOKENS and short.truncated
+    assert short.finish_reason.openai == "length"
     long_prompt = (base * (MAX_MODEL_LEN // len(base) + 1))[: MAX_MODEL_LEN - 4]
     cut = run(gen.generate_async(long_prompt, GenerationConfig(max_new_tokens=10, temperature=0)))
     assert len(long_prompt) + len(cut.output_ids) == MAX_MODEL_LEN
