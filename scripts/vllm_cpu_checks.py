@@ -42,6 +42,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 REPO = Path(__file__).resolve().parents[1]
 GYM_CONFIG = REPO / "tests" / "functional" / "gym_configs" / "two_agents.yaml"
 GYM_ROWS = REPO / "tests" / "data" / "gym" / "collector-input.jsonl"
+AGENTS = ("agent_alpha", "agent_beta")
 COUNTS = {"agent_alpha": 3, "agent_beta": 1}
 TOOL_SCRIPT = [
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "sf"}}\n</tool_call><|im_end|>',
@@ -99,18 +100,12 @@ def make_recorder(engine, tokenizer):
                               finish_reason=FinishReason.EOS, logprobs=-0.25, cut_at_max_new_tokens=False)
 
 
-def gym_datums():
-    from nemo_rl_ext.data.records import DatumSpec
+def gym_rows_as_datums():
+    """The collector-input rows, alternately for agent_alpha and agent_beta, as the eval and GRPO read Gym rows."""
+    from nemo_rl_ext.data.datasets import gym_datums, load_jsonl
 
-    rows = [json.loads(line) for line in GYM_ROWS.read_text().splitlines() if line.strip()]
-    datums = []
-    for idx, row in enumerate(rows):
-        agent = "agent_alpha" if idx % 2 == 0 else "agent_beta"
-        row = {**row, "agent_ref": {"name": agent}}
-        datums.append(
-            DatumSpec(idx=idx, message_log=(), task_name="nemo_gym", extra_env_info=row, agent_name=agent)
-        )
-    return datums
+    rows = load_jsonl(GYM_ROWS)
+    return gym_datums([{**row, "agent_ref": {"name": AGENTS[i % 2]}} for i, row in enumerate(rows)])
 
 
 def assistant_turns(completion) -> list[tuple[list[int], object]]:
@@ -258,7 +253,7 @@ async def run_gym(args) -> None:
         },
     )
     started: set[int] = set()
-    datums = gym_datums()
+    datums = gym_rows_as_datums()
     try:
         # phase 1: the random tiny model on vLLM
         start = time.perf_counter()
@@ -361,14 +356,12 @@ def run_grpo(args) -> None:
             "vllm": {"enforce_eager": True},
             "generation": {"max_new_tokens": 8, "temperature": 1.0, "stop_strings": ["yes"]},
         },
-        "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
         "data": {"train_path": str(data)},
-        "grpo": {
-            "num_prompts_per_step": 4,
+        "grpo": {"num_prompts_per_step": 4, "max_num_steps": args.steps, "seed": 42},
+        "rollouts": {
             "num_generations_per_prompt": 16,
-            "max_num_steps": args.steps,
             "max_seq_len": 128,
-            "seed": 42,
+            "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
         },
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
         "logger": {"progress": False, "tensorboard": False, "print_steps": True},
