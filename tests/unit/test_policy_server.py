@@ -566,3 +566,20 @@ def test_server_stops_and_frees_the_port(tiny_model_and_tokenizer) -> None:
     srv.stop()
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_the_options_are_one_dataclass_taken_whole_or_by_name(tiny_model_and_tokenizer) -> None:
+    from nemo_rl_ext.serving.policy_server import PolicyService, ServerOptions, server_options
+
+    model, tok = tiny_model_and_tokenizer
+    options = ServerOptions(served_model_name="whole", request_timeout_s=3.0)
+    assert server_options(options, served_model_name="named") == ServerOptions("named", request_timeout_s=3.0)
+    with pytest.raises(TypeError, match=r"unknown policy-server option\(s\) \['api_kee', 'port_'\]"):
+        server_options(api_kee="k", port_=1)
+    service = PolicyService(ScoredScript(model, tok), tok, options, trust_request_chat_template=True)
+    assert service.models()["data"][0]["id"] == "whole" and service.options.trust_request_chat_template
+    with PolicyServer(ScoredScript(model, tok), tok, options, api_key="k") as srv:
+        assert srv.served_model_name == "whole"
+        assert httpx.get(f"{srv.base_url}/models").status_code == 401
+        answer = httpx.get(f"{srv.base_url}/models", headers={"Authorization": "Bearer k"})
+        assert answer.json()["data"][0]["id"] == "whole"
