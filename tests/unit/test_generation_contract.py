@@ -128,6 +128,25 @@ def test_seeds_reproduce_and_differ(gen, tiny_model_and_tokenizer):
     assert run(gen.generate_async(prompt, cfg.model_copy(update={"seed": 1}))).output_ids == a.output_ids
 
 
+def test_top_k_one_and_tiny_top_p_are_greedy_with_pre_filter_logprobs(gen, tiny_model_and_tokenizer):
+    _, tokenizer = tiny_model_and_tokenizer
+    prompt = chat_prompts(tokenizer, 1)[0]
+
+    async def three():
+        return await asyncio.gather(
+            gen.generate_async(prompt, GREEDY),
+            gen.generate_async(prompt, GREEDY.model_copy(update={"temperature": 1.0, "top_k": 1, "seed": 5})),
+            gen.generate_async(prompt, GREEDY.model_copy(update={"temperature": 1.0, "top_p": 1e-9, "seed": 5})),
+        )
+
+    greedy, top_k, top_p = run(three())
+    assert top_k.output_ids == greedy.output_ids
+    assert top_p.output_ids == greedy.output_ids
+    # pre-filter logprobs: the kept token's logprob is not renormalized to 0 by the filter
+    assert top_k.logprobs == pytest.approx(greedy.logprobs, abs=LOGPROB_ATOL)
+    assert max(top_k.logprobs) < -1e-3
+
+
 # ---- stops and limits -----------------------------------------------------------------------------
 
 

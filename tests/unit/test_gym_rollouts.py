@@ -40,9 +40,10 @@ def gym_datum(idx: int, agent: str, text: str = "what's the weather?") -> DatumS
     return DatumSpec(idx=idx, message_log=(), task_name="nemo_gym", extra_env_info=row, agent_name=agent)
 
 
-def gym_manager(tokenizer, agents: FakeAgents, counts, fault_policy=None, **gym) -> RolloutManager:
+def gym_manager(tokenizer, agents: FakeAgents | None, counts, fault_policy=None, **gym) -> RolloutManager:
+    """Gym rollouts of `agents` (None: say where in `gym`, e.g. head_server_url) with a policy they never call."""
     gym_config = {
-        "agent_urls": agents.agent_urls(),
+        **({"agent_urls": agents.agent_urls()} if agents is not None else {}),
         "serve_policy": False,
         "max_attempts": 3,
         "retry_backoff_s": 0.01,
@@ -360,23 +361,10 @@ def stack():
         yield fake
 
 
-def head_manager(tokenizer, stack: FakeGymStack, counts, **gym) -> RolloutManager:
-    return RolloutManager(
-        tokenizer=tokenizer,
-        task_to_env=None,
-        num_generations_per_prompt=counts,
-        max_seq_len=1024,
-        policy_generation=UnusedPolicy(),
-        generation_config=GenerationConfig(max_new_tokens=8, seed=3),
-        use_nemo_gym=True,
-        gym_config={"head_server_url": stack.agents.url, "serve_policy": False, "row_timeout_s": 60,
-                    "max_attempts": 3, **gym},
-    )
-
-
 async def test_a_dead_resources_server_fails_its_pending_rows_within_seconds(tiny_model_and_tokenizer, stack):
     _, tok = tiny_model_and_tokenizer
-    mgr = head_manager(tok, stack, 4)  # default health checks: every 1 s, down after 3 failed probes
+    # default health checks: every 1 s, down after 3 failed probes
+    mgr = gym_manager(tok, None, 4, head_server_url=stack.agents.url, row_timeout_s=60)
     try:
         healthy = await asyncio.wait_for(mgr.run_rollout(gym_datum(0, "agent_alpha")), 30)
         assert [c.reward for c in healthy.completions] == [1.0] * 4

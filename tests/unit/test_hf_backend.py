@@ -1,5 +1,5 @@
 """What only the transformers backend has, on the tiny model: batching counters, its own max_model_len and EOS ids,
-top-k/top-p, sampling-parameter validation. The checks every backend passes (logprobs, stops, limits, seeds, bad
+sampling-parameter validation. The checks every backend passes (logprobs, top-k/top-p, stops, limits, seeds, bad
 prompts) are in test_generation_contract.py."""
 
 from __future__ import annotations
@@ -64,18 +64,6 @@ async def test_eos_ends_generation_naturally(backend, tiny_model_and_tokenizer):
     out = await backend.generate_async(prompt, GREEDY)
     assert out.output_ids == free.output_ids[: free.output_ids.index(free.output_ids[2]) + 1]
     assert out.finish_reason is FinishReason.EOS and not out.truncated
-
-
-async def test_top_k_one_and_tiny_top_p_are_greedy(backend, tiny_model_and_tokenizer):
-    _, tokenizer = tiny_model_and_tokenizer
-    prompt = chat_prompts(tokenizer, 1)[0]
-    greedy, top_k, top_p = await asyncio.gather(
-        backend.generate_async(prompt, GREEDY),
-        backend.generate_async(prompt, GREEDY.model_copy(update={"temperature": 1.0, "top_k": 1, "seed": 5})),
-        backend.generate_async(prompt, GREEDY.model_copy(update={"temperature": 1.0, "top_p": 1e-9, "seed": 5})),
-    )
-    assert top_k.output_ids == greedy.output_ids
-    assert top_p.output_ids == greedy.output_ids
 
 
 @pytest.mark.parametrize(
