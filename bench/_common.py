@@ -1,13 +1,46 @@
-"""Shared by the bench scripts: the machine line, medians, and a plain-text table (ratio last)."""
+"""Shared by the bench scripts: the engine benches' questions and thread setting, the machine line, medians, and a
+plain-text table (ratio last). Standard library only, so a script can import it before torch."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+
+QUESTIONS = [
+    "What is 7 + 5?",
+    "Name three rivers and the countries they flow through, then say which one is the longest.",
+    "Compute 123 * 4 step by step.",
+    "Write one sentence about the weather in a city you like, and explain why you like that city so much.",
+    "Is 91 a prime number?",
+    "List the first ten square numbers and add them up, showing the running total after each one.",
+    "What does a calculator tool do?",
+    "Tell me a short story about a cat, a dog and a bird who meet by a river on a cold morning.",
+]
+"""User questions of different lengths that the engine benches prompt with (prompt i asks QUESTIONS[i % 8])."""
+
+
+def engine_bench_parser(description: str, quick: str) -> argparse.ArgumentParser:
+    """The arguments every engine bench takes: `--model`, `--quick` (its help: `quick`), `--threads`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="tiny", help='"tiny" (default), "smollm2" or a model folder')
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    return parser
+
+
+def main_args(module_name: str, parse_args: Callable[[], argparse.Namespace]) -> argparse.Namespace | None:
+    """`parse_args()` when the bench runs as a script (None when it is imported), with OMP_NUM_THREADS set to its
+    `--threads` unless already set: call it before torch is imported, since OpenMP reads it at start-up."""
+    if module_name != "__main__":
+        return None
+    args = parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    return args
 
 
 def cpu_model() -> str:

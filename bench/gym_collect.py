@@ -72,12 +72,11 @@ def instant_tool_policy(tokenizer) -> ScriptedGeneration:
 
 
 def tiny_tokenizer():
-    from transformers import AutoTokenizer
-
     from nemo_rl_ext.models.config import PolicyConfig
+    from nemo_rl_ext.models.loading import load_tokenizer
     from nemo_rl_ext.models.policy import resolve_model_path
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(PolicyConfig(model_name="tiny")))
+    return load_tokenizer(resolve_model_path(PolicyConfig(model_name="tiny")))
 
 
 def serve_policy(port: int) -> None:
@@ -99,8 +98,10 @@ def serve_policy(port: int) -> None:
 
 
 def gym_rows() -> list[dict]:
-    rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]
-    return [{**row, "agent_ref": {"name": AGENTS[i % 2]}} for i, row in enumerate(rows)]
+    """The collector-input rows, alternately for agent_alpha and agent_beta."""
+    from nemo_rl_ext.data.datasets import load_jsonl
+
+    return [{**row, "agent_ref": {"name": AGENTS[i % 2]}} for i, row in enumerate(load_jsonl(ROWS))]
 
 
 def expanded(rows: list[dict], repeats: dict[str, int]) -> list[dict]:
@@ -115,6 +116,8 @@ def expanded(rows: list[dict], repeats: dict[str, int]) -> list[dict]:
 def run_ng_collect(gym_venv: Path, head_port: int, work: Path, tag: str, repeats: dict[str, int],
                    concurrency: int, n_expected: int, env: dict[str, str]) -> dict:
     """ng_collect_rollouts as documented; returns whole wall time and its own collection-phase time."""
+    from nemo_rl_ext.data.datasets import load_jsonl
+
     cwd = work / f"collect-{tag}"
     cwd.mkdir(parents=True)
     (cwd / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gym_rows()))
@@ -139,7 +142,7 @@ def run_ng_collect(gym_venv: Path, head_port: int, work: Path, tag: str, repeats
     if not match:
         raise RuntimeError(f"no 'Finished N / N rollouts (100%)' line in {cwd / 'collect.log'}")
     done, total, per_min = match[-1]
-    results = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    results = load_jsonl(out)
     assert int(done) == int(total) == n_expected == len(results), (done, total, n_expected, len(results))
     assert all("reward" in r for r in results)
     return {"wall": wall, "collection": int(done) / float(per_min) * 60, "rollouts": len(results),
@@ -163,7 +166,8 @@ async def run_gym_client(head_url: str, rows: list[dict], concurrency: int) -> d
 
 async def run_manager(head_url: str, rows: list[dict], repeats: dict[str, int], concurrency: int,
                       tokenizer) -> dict:
-    from nemo_rl_ext.data.records import DatumSpec, StopReason
+    from nemo_rl_ext.data.datasets import gym_datums
+    from nemo_rl_ext.data.records import StopReason
     from nemo_rl_ext.experience.rollout_manager import RolloutManager
 
     manager = RolloutManager(
@@ -173,8 +177,7 @@ async def run_manager(head_url: str, rows: list[dict], repeats: dict[str, int], 
         gym_config={"head_server_url": head_url, "serve_policy": False, "max_concurrency": concurrency,
                     "row_timeout_s": 120, "max_attempts": 1},
     )
-    datums = [DatumSpec(idx=i, message_log=(), task_name="nemo_gym", extra_env_info=row,
-                        agent_name=row["agent_ref"]["name"]) for i, row in enumerate(rows)]
+    datums = gym_datums(rows)
     try:
         await (await manager.impl.client()).agent_urls()  # discovery, before the clock
         start = time.perf_counter()

@@ -85,11 +85,10 @@ def routing_cost(n: int) -> tuple[float, float]:
 
 
 def tiny_model(replicas: int, model_dir: Path, args) -> tuple[float, int]:
-    from transformers import AutoTokenizer
-
     from nemo_rl_ext.models.generation.hf_backend import HfGeneration
+    from nemo_rl_ext.models.loading import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     factory = functools.partial(HfGeneration.from_pretrained, str(model_dir), max_model_len=256)
     pool = RoutedGeneration(factory, tokenizer=tokenizer, max_model_len=256, num_replicas=replicas,
                             resources=ReplicaResources(num_cpus=1))

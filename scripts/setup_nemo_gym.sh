@@ -12,31 +12,24 @@
 # nemo-gym 0.7.0 declares Requires-Python >= 3.13.14, which no installable interpreter here
 # satisfies; it installs and runs on 3.13.0 with --ignore-requires-python.
 #
-# Idempotent: a stamp file written as the very last step marks a finished build; a second run
-# with the stamp present returns at once. A venv without the stamp (an interrupted build) is
-# deleted and rebuilt. Virtual environments are not relocatable (console scripts carry the absolute
-# interpreter path), so the build happens in place and the stamp, not a rename, marks completion.
-# A lock (flock) keeps two concurrent runs from building the same folder.
+# Idempotent: a second run with the stamp of a finished build present returns at once; an interrupted
+# build is deleted and rebuilt; a lock (flock) keeps two concurrent runs from building the same folder
+# (scripts/venv_build.sh).
 set -euo pipefail
 
 GYM_VERSION="0.7.0"
 CACHE_ROOT="${NEMO_RL_EXT_CACHE:-$HOME/.cache/nemo_rl_ext}"
 VENV="${CACHE_ROOT}/nemo-gym-${GYM_VERSION}"
 STAMP="${VENV}/.nemo_rl_ext_complete"
-
-log() { echo "[setup_nemo_gym] $*" >&2; }
-die() { echo "[setup_nemo_gym] ERROR: $*" >&2; exit 1; }
+LOG_TAG="setup_nemo_gym"
+REBUILD="${NEMO_GYM_REBUILD:-0}"
+source "$(dirname "${BASH_SOURCE[0]}")/venv_build.sh"
 
 venv_ok() {
     [[ -f "$STAMP" && -x "$VENV/bin/python" && -x "$VENV/bin/ng_run" ]]
 }
 
-# Fast path: no lock, no interpreter probing.
-if [[ "${NEMO_GYM_REBUILD:-0}" != "1" ]] && venv_ok; then
-    log "already built ($(cat "$STAMP"))"
-    echo "$VENV"
-    exit 0
-fi
+exit_if_built  # fast path: no lock, no interpreter probing
 
 find_python() {
     local cand
@@ -66,32 +59,13 @@ PY="$(find_python)" || die "no Python 3.13 interpreter found. Install one (e.g. 
 or point NEMO_GYM_PYTHON at a python3.13 binary. Tried: \$NEMO_GYM_PYTHON, \$(pyenv root)/versions/3.13.0, python3.13 on PATH."
 log "using $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
 
-mkdir -p "$CACHE_ROOT"
-exec 9>"${CACHE_ROOT}/.nemo-gym-${GYM_VERSION}.lock"
-if ! flock -w 1800 9; then
-    die "timed out after 1800 s waiting for another setup_nemo_gym.sh run (lock ${CACHE_ROOT}/.nemo-gym-${GYM_VERSION}.lock)"
-fi
-
-# Another run may have finished the build while we waited for the lock.
-if [[ "${NEMO_GYM_REBUILD:-0}" != "1" ]] && venv_ok; then
-    log "already built ($(cat "$STAMP"))"
-    echo "$VENV"
-    exit 0
-fi
-
-if [[ -e "$VENV" ]]; then
-    log "removing incomplete or stale venv at $VENV"
-    rm -rf "$VENV"
-fi
+lock_for_build "${CACHE_ROOT}/.nemo-gym-${GYM_VERSION}.lock"
 
 start=$SECONDS
 log "creating venv at $VENV"
 "$PY" -m venv "$VENV"
 log "installing nemo-gym==${GYM_VERSION} (about a minute; ~1.4 GB)"
-# (pip's "Location ... is ignored: it is neither a file nor a directory" warnings about local
-# package-index mirrors are noise; filter them, keep everything else and pip's exit status.)
-"$VENV/bin/python" -m pip install --quiet --ignore-requires-python "nemo-gym==${GYM_VERSION}" 2>&1 |
-    { grep -v 'is neither a file nor a directory' || true; } >&2
+quiet_pip "$VENV/bin/python" install --quiet --ignore-requires-python "nemo-gym==${GYM_VERSION}"
 
 # Sanity check before stamping: the CLI entry points exist and the server packages import.
 "$VENV/bin/python" - >&2 <<'EOF'

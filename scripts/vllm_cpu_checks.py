@@ -42,6 +42,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 REPO = Path(__file__).resolve().parents[1]
 GYM_CONFIG = REPO / "tests" / "functional" / "gym_configs" / "two_agents.yaml"
 GYM_ROWS = REPO / "tests" / "data" / "gym" / "collector-input.jsonl"
+AGENTS = ("agent_alpha", "agent_beta")
 COUNTS = {"agent_alpha": 3, "agent_beta": 1}
 TOOL_SCRIPT = [
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "sf"}}\n</tool_call><|im_end|>',
@@ -85,17 +86,6 @@ def start_engine(model_dir: Path, max_model_len: int):
     return engine
 
 
-def forward_logprobs(model, context: list[int], output: list[int], temperature: float) -> list[float]:
-    """log_softmax(logits / T) of `output` after `context`, from one transformers forward pass (T=0 -> 1)."""
-    import torch
-
-    ids = torch.tensor([context + output])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(context) - 1 : -1].float()
-    logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    return logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # gym
 # ---------------------------------------------------------------------------------------------------------
@@ -110,18 +100,12 @@ def make_recorder(engine, tokenizer):
                               finish_reason=FinishReason.EOS, logprobs=-0.25, cut_at_max_new_tokens=False)
 
 
-def gym_datums():
-    from nemo_rl_ext.data.records import DatumSpec
+def gym_rows_as_datums():
+    """The collector-input rows, alternately for agent_alpha and agent_beta, as the eval and GRPO read Gym rows."""
+    from nemo_rl_ext.data.datasets import gym_datums, load_jsonl
 
-    rows = [json.loads(line) for line in GYM_ROWS.read_text().splitlines() if line.strip()]
-    datums = []
-    for idx, row in enumerate(rows):
-        agent = "agent_alpha" if idx % 2 == 0 else "agent_beta"
-        row = {**row, "agent_ref": {"name": agent}}
-        datums.append(
-            DatumSpec(idx=idx, message_log=(), task_name="nemo_gym", extra_env_info=row, agent_name=agent)
-        )
-    return datums
+    rows = load_jsonl(GYM_ROWS)
+    return gym_datums([{**row, "agent_ref": {"name": AGENTS[i % 2]}} for i, row in enumerate(rows)])
 
 
 def assistant_turns(completion) -> list[tuple[list[int], object]]:
@@ -137,6 +121,7 @@ def assistant_turns(completion) -> list[tuple[list[int], object]]:
 def check_records(name, datums, records, metrics, recorder, hf_model, *, min_turns: int) -> dict:
     """The acceptance checks of one rollout batch; returns numbers for the report."""
     from nemo_rl_ext.data.records import StopReason
+    from nemo_rl_ext.testing import forward_logprobs
 
     sizes = [len(r.completions) for r in records]
     assert sizes == [COUNTS[d.agent] for d in datums], sizes
@@ -164,7 +149,7 @@ def check_records(name, datums, records, metrics, recorder, hf_model, *, min_tur
                 out, temperature = matches[0]
                 assert message.generation_logprobs == tuple(out.logprobs), "logprobs differ from the engine's"
                 # and they are the trainer's logprobs of those ids: log_softmax(logits / T), same weights
-                ref = forward_logprobs(hf_model, context, list(message.token_ids), temperature)
+                ref = forward_logprobs(hf_model, context, message.token_ids, temperature).tolist()
                 diff = max(abs(a - b) for a, b in zip(ref, out.logprobs, strict=True))
                 max_diff = max(max_diff, diff)
                 assert diff < LOGPROB_ATOL, diff
@@ -268,7 +253,7 @@ async def run_gym(args) -> None:
         },
     )
     started: set[int] = set()
-    datums = gym_datums()
+    datums = gym_rows_as_datums()
     try:
         # phase 1: the random tiny model on vLLM
         start = time.perf_counter()
@@ -356,6 +341,7 @@ def run_grpo(args) -> None:
     from nemo_rl_ext.config import load_config
     from nemo_rl_ext.models.generation import GenerationConfig
     from nemo_rl_ext.models.tiny import build_tiny_model
+    from nemo_rl_ext.testing import forward_logprobs
 
     work = Path(tempfile.mkdtemp(prefix="vllm_cpu_grpo_"))
     model_dir = build_tiny_model(work / "soft_tiny", seed=0, initializer_range=0.05)
@@ -370,14 +356,12 @@ def run_grpo(args) -> None:
             "vllm": {"enforce_eager": True},
             "generation": {"max_new_tokens": 8, "temperature": 1.0, "stop_strings": ["yes"]},
         },
-        "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
         "data": {"train_path": str(data)},
-        "grpo": {
-            "num_prompts_per_step": 4,
+        "grpo": {"num_prompts_per_step": 4, "max_num_steps": args.steps, "seed": 42},
+        "rollouts": {
             "num_generations_per_prompt": 16,
-            "max_num_steps": args.steps,
             "max_seq_len": 128,
-            "seed": 42,
+            "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
         },
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
         "logger": {"progress": False, "tensorboard": False, "print_steps": True},
@@ -439,7 +423,7 @@ def run_grpo(args) -> None:
         for p, out, ref in zip(probes, after, trainer_out, strict=True):
             ids = list(out.output_ids)
             same_ids += ids[: len(ref)] == ref
-            lp = forward_logprobs(grpo.trainer.model, p, ids, 0.0)
+            lp = forward_logprobs(grpo.trainer.model, p, ids, 0.0).tolist()
             max_diff = max(max_diff, max(abs(a - b) for a, b in zip(lp, out.logprobs, strict=True)))
         log(
             f"after refit: greedy ids equal to the trainer's own greedy decode on {same_ids}/{len(probes)} "

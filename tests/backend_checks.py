@@ -1,5 +1,6 @@
-"""Helpers shared by the generation-backend tests (hf and vLLM): chat prompts, a reference forward pass, and a
-gate that holds the hf decode loop at a chosen forward pass.
+"""Helpers shared by the generation-backend tests (hf and vLLM): chat prompts, the reference forward pass
+(`nemo_rl_ext.testing.forward_logprobs`, re-exported here), and a gate that holds the hf decode loop at a chosen
+forward pass.
 
 Importable from any test module because pytest puts this folder (the one holding conftest.py) on sys.path.
 """
@@ -9,6 +10,11 @@ from __future__ import annotations
 import threading
 
 import torch
+
+from nemo_rl_ext.testing import forward_logprobs
+
+__all__ = ["backend_params", "chat_prompts", "forward_logprobs", "gate_forward", "not_greedy", "policy_section",
+           "vllm_skip_reason"]
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -21,15 +27,6 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
         )
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
-
-
-def forward_logprobs(model, prompt: list[int], output: tuple[int, ...], temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of `output` given `prompt` from one plain forward pass, as a trainer computes them."""
-    ids = torch.tensor([prompt + list(output)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    return logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
 def vllm_skip_reason() -> str | None:

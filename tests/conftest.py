@@ -22,3 +22,23 @@ def tiny_model_and_tokenizer(tiny_model_dir: Path) -> tuple[Any, Any]:
     from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture
+def agents():
+    """Fake NeMo Gym agent servers (`agent_alpha`, `agent_beta`) on 127.0.0.1: `nemo_rl_ext.testing.FakeAgents`."""
+    from nemo_rl_ext.testing import FakeAgents
+
+    with FakeAgents() as fake:
+        yield fake
+
+
+@pytest.fixture
+def stand_in_vllm():
+    """(StandInEngine, VllmGeneration wired to it): the vLLM backend's code paths without vLLM
+    (`nemo_rl_ext.testing.vllm_engine`)."""
+    from nemo_rl_ext.testing.vllm_engine import StandInEngine, vllm_on_stand_in
+
+    engine = StandInEngine()
+    with vllm_on_stand_in(engine) as gen:
+        yield engine, gen

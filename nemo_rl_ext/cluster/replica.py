@@ -105,9 +105,10 @@ def replica_actor_options(resources: ReplicaResources, *, spread: bool = True) -
     """Ray options of one replica actor, and the placement group it needs (None when it needs none).
 
     CPU replicas and single-GPU replicas reserve `num_cpus` / `num_gpus` directly and are spread over
-    nodes. A replica with `num_gpus` > 1 is a tensor-parallel vLLM engine: it gets a placement group of
-    one {GPU: 1, CPU: 1} bundle per GPU, packed on one node, which vLLM's Ray executor (started from
-    inside the actor) fills with its workers. NOT TESTED here (no GPU): the CPU path is what CI runs.
+    nodes. A replica with `num_gpus` > 1 is an engine sharded over several GPUs (vLLM's tensor parallelism):
+    it gets a placement group of one {GPU: 1, CPU: 1} bundle per GPU, packed on one node, which the
+    engine's Ray workers (vLLM's Ray executor, asked for by the backend's `replica_engine_kwargs`, started
+    from inside the actor) fill. NOT TESTED here (no GPU): the CPU path is what CI runs.
     """
     if resources.num_gpus <= 1:
         options = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus, "max_restarts": 0}
@@ -125,20 +126,18 @@ def replica_actor_options(resources: ReplicaResources, *, spread: bool = True) -
     return {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0, "scheduling_strategy": strategy}, group
 
 
-def build_policy_backend(policy_cfg: Any, tensor_parallel_ray: bool = False) -> GenerationInterface:
-    """The backend a replica serves for a `PolicyConfig` (built inside the replica's process).
-
-    `tensor_parallel_ray`: a vLLM engine spanning several GPUs runs its workers as Ray actors in the
-    replica's placement group (`distributed_executor_backend="ray"`). NOT TESTED here (no GPU).
-    """
+def build_policy_backend(policy_cfg: Any, engine_kwargs: Mapping[str, Any] | None = None) -> GenerationInterface:
+    """The backend a replica serves for a `PolicyConfig` (built inside the replica's process), with the
+    engine arguments its registry entry asks for in a replica (`policy_backend_factory`)."""
     from nemo_rl_ext.models.backends import build_generation
 
-    return build_generation(
-        policy_cfg, engine_kwargs={"distributed_executor_backend": "ray"} if tensor_parallel_ray else None
-    )
+    return build_generation(policy_cfg, engine_kwargs=engine_kwargs)
 
 
 def policy_backend_factory(policy_cfg: Any) -> BackendFactory:
-    """A picklable factory of `build_policy_backend(policy_cfg)`."""
-    tensor_parallel_ray = policy_cfg.backend == "vllm" and policy_cfg.vllm.tensor_parallel_size > 1
-    return functools.partial(build_policy_backend, policy_cfg, tensor_parallel_ray)
+    """A picklable factory of `build_policy_backend(policy_cfg, ...)`; the backend's registry entry
+    (`replica_engine_kwargs`) says which engine arguments a replica adds."""
+    from nemo_rl_ext.models.backends import backend_entry
+
+    engine_kwargs = backend_entry(policy_cfg.backend).replica_engine_kwargs(policy_cfg)
+    return functools.partial(build_policy_backend, policy_cfg, dict(engine_kwargs) if engine_kwargs else None)

@@ -141,13 +141,11 @@ class RoutedGeneration(GenerationInterface):
         The model folder must be readable at the same path on every node (a shared file system).
         `tokenizer`: the caller's (default: the model folder's)."""
         from nemo_rl_ext.cluster.replica import policy_backend_factory
+        from nemo_rl_ext.models.loading import load_tokenizer
         from nemo_rl_ext.models.policy import resolve_model_path
 
         if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(policy_cfg))
-            tokenizer.padding_side = "left"  # as models.tiny.load_model_and_tokenizer sets it
+            tokenizer = load_tokenizer(resolve_model_path(policy_cfg))
         return cls(
             policy_backend_factory(policy_cfg),
             tokenizer=tokenizer,

@@ -1,7 +1,9 @@
-"""The one chat renderer: prompts tokenized per message, and observations framed after an assistant turn.
+"""The one chat renderer: prompts tokenized per message, and the template's text after an assistant turn.
 
-Both use the tokenizer's own chat template; earlier turns are never re-rendered or re-tokenized. The policy
-server's token-exact continuation (`serving.chat_prompt`) uses `text_after_marker` the same way.
+Everything uses the tokenizer's own chat template; earlier turns are never re-rendered or re-tokenized.
+`text_after_turn` is the one way to find what a template puts after an assistant turn (the close of the
+turn, the next messages, the generation prompt): `ObservationFormatter` frames observations with it, and the
+policy server's token-exact continuation (`serving.chat_prompt`) continues a conversation with it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,28 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.data.records import Message
 
-_ASSISTANT_MARK = "\x1fASSISTANT-8f3a\x1f"
-_CONTENT_MARK = "\x1fCONTENT-8f3a\x1f"
+TURN_MARK = "@@NEMO_RL_EXT_ASSISTANT_TURN_5b1e9c@@"
+"""Content that stands in for an assistant turn while rendering (no whitespace: templates trim)."""
+_CONTENT_MARK = "@@NEMO_RL_EXT_CONTENT_5b1e9c@@"
+"""Content that stands in for an observation while its frame is rendered."""
+
+
+class TurnNotRendered(ValueError):
+    """The chat template did not render the marked assistant turn's content exactly once."""
+
+
+def text_after_turn(rendered: str, *, drop_eos: str = "") -> str:
+    """The template's text after the assistant turn whose content is `TURN_MARK` in `rendered`.
+
+    `drop_eos`: the EOS text the caller already has at the end of that turn (its generation ended with it);
+    the template's own copy, where the text starts with it, is dropped. Raises `TurnNotRendered` unless the
+    marker appears exactly once (a template that drops or repeats the turn cannot be continued).
+    """
+    count = rendered.count(TURN_MARK)
+    if count != 1:
+        raise TurnNotRendered(f"the chat template rendered the assistant turn's content {count} times, not once")
+    after = rendered[rendered.index(TURN_MARK) + len(TURN_MARK) :]
+    return after.removeprefix(drop_eos) if drop_eos else after
 
 
 def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -61,9 +83,9 @@ def tokenize_prompt(
 class ObservationFormatter:
     """Renders observations with the tokenizer's own chat template, as a continuation of the context.
 
-    The template is rendered once per role around marker strings; what sits between the end of the
-    assistant's turn and the next generation prompt becomes the frame of the observation. Earlier turns
-    are never re-rendered or re-tokenized.
+    The template is rendered once per role around marker strings; what `text_after_turn` finds after the
+    assistant's turn (up to the next generation prompt) becomes the frame of the observation. The template's
+    EOS that closes the turn is left out of the frame: `render` adds it when the model did not write it.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -72,13 +94,11 @@ class ObservationFormatter:
         self._frame = lru_cache(maxsize=16)(self._compute_frame)
 
     def _compute_frame(self, role: str) -> tuple[str, str]:
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _ASSISTANT_MARK}]
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": TURN_MARK}]
         text = self.tokenizer.apply_chat_template(
             [*base, {"role": role, "content": _CONTENT_MARK}], add_generation_prompt=True, tokenize=False
         )
-        after = text[text.rindex(_ASSISTANT_MARK) + len(_ASSISTANT_MARK) :]
-        if self.eos_text and after.startswith(self.eos_text):
-            after = after[len(self.eos_text) :]
+        after = text_after_turn(text, drop_eos=self.eos_text)
         if _CONTENT_MARK not in after:
             raise ValueError(f"the chat template drops messages of role {role!r}; cannot render observations")
         prefix, suffix = after.split(_CONTENT_MARK, 1)

@@ -6,8 +6,9 @@
 A factory gets the `policy` section, the caller's model and tokenizer (an in-process trainer shares them;
 None otherwise) and extra engine arguments (a Ray replica passes its executor settings). A backend that
 `loads_model_folder` reads `resolve_model_path(cfg)` itself and is kept in step with the trainer through
-`update_weights`; one that does not serves the model object it is handed. Built in: "hf" (this package's
-continuous-batching engine) and "vllm" (needs the `vllm` extra).
+`update_weights`; one that does not serves the model object it is handed. `replica_engine_kwargs` gives the
+extra engine arguments a backend needs inside a Ray replica (`cluster/`), so a new backend never edits the
+cluster code. Built in: "hf" (this package's continuous-batching engine) and "vllm" (needs the `vllm` extra).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class BackendFactory(Protocol):
     ) -> GenerationInterface: ...
 
 
+ReplicaEngineKwargs = Callable[[PolicyConfig], Mapping[str, Any] | None]
+"""Extra engine arguments of a backend hosted in a Ray replica actor, given the `policy` section."""
+
+
 @dataclass(frozen=True)
 class BackendEntry:
     """A registered backend."""
@@ -40,19 +45,28 @@ class BackendEntry:
     loads_model_folder: bool
     """True when it loads the model folder itself (refit with `update_weights`), False when it serves the
     model object it is handed."""
+    replica_engine_kwargs: ReplicaEngineKwargs
+    """The `engine_kwargs` its factory gets inside a Ray replica, from the `policy` section (None: none)."""
+
+
+def no_engine_kwargs(cfg: PolicyConfig) -> None:
+    """The default `replica_engine_kwargs`: a replica builds the backend as any caller does."""
+    return None
 
 
 _BACKENDS: dict[str, BackendEntry] = {}
 
 
-def register_backend(name: str, *, loads_model_folder: bool) -> Callable[[BackendFactory], BackendFactory]:
-    """Decorator: make a backend factory available as `policy.backend: name`."""
+def register_backend(
+    name: str, *, loads_model_folder: bool, replica_engine_kwargs: ReplicaEngineKwargs = no_engine_kwargs
+) -> Callable[[BackendFactory], BackendFactory]:
+    """Decorator: make a backend factory available as `policy.backend: name` (see the module docstring)."""
 
     def decorate(factory: BackendFactory) -> BackendFactory:
         known = _BACKENDS.get(name)
         if known is not None and known.factory is not factory:
             raise ValueError(f"backend {name!r} is already registered to {known.factory!r}")
-        _BACKENDS[name] = BackendEntry(factory, loads_model_folder)
+        _BACKENDS[name] = BackendEntry(factory, loads_model_folder, replica_engine_kwargs)
         return factory
 
     return decorate
@@ -100,7 +114,13 @@ def _build_hf(
     )
 
 
-@register_backend("vllm", loads_model_folder=True)
+def _vllm_replica_engine_kwargs(cfg: PolicyConfig) -> Mapping[str, Any] | None:
+    """A vLLM engine spanning several GPUs runs its workers as Ray actors in the replica's placement group
+    (`cluster.replica.replica_actor_options` packs one GPU bundle per shard). NOT TESTED on GPUs here."""
+    return {"distributed_executor_backend": "ray"} if cfg.vllm.tensor_parallel_size > 1 else None
+
+
+@register_backend("vllm", loads_model_folder=True, replica_engine_kwargs=_vllm_replica_engine_kwargs)
 def _build_vllm(
     cfg: PolicyConfig, model: Any, tokenizer: Any, engine_kwargs: Mapping[str, Any] | None
 ) -> GenerationInterface:

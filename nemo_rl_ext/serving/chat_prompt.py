@@ -5,11 +5,11 @@ Token-in, token-out: when the request holds an assistant message that carries th
 ids followed by the template's text for everything after that turn, tokenized on its own. Earlier turns
 are never re-rendered or re-tokenized, so where the ids and the rendered text disagree, the ids win.
 
-The text after that turn is found the way `data.chat.ObservationFormatter` frames
-observations: render the real conversation with a marker as that assistant turn's content and take what
-follows the marker (the close of the turn, any number of tool/user messages, the tools block if the
-template puts it there, the generation prompt). If the generation already ended with the EOS token that
-closes the turn, the template's copy of it is dropped.
+The text after that turn is found by `data.chat.text_after_turn`, as observations are framed: render the
+real conversation with a marker as that assistant turn's content and take what follows the marker (the
+close of the turn, any number of tool/user messages, the tools block if the template puts it there, the
+generation prompt). If the generation already ended with the EOS token that closes the turn, the
+template's copy of it is dropped.
 
 `/tokenize` and `/v1/chat/completions` both call `build_chat_prompt`, so their prompt ids are equal.
 """
@@ -20,10 +20,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl_ext.data.chat import TURN_MARK, TurnNotRendered, text_after_turn
 from nemo_rl_ext.serving.openai_schemas import ApiError, PromptParams
-
-CONTINUATION_MARK = "@@NEMO_RL_EXT_ASSISTANT_TURN_5b1e9c@@"
-"""Content that stands in for the continued assistant turn while rendering (no whitespace: templates trim)."""
 
 
 @dataclass(frozen=True)
@@ -65,18 +63,17 @@ def build_chat_prompt(
 
     source = params.messages[k]
     prefix = [*source.prompt_token_ids, *source.generation_token_ids]
-    messages[k] = {"role": "assistant", "content": CONTINUATION_MARK}
+    messages[k] = {"role": "assistant", "content": TURN_MARK}
     text = _render(tokenizer, messages, params)
-    if text.count(CONTINUATION_MARK) != 1:
+    ended_with_eos = bool(source.generation_token_ids) and source.generation_token_ids[-1] == tokenizer.eos_token_id
+    try:
+        delta = text_after_turn(text, drop_eos=(tokenizer.eos_token or "") if ended_with_eos else "")
+    except TurnNotRendered:
         raise ApiError(
             f"the chat template does not render the content of messages[{k}] (the assistant turn to continue) "
             "exactly once, so the text after it cannot be found; token-exact continuation is impossible",
             param=f"messages.{k}",
-        )
-    delta = text[text.index(CONTINUATION_MARK) + len(CONTINUATION_MARK) :]
-    eos_text, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
-    if eos_text and source.generation_token_ids and source.generation_token_ids[-1] == eos_id:
-        delta = delta.removeprefix(eos_text)
+        ) from None
     return ChatPrompt(prefix + _tokenize(tokenizer, delta, False), len(prefix), k, delta)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ import signal
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -80,6 +82,36 @@ DEFAULT_MAX_TOKENS = GenerationConfig().max_new_tokens
 """The CLI's `--max-tokens` default: a request without max_tokens must not generate until the context is full."""
 
 
+@dataclass(frozen=True)
+class ServerOptions:
+    """How the policy server answers: one set of options for `PolicyService`, `create_app`, `PolicyServer` and
+    the CLI (each also takes them as keyword arguments, see `server_options`)."""
+
+    served_model_name: str = "policy"
+    """The model's name in `/v1/models` and in every response."""
+    default_config: GenerationConfig | None = None
+    """Fills in the sampling fields a request leaves out; None: an absent max_tokens means "up to
+    max_model_len", as in vLLM."""
+    request_timeout_s: float | None = None
+    """Bounds one request's generation (a 504 after it); None: no bound."""
+    api_key: str | None = None
+    """When set, every route but `/health` wants `Authorization: Bearer <api_key>` (a 401 otherwise)."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Larger request bodies get a 413."""
+    trust_request_chat_template: bool = False
+    """Accept a `chat_template` sent with a request (top level or in `chat_template_kwargs`); a 400 otherwise
+    (templates run loops)."""
+
+
+def server_options(options: ServerOptions | None = None, **fields: Any) -> ServerOptions:
+    """`options` (default: `ServerOptions()`) with `fields` replaced; unknown names are one TypeError naming them."""
+    known = {f.name for f in dataclasses.fields(ServerOptions)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"unknown policy-server option(s) {unknown}; known: {sorted(known)}")
+    return dataclasses.replace(options or ServerOptions(), **fields)
+
+
 class PolicyService:
     """The request handling behind the HTTP routes; usable without a server (tests, other frontends)."""
 
@@ -87,18 +119,13 @@ class PolicyService:
         self,
         generation: GenerationInterface,
         tokenizer: PreTrainedTokenizerBase,
-        *,
-        served_model_name: str = "policy",
-        default_config: GenerationConfig | None = None,
-        request_timeout_s: float | None = None,
-        trust_request_chat_template: bool = False,
+        options: ServerOptions | None = None,
+        **option_fields: Any,
     ) -> None:
+        """`options` and `option_fields` as in `server_options` (api_key and max_request_bytes are the app's)."""
         self.generation = generation
         self.tokenizer = tokenizer
-        self.served_model_name = served_model_name
-        self.default_config = default_config
-        self.request_timeout_s = request_timeout_s
-        self.trust_request_chat_template = trust_request_chat_template
+        self.options = server_options(options, **option_fields)
         self.created = int(time.time())
 
     @property
@@ -136,7 +163,7 @@ class PolicyService:
 
     def _prompt(self, request: TokenizeRequest | ChatCompletionRequest) -> ChatPrompt:
         return build_chat_prompt(
-            self.tokenizer, request, trust_request_chat_template=self.trust_request_chat_template
+            self.tokenizer, request, trust_request_chat_template=self.options.trust_request_chat_template
         )
 
     def _prepare(
@@ -154,7 +181,7 @@ class PolicyService:
                 f"{_first_difference(prompt.token_ids, required)})",
                 param="required_prefix_token_ids",
             )
-        configs = request.generation_configs(len(prompt.token_ids), self.max_model_len, self.default_config)
+        configs = request.generation_configs(len(prompt.token_ids), self.max_model_len, self.options.default_config)
         return request, prompt, configs
 
     def _answer(
@@ -167,7 +194,7 @@ class PolicyService:
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": self.served_model_name,
+            "model": self.options.served_model_name,
             "choices": choices,
             "usage": {
                 "prompt_tokens": len(prompt.token_ids),
@@ -183,11 +210,11 @@ class PolicyService:
     def models(self) -> dict[str, Any]:
         """`/v1/models`: the one served model."""
         card = {
-            "id": self.served_model_name,
+            "id": self.options.served_model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "nemo_rl_ext",
-            "root": self.served_model_name,
+            "root": self.options.served_model_name,
             "max_model_len": self.max_model_len,
         }
         return {"object": "list", "data": [card]}
@@ -200,10 +227,10 @@ class PolicyService:
             asyncio.ensure_future(self.generation.generate_async(list(prompt_ids), c)) for c in configs
         ]
         try:
-            return await asyncio.wait_for(asyncio.gather(*tasks), self.request_timeout_s)
+            return await asyncio.wait_for(asyncio.gather(*tasks), self.options.request_timeout_s)
         except TimeoutError:
             raise ApiError(
-                f"generation did not finish within request_timeout_s={self.request_timeout_s}",
+                f"generation did not finish within request_timeout_s={self.options.request_timeout_s}",
                 status_code=504,
             ) from None
         except ValueError as exc:  # the backend's "bad input" (e.g. ids outside the vocabulary)
@@ -303,30 +330,14 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
 def create_app(
     generation: GenerationInterface,
     tokenizer: PreTrainedTokenizerBase,
-    *,
-    served_model_name: str = "policy",
-    default_config: GenerationConfig | None = None,
-    request_timeout_s: float | None = None,
-    api_key: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    trust_request_chat_template: bool = False,
+    options: ServerOptions | None = None,
+    **option_fields: Any,
 ) -> FastAPI:
-    """The FastAPI app serving `generation` (see the module docstring for the routes).
-
-    `default_config` fills in sampling fields a request leaves out; without it, an absent max_tokens means
-    "up to max_model_len" as in vLLM. `request_timeout_s` bounds one request's generation (504 after it).
-    `api_key`: when set, every route but `/health` wants `Authorization: Bearer <api_key>`.
-    `max_request_bytes`: larger bodies get a 413. `trust_request_chat_template`: accept a `chat_template`
-    sent with a request (top level or in `chat_template_kwargs`); refused with a 400 otherwise.
-    """
-    service = PolicyService(
-        generation,
-        tokenizer,
-        served_model_name=served_model_name,
-        default_config=default_config,
-        request_timeout_s=request_timeout_s,
-        trust_request_chat_template=trust_request_chat_template,
-    )
+    """The FastAPI app serving `generation` (see the module docstring for the routes); `options` and
+    `option_fields` as in `server_options`."""
+    options = server_options(options, **option_fields)
+    api_key, max_request_bytes = options.api_key, options.max_request_bytes
+    service = PolicyService(generation, tokenizer, options)
     app = FastAPI(title="nemo_rl_ext policy server")
     app.state.service = service
 
@@ -381,34 +392,22 @@ class PolicyServer(ThreadedServer):
         self,
         generation: GenerationInterface,
         tokenizer: PreTrainedTokenizerBase,
+        options: ServerOptions | None = None,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        served_model_name: str = "policy",
-        default_config: GenerationConfig | None = None,
-        request_timeout_s: float | None = None,
-        api_key: str | None = None,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        trust_request_chat_template: bool = False,
         startup_timeout_s: float = 30.0,
         log_level: str = "warning",
+        **option_fields: Any,
     ) -> None:
-        self.served_model_name = served_model_name
-        app = create_app(
-            generation,
-            tokenizer,
-            served_model_name=served_model_name,
-            default_config=default_config,
-            request_timeout_s=request_timeout_s,
-            api_key=api_key,
-            max_request_bytes=max_request_bytes,
-            trust_request_chat_template=trust_request_chat_template,
-        )
+        """`options` and `option_fields` as in `server_options`; the rest is where and how it listens."""
+        self.options = server_options(options, **option_fields)
+        self.served_model_name = self.options.served_model_name
         super().__init__(
-            app,
+            create_app(generation, tokenizer, self.options),
             host=host,
             port=port,
-            name=f"policy server ({served_model_name})",
+            name=f"policy server ({self.served_model_name})",
             startup_timeout_s=startup_timeout_s,
             log_level=log_level,
         )
@@ -499,15 +498,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     path = resolve_model_path(cfg)
     generation = build_generation(cfg)
     name = args.served_model_name or args.model
-    app = create_app(
-        generation,
-        generation.tokenizer,
+    options = ServerOptions(
         served_model_name=name,
         default_config=generation_defaults(args.max_tokens),
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
     )
+    app = create_app(generation, generation.tokenizer, options)
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]
     logger.info(

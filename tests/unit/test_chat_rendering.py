@@ -123,3 +123,33 @@ def test_an_observation_with_none_content_renders_as_empty(tok) -> None:
     formatter = ObservationFormatter(tok)
     assert formatter.render("tool", None, True) == formatter.render("tool", "", True)
     assert "None" not in formatter.render("tool", None, False)
+
+
+def test_text_after_turn_needs_the_turn_rendered_exactly_once(tok) -> None:
+    """One function finds the template's text after an assistant turn, for observations and continuations alike;
+    a template that drops or repeats the turn is refused (an observation frame) or a 400 (a continuation)."""
+    from nemo_rl_ext.data.chat import TURN_MARK, TurnNotRendered, text_after_turn
+    from nemo_rl_ext.serving.openai_schemas import ApiError
+
+    assert text_after_turn(f"a{TURN_MARK}</s>\nnext", drop_eos="</s>") == "\nnext"
+    assert text_after_turn(f"a{TURN_MARK}</s>\nnext") == "</s>\nnext"
+    for rendered in ("no turn here", f"{TURN_MARK} twice {TURN_MARK}"):
+        with pytest.raises(TurnNotRendered, match="not once"):
+            text_after_turn(rendered)
+    drops_assistant = "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}"
+    continued = {"role": "assistant", "content": "hi", "prompt_token_ids": [1, 2], "generation_token_ids": [3]}
+    trusting = PolicyService(replies(tok, []), tok, trust_request_chat_template=True)
+    with pytest.raises(ApiError, match=r"messages\[1\].*exactly once") as err:
+        trusting.tokenize({"messages": [QUESTION[1], continued], "chat_template": drops_assistant})
+    assert err.value.param == "messages.1"
+    with pytest.raises(TurnNotRendered):
+        ObservationFormatter(_with_template(tok, drops_assistant)).render("tool", "x", True)
+
+
+def _with_template(tok, template: str):
+    """A copy of `tok` whose chat template is `template`."""
+    import copy
+
+    clone = copy.deepcopy(tok)
+    clone.chat_template = template
+    return clone

@@ -128,6 +128,25 @@ def test_seeds_reproduce_and_differ(gen, tiny_model_and_tokenizer):
     assert run(gen.generate_async(prompt, cfg.model_copy(update={"seed": 1}))).output_ids == a.output_ids
 
 
+def test_top_k_one_and_tiny_top_p_are_greedy_with_pre_filter_logprobs(gen, tiny_model_and_tokenizer):
+    _, tokenizer = tiny_model_and_tokenizer
+    prompt = chat_prompts(tokenizer, 1)[0]
+
+    async def three():
+        return await asyncio.gather(
+            gen.generate_async(prompt, GREEDY),
+            gen.generate_async(prompt, GREEDY.model_copy(update={"temperature": 1.0, "top_k": 1, "seed": 5})),
+            gen.generate_async(prompt, GREEDY.model_copy(update={"temperature": 1.0, "top_p": 1e-9, "seed": 5})),
+        )
+
+    greedy, top_k, top_p = run(three())
+    assert top_k.output_ids == greedy.output_ids
+    assert top_p.output_ids == greedy.output_ids
+    # pre-filter logprobs: the kept token's logprob is not renormalized to 0 by the filter
+    assert top_k.logprobs == pytest.approx(greedy.logprobs, abs=LOGPROB_ATOL)
+    assert max(top_k.logprobs) < -1e-3
+
+
 # ---- stops and limits -----------------------------------------------------------------------------
 
 
@@ -140,6 +159,7 @@ def test_stop_token_ends_the_generation_and_is_kept(gen, tiny_model_and_tokenize
     assert out.output_ids == free.output_ids[: free.output_ids.index(stop) + 1]
     assert out.logprobs == pytest.approx(free.logprobs[: len(out.output_ids)], abs=LOGPROB_ATOL)
     assert out.finish_reason is FinishReason.STOP_TOKEN and out.matched_stop == stop and not out.truncated
+    assert out.finish_reason.openai == "stop"
 
 
 def test_stop_string_ends_the_generation_at_the_completing_token(gen, tiny_model_and_tokenizer):
@@ -160,6 +180,7 @@ def test_length_limits_say_which_limit(gen, tiny_model_and_tokenizer):
     base = chat_prompts(tokenizer, 1)[0]
     short = run(gen.generate_async(base, GenerationConfig(max_new_tokens=3, temperature=0)))
     assert len(short.output_ids) == 3 and short.finish_reason is FinishReason.MAX_NEW_TOKENS and short.truncated
+    assert short.finish_reason.openai == "length"
     long_prompt = (base * (MAX_MODEL_LEN // len(base) + 1))[: MAX_MODEL_LEN - 4]
     cut = run(gen.generate_async(long_prompt, GenerationConfig(max_new_tokens=10, temperature=0)))
     assert len(long_prompt) + len(cut.output_ids) == MAX_MODEL_LEN

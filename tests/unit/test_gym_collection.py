@@ -1,6 +1,6 @@
 """Gym rows as Gym's collector prepares them (agent_name, responses_create_params overrides, task indices),
 Gym's shipped server configs (the launcher's policy_model, paths in the Gym install), and the nemo_gym eval's
-materialized rows and Gym's aggregate metrics, against the fake agents of test_gym_rollouts."""
+materialized rows and Gym's aggregate metrics, against fake agents (`nemo_rl_ext.testing.FakeAgents`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import orjson
 import pytest
 import yaml
 from pydantic import ValidationError
-from test_gym_rollouts import FakeAgents, UnusedPolicy, gym_manager
+from test_gym_rollouts import gym_manager
 
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.data.datasets import gym_datums
@@ -24,6 +24,7 @@ from nemo_rl_ext.gym.launcher import (
     missing_config_paths,
     undefined_model_servers,
 )
+from nemo_rl_ext.testing import FakeAgents, UnusedPolicy
 
 MCQA_LIKE = """\
 mcqa:
@@ -49,14 +50,6 @@ def row(text: str, agent: str | None = None, **extra) -> dict:
     if agent:
         r["agent_ref"] = {"name": agent}
     return r
-
-
-@pytest.fixture
-def agents():
-    fake = FakeAgents()
-    with fake.server:
-        fake.url = fake.server.url
-        yield fake
 
 
 @pytest.fixture
@@ -197,16 +190,14 @@ def nemo_gym_eval(tmp_path, agents: FakeAgents, **gym) -> EvalConfig:
         "eval": {"rollout_mode": "nemo_gym", "dataset_path": str(data), "save_path": str(tmp_path / "out"),
                  "num_tests_per_prompt": {"agent_alpha": 2, "agent_beta": 1}},
         "policy": {"generation": {"top_k": None, "temperature": 1.0, "seed": 5, "max_new_tokens": 9}},
-        "gym": {"agent_urls": {a: f"{agents.url}/{a}" for a in ("agent_alpha", "agent_beta")},
-                "serve_policy": False, **gym},
+        "gym": {"agent_urls": agents.agent_urls(), "serve_policy": False, **gym},
     })
 
 
 async def test_the_eval_materializes_the_rows_it_sends_and_resumes_from_them(
         tiny_model_and_tokenizer, agents, tmp_path):
     _, tok = tiny_model_and_tokenizer
-    policy = UnusedPolicy()
-    policy.tokenizer = tok
+    policy = UnusedPolicy(tok)
     cfg = nemo_gym_eval(tmp_path, agents, agent_name="agent_alpha",
                         responses_create_params={"parallel_tool_calls": False})
     result = await run_eval_async(cfg, generation=policy, progress=False)
@@ -245,8 +236,7 @@ async def test_the_eval_materializes_the_rows_it_sends_and_resumes_from_them(
 
 async def test_gyms_aggregate_metrics_are_in_the_summary_and_report(tiny_model_and_tokenizer, agents, tmp_path):
     _, tok = tiny_model_and_tokenizer
-    policy = UnusedPolicy()
-    policy.tokenizer = tok
+    policy = UnusedPolicy(tok)
     result = await run_eval_async(nemo_gym_eval(tmp_path, agents), generation=policy, progress=False)
     # the fake agents answer reward 1.0 (agent_alpha) / 0.5 (agent_beta); their /aggregate_metrics averages
     gym = result.summary["gym_metrics"]

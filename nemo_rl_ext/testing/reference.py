@@ -1,0 +1,21 @@
+"""The reference that engine logprobs are checked against: one plain forward pass, as a trainer computes them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def forward_logprobs(model: Any, context: Sequence[int], output: Sequence[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each id of `output` after `context`, from one forward pass of `model` over
+    both (T = 0, greedy, counts as 1): the logprobs a backend must report for those ids."""
+    import torch
+
+    ids = torch.tensor([[*context, *output]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(context) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return logprobs.gather(-1, torch.tensor(list(output))[:, None])[:, 0]
