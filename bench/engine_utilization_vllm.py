@@ -37,9 +37,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     import vllm
-    from _common import alternate_rounds, machine_line, median, print_table, spread
-    from engine_utilization import QUESTIONS, DoneEnvironment, full_length_runs
-    from transformers import AutoTokenizer
+    from _common import QUESTIONS, alternate_rounds, machine_line, median, print_table, spread
+    from engine_utilization import full_length_runs
     from vllm.inputs import TokensPrompt
 
     from nemo_rl_ext.data.datasets import datum_from_messages
@@ -47,10 +46,12 @@ def main() -> None:
     from nemo_rl_ext.models.config import PolicyConfig
     from nemo_rl_ext.models.generation.interfaces import GenerationConfig
     from nemo_rl_ext.models.generation.vllm_backend import VllmGeneration
+    from nemo_rl_ext.models.loading import load_tokenizer
     from nemo_rl_ext.models.policy import resolve_model_path
+    from nemo_rl_ext.testing import ScriptedEnvironment
 
     path = resolve_model_path(PolicyConfig(model_name=args.model))
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     rows, T = args.prompts * args.samples, args.max_new_tokens
     datums = [
         datum_from_messages(tokenizer, i, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "bench")
@@ -77,7 +78,7 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=T, temperature=1.0, top_p=1.0, seed=1)
     row_configs = [config.model_copy(update={"seed": i}) for i in range(rows)]
     manager = RolloutManager(
-        tokenizer, task_to_env={"bench": DoneEnvironment()}, num_generations_per_prompt=args.samples,
+        tokenizer, task_to_env={"bench": ScriptedEnvironment(turns=1)}, num_generations_per_prompt=args.samples,
         max_seq_len=width + T + 8, max_rollout_turns=1, policy_generation=gen, generation_config=config,
     )
 
