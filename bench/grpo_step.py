@@ -11,10 +11,17 @@ most completions run to the 32-token limit on both sides (the table shows the me
 function on both sides, is the `string_match` similarity of the response to a word; it is cheap.
 
 Contenders, each round each in its own fresh process (the order rotates every round):
-- `ours`: `GRPO.train_step`: rollouts through the RolloutManager on the in-process HF backend (continuous
-  batching), `PolicyTrainer.train_step`, then the refit of the engine's copy of the weights.
-- `ours-full-vocab`: the same, with the trainer's logprobs computed as before issue 19 (the LM head and a
-  full-vocabulary log-softmax at every position, prompt included): the before/after of that change.
+- `ours`: `GRPO.train_step` with the defaults: rollouts through the RolloutManager on the in-process HF
+  backend (continuous batching), `PolicyTrainer.train_step` (logprobs only at the positions the loss reads,
+  each group's prompt run once: `optimizer.share_prompt_prefix`), then the refit of the engine's copy.
+- `ours-unshared`: the same with `optimizer.share_prompt_prefix: false` (every sample's full sequence
+  through the decoder): what sharing the prompt saves.
+- `ours-full-vocab`: the trainer as before issue 19: no prompt sharing, and the LM head and a
+  full-vocabulary log-softmax at every position, prompt included.
+- `ours-async`: `grpo.async` with `max_lag: 1` (`in_flight: finish`) on the same workload: generation (the
+  engine thread) overlaps the previous step's training (the trainer thread), so this process may use two
+  cores where the others use one; its steps/s is the asynchronous figure, its CPU s/step the whole
+  process's CPU time over its timed steps.
 - `trl`: `trl.GRPOTrainer` with its defaults otherwise (the `bench` extra: `pip install -e '.[bench]'`);
   TRL's configs turn gradient checkpointing on by default, which recomputes the forward in the backward.
 - `trl-no-ckpt`: the same with `gradient_checkpointing=False`, as our trainer runs.
@@ -53,7 +60,7 @@ LR = 1e-6
 SEED = 42
 TRL_VERSION = "1.16.0"
 WORDS = ("river", "lantern", "orchard", "glacier", "violin", "harbor", "meadow", "comet")
-CONTENDERS = ("ours", "ours-full-vocab", "trl", "trl-no-ckpt")
+CONTENDERS = ("ours", "ours-unshared", "ours-full-vocab", "ours-async", "trl", "trl-no-ckpt")
 TRLS = ("trl", "trl-no-ckpt")
 
 
@@ -83,13 +90,14 @@ def full_vocab_token_logprobs(model, input_ids, attention_mask, temperature=1.0,
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
 
-def worker_ours(steps: int, full_vocab: bool, workdir: Path) -> list[dict[str, float]]:
-    """Run `steps` GRPO steps of our trainer; per step: wall, CPU, generation and training seconds."""
+def worker_ours(steps: int, variant: str, workdir: Path) -> list[dict[str, float]]:
+    """Run `steps` GRPO steps of our trainer (`variant`: one of our contenders); per step: wall, CPU,
+    generation and training seconds."""
     from nemo_rl_ext.algorithms import trainer as trainer_module
     from nemo_rl_ext.algorithms.grpo import GRPO
     from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 
-    if full_vocab:
+    if variant == "ours-full-vocab":
         trainer_module.token_logprobs = full_vocab_token_logprobs
     data = workdir / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows()))
@@ -103,25 +111,54 @@ def worker_ours(steps: int, full_vocab: bool, workdir: Path) -> list[dict[str, f
             "env": {"name": "string_match", "kwargs": {"mode": "similarity"}, "system_prompt": ""},
         },
         "data": {"train_path": str(data)},
-        "grpo": {"num_prompts_per_step": PROMPTS, "max_num_steps": 1000, "seed": SEED},
+        "grpo": {"num_prompts_per_step": PROMPTS, "max_num_steps": steps if variant == "ours-async" else 1000,
+                 "seed": SEED, "async": {"enabled": variant == "ours-async", "max_lag": 1}},
         "loss": {"kl_coef": 0.0},
-        "optimizer": {"lr": LR, "micro_batch_size": PROMPTS * SAMPLES, "max_grad_norm": 1.0},
+        "optimizer": {"lr": LR, "micro_batch_size": PROMPTS * SAMPLES, "max_grad_norm": 1.0,
+                      "share_prompt_prefix": variant in ("ours", "ours-async")},
         "logger": {"progress": False, "tensorboard": False, "print_steps": False},
         "output_dir": str(workdir / "run"),
     })
     out = []
     with GRPO(cfg) as grpo:
+        if variant == "ours-async":
+            return async_steps(grpo)
         for _ in range(steps):
             start, cpu = time.perf_counter(), time.process_time()
             m = grpo.train_step()
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-            assert m["train/optimizer_steps"] == 1.0, m
-            out.append({
-                "wall_s": wall, "cpu_s": cpu, "gen_s": m["timing/rollout_s"],
-                "train_s": m["timing/train_s"] + m["timing/refit_s"],
-                "completion_tokens": m["rollout/tokens/generated/mean"], "samples": m["train/num_sequences"],
-            })
+            out.append(step_times(m, wall, cpu))
     return out
+
+
+def step_times(m: dict[str, float], wall: float, cpu: float) -> dict[str, float]:
+    """One step's row from our metrics: wall and CPU seconds, generation and training seconds, tokens, samples."""
+    assert m["train/optimizer_steps"] == 1.0, m
+    return {
+        "wall_s": wall, "cpu_s": cpu, "gen_s": m["timing/rollout_s"],
+        "train_s": m["timing/train_s"] + m["timing/refit_s"],
+        "completion_tokens": m["rollout/tokens/generated/mean"], "samples": m["train/num_sequences"],
+    }
+
+
+def async_steps(grpo: Any) -> list[dict[str, float]]:
+    """Run the asynchronous loop to `grpo.max_num_steps`; a step's wall and CPU time run from the end of the
+    previous step (its `timing/step_s` starts when the trainer asks for groups), generation is the trainer's
+    wait for them."""
+    marks: list[tuple[float, float]] = [(time.perf_counter(), time.process_time())]
+    log = grpo.logger.log
+
+    def timed_log(step: int, metrics: dict[str, float]) -> None:
+        marks.append((time.perf_counter(), time.process_time()))
+        log(step, metrics)
+
+    grpo.logger.log = timed_log
+    history = grpo.run()
+    assert len(history) == len(marks) - 1, (len(history), len(marks))
+    return [
+        {**step_times(m, wall1 - wall0, cpu1 - cpu0), "lag_max": m["async/lag/max"]}
+        for m, (wall0, cpu0), (wall1, cpu1) in zip(history, marks[:-1], marks[1:], strict=True)
+    ]
 
 
 def worker_trl(steps: int, workdir: Path, checkpointing: bool) -> list[dict[str, float]]:
@@ -188,7 +225,7 @@ def worker(args: argparse.Namespace) -> None:
         if args.worker in TRLS:
             steps = worker_trl(args.steps, Path(tmp), checkpointing=args.worker == "trl")
         else:
-            steps = worker_ours(args.steps, args.worker == "ours-full-vocab", Path(tmp))
+            steps = worker_ours(args.steps, args.worker, Path(tmp))
     print(json.dumps({"steps": steps, "threads": torch.get_num_threads()}))
 
 
@@ -267,11 +304,11 @@ def main() -> None:
         table.append([
             name, f"{median(rates):.4f}", spread(rates), per_step("wall_s", name), per_step("cpu_s", name),
             per_step("gen_s", name), per_step("train_s", name), per_step("completion_tokens", name),
-            *(ratio_to(name, t) for t in trls), "n/a",
+            *(ratio_to(name, t) for t in trls),
         ])
     print_table(
         ["contender", "steps/s", "spread", "s/step", "CPU s/step", "generation s", "training s",
-         "completion tokens", *(f"steps/s vs {t}" for t in trls), "async figure"],
+         "completion tokens", *(f"steps/s vs {t}" for t in trls)],
         table,
         title="GRPO step (medians over rounds; the ratio per round, then its median and spread)",
     )
@@ -281,11 +318,15 @@ def main() -> None:
                    for o, t in zip(results[name], results[trl], strict=True)]
             print(f"CPU time per step, {trl} / {name}, per round: " + ", ".join(f"{x:.2f}x" for x in cpu)
                   + f" (median {median(cpu):.2f}x)")
-    if "ours" in results and "ours-full-vocab" in results:
-        ratios = [median([s["train_s"] for s in f]) / median([s["train_s"] for s in o])
-                  for o, f in zip(results["ours"], results["ours-full-vocab"], strict=True)]
-        print("\ntraining time, full-vocab / masked logprobs, per round: "
-              + ", ".join(f"{x:.2f}x" for x in ratios) + f" (median {median(ratios):.2f}x)")
+    for before, after in (("ours-full-vocab", "ours-unshared"), ("ours-unshared", "ours"), ("ours-full-vocab", "ours")):
+        if before in results and after in results:
+            ratios = [median([s["train_s"] for s in b]) / median([s["train_s"] for s in a])
+                      for a, b in zip(results[after], results[before], strict=True)]
+            print(f"training time, {before} / {after}, per round: "
+                  + ", ".join(f"{x:.2f}x" for x in ratios) + f" (median {median(ratios):.2f}x)")
+    if "ours-async" in results:
+        lags = sorted({s["lag_max"] for run in results["ours-async"] for s in run})
+        print(f"ours-async: policy lag of the timed steps' groups (max per step): {lags}")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,12 @@ class OptimizerSettings(StrictModel):
     minibatches_per_step: int = Field(
         default=1, ge=1, description="Optimizer steps per GRPO step (the step's samples split evenly)."
     )
+    share_prompt_prefix: bool = Field(
+        default=True,
+        description="Run the decoder once over a prompt that several samples of a micro-batch share, the samples "
+        "continuing from copies of its KV cache (the same logprobs and gradients up to float rounding); false: "
+        "one forward over every sample's full sequence.",
+    )
 
 
 class DataSettings(StrictModel):

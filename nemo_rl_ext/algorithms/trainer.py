@@ -3,20 +3,22 @@
 The trainer owns its own copy of the model (the generation backend holds another) and hands its weights
 over with `state_dict()` after each step. Logprobs use the generation backend's distribution,
 `log_softmax(logits / T)`, so the engine's logprobs and the trainer's are directly comparable. They are
-computed only where the loss mask reads them: the decoder runs over every token, but the LM head and the
-full-vocabulary log-softmax run on the scored positions only (completion tokens, assistant spans), in
-chunks of rows.
+computed only where the loss mask reads them (`logprobs.py`): the LM head and the full-vocabulary
+log-softmax run on the scored positions only (completion tokens, assistant spans), in chunks of rows, and
+with `optimizer.share_prompt_prefix` (the default) the decoder runs once over a prompt that several samples
+of a micro-batch share.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
+from nemo_rl_ext.algorithms.logprobs import shared_prefix_logprobs, token_logprobs
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
 
 _MEAN_METRICS = (
@@ -33,73 +35,6 @@ _MEAN_METRICS = (
 )
 _MAX_METRICS = ("policy_ratio/max", "importance_ratio/max")
 _SUM_METRICS = ("loss", "loss/pg", "loss/kl", "num_tokens", "num_sequences")
-
-LOGSOFTMAX_CHUNK_ELEMENTS = 2**24
-"""Logits per chunk of the log-softmax (rows x vocabulary, 64 MiB in fp32): bounds the peak memory of the
-no-grad passes; with gradients, each chunk keeps its [rows, vocabulary] log-softmax for the backward."""
-
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-"""Config keys of causal LMs whose logits are more than `lm_head(last hidden state)` (Gemma 2/3 soft-capping,
-Cohere, Granite): those models take the full forward and only the log-softmax is restricted to scored rows."""
-
-
-def _hidden_states_and_head(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """([B, T, D] states, head) such that `head(states)` are the model's logits.
-
-    For a plain causal LM (logits = lm_head(decoder output)): the decoder's last hidden states and the LM
-    head, so the head can run on selected rows only. Otherwise: the logits themselves and the identity.
-    """
-    head = model.get_output_embeddings()
-    plain = isinstance(head, torch.nn.Linear) and not any(
-        getattr(model.config, key, None) not in (None, 1.0) for key in _LOGIT_TRANSFORMS
-    )
-    decoder = model.get_decoder() if plain else model
-    if plain and decoder is not model:
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.last_hidden_state, head
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return logits, lambda x: x
-
-
-def token_logprobs(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    temperature: float = 1.0,
-    score_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[B, T] float32 logprobs of the scored tokens under `log_softmax(logits / temperature)`, 0 elsewhere.
-
-    `logprobs[b, t]` scores `input_ids[b, t]` with the logits at position t - 1 (the loss convention), so
-    position 0 is always 0. `score_mask` ([B, T], nonzero on the tokens to score, e.g. the loss mask)
-    selects the tokens; None scores every position from 1 on. Only the selected rows go through the LM
-    head and the log-softmax (in chunks of `LOGSOFTMAX_CHUNK_ELEMENTS` logits); a batch with none
-    selected does not run the model. `attention_mask` is 1 on real tokens. Temperature 0 (greedy) counts
-    as 1, as in the generation backend.
-    """
-    temperature = temperature if temperature > 0 else 1.0
-    batch, width = input_ids.shape
-    out = torch.zeros(batch, width, dtype=torch.float32, device=input_ids.device)
-    if width < 2:
-        return out
-    scored = score_mask[:, 1:] != 0 if score_mask is not None else torch.ones_like(input_ids[:, 1:], dtype=torch.bool)
-    if not bool(scored.any()):
-        return out
-    states, head = _hidden_states_and_head(model, input_ids, attention_mask)
-    rows = states[:, :-1][scored]  # [N, D]: the states whose next token is scored
-    targets = input_ids[:, 1:][scored]
-    vocab = int(getattr(head, "out_features", states.shape[-1]))
-    step = max(1, LOGSOFTMAX_CHUNK_ELEMENTS // vocab)
-    picked = []
-    for lo in range(0, rows.shape[0], step):
-        logits = head(rows[lo : lo + step]).float()
-        if temperature != 1.0:  # x / 1.0 == x exactly: skip a pass over the logits
-            logits = logits / temperature
-        picked.append(torch.log_softmax(logits, dim=-1).gather(-1, targets[lo : lo + step, None])[:, 0])
-    values = torch.cat(picked)
-    return torch.cat([out[:, :1], out[:, 1:].masked_scatter(scored, values)], dim=1)
 
 
 def _pad(rows: Sequence[torch.Tensor], value: float | int, dtype: torch.dtype) -> torch.Tensor:
@@ -194,7 +129,7 @@ class PolicyTrainer:
             for start in range(0, len(items), self.settings.micro_batch_size):
                 chunk = items[start : start + self.settings.micro_batch_size]
                 ids, attention, mask, _ = self._batch(chunk)
-                lp = token_logprobs(model, ids, attention, self.temperature, score_mask=mask).cpu()
+                lp = self._token_logprobs(model, chunk, ids, attention, mask).cpu()
                 out.extend(lp[b, : x.token_ids.numel()] for b, x in enumerate(chunk))
         model.train(was_training)
         return out
@@ -255,7 +190,7 @@ class PolicyTrainer:
         for start in range(indices.start, indices.stop, size):
             chunk = list(range(start, min(start + size, indices.stop)))
             ids, attention, mask, gen = self._batch([items[i] for i in chunk])
-            logprobs = token_logprobs(self.model, ids, attention, self.temperature, score_mask=mask)
+            logprobs = self._token_logprobs(self.model, [items[i] for i in chunk], ids, attention, mask)
             old_lp = _pad([old[i] for i in chunk], 0.0, torch.float32).to(self.device) if old else logprobs.detach()
             ref_lp = _pad([ref[i] for i in chunk], 0.0, torch.float32).to(self.device) if ref else None
             loss, metrics = clipped_pg_loss(
@@ -282,6 +217,25 @@ class PolicyTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def _token_logprobs(
+        self,
+        model: PreTrainedModel,
+        items: Sequence[CompletionTensors],
+        ids: torch.Tensor,
+        attention: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """[B, T] logprobs of a micro-batch on its loss mask (`_batch`'s padded tensors of `items`): each
+        shared prompt computed once with `optimizer.share_prompt_prefix`, else a forward over every token."""
+        if self.settings.share_prompt_prefix:
+            shared = shared_prefix_logprobs(
+                model, [x.token_ids for x in items], [x.loss_mask for x in items], self.temperature,
+                self.pad_token_id,
+            )
+            if shared is not None:
+                return shared
+        return token_logprobs(model, ids, attention, self.temperature, score_mask=mask)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights to hand to the generation backend (`update_weights`); detached, not copied."""

@@ -1,5 +1,7 @@
 """The trainer's logprobs run the LM head only where the loss mask reads them, and match the full-vocabulary
-computation over every position (values and gradients), for single- and multi-turn items, left or right padded."""
+computation over every position (values and gradients), for single- and multi-turn items, left or right padded.
+Samples that share a prompt run the decoder over it once (`shared_prefix_logprobs`), with the same values and
+gradients as a forward over every full sequence."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ import copy
 import pytest
 import torch
 
+from nemo_rl_ext.algorithms import logprobs as logprobs_module
 from nemo_rl_ext.algorithms import trainer as trainer_module
 from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
+from nemo_rl_ext.algorithms.logprobs import shared_prefix_logprobs, token_logprobs
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors
-from nemo_rl_ext.algorithms.trainer import PolicyTrainer, token_logprobs
+from nemo_rl_ext.algorithms.trainer import PolicyTrainer
 
 
 def full_vocab_logprobs(model, input_ids, attention_mask, temperature=1.0, score_mask=None):
@@ -79,6 +83,20 @@ class HeadRows:
         self.handle.remove()
 
 
+class DecoderTokens:
+    """Counts the token positions (padding included) the decoder embeds (a forward hook on the input embeddings)."""
+
+    def __init__(self, model) -> None:
+        self.count = 0
+        self.handle = model.get_input_embeddings().register_forward_hook(self._count)
+
+    def _count(self, module, args, output) -> None:
+        self.count += args[0].numel()
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
 @pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_masked_logprobs_and_gradients_equal_the_full_vocabulary_pass(tiny_model_and_tokenizer, left, temperature):
@@ -133,7 +151,7 @@ def test_the_log_softmax_runs_in_chunks(tiny_model_and_tokenizer, monkeypatch):
     ids, attention, mask = padded(items_of(len(tokenizer)), left=False)
     with torch.no_grad():
         whole = token_logprobs(model, ids, attention, 0.7, score_mask=mask)
-        monkeypatch.setattr(trainer_module, "LOGSOFTMAX_CHUNK_ELEMENTS", 4 * len(tokenizer))  # 4 rows a chunk
+        monkeypatch.setattr(logprobs_module, "LOGSOFTMAX_CHUNK_ELEMENTS", 4 * len(tokenizer))  # 4 rows a chunk
         calls: list[int] = []
         handle = model.get_output_embeddings().register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
         try:
@@ -161,23 +179,25 @@ def test_a_model_with_transformed_logits_takes_the_full_forward(tiny_model_and_t
                                    atol=1e-5, rtol=0)
 
 
-def _update(model, items, advantages, loss, reference, micro, minibatches) -> dict[str, torch.Tensor]:
+def _update(model, items, advantages, loss, reference, micro, minibatches, share=True) -> dict[str, torch.Tensor]:
     trainer = PolicyTrainer(
         model,
-        optimizer=OptimizerSettings(micro_batch_size=micro, minibatches_per_step=minibatches, max_grad_norm=None),
+        optimizer=OptimizerSettings(micro_batch_size=micro, minibatches_per_step=minibatches, max_grad_norm=None,
+                                    share_prompt_prefix=share),
         loss=loss,
         temperature=0.8,
         reference_model=reference,
     )
     start = {k: v.clone() for k, v in trainer.state_dict().items()}
     trainer.optimizer = torch.optim.SGD(trainer.parameters, lr=1.0)  # weight change = -gradient
-    counter = HeadRows(model)
+    counter, tokens = HeadRows(model), DecoderTokens(model)
     try:
         metrics = trainer.train_step(items, advantages)
     finally:
         counter.close()
+        tokens.close()
     update = {k: start[k] - v for k, v in trainer.state_dict().items()}
-    return {"update": update, "metrics": metrics, "rows": counter.rows}
+    return {"update": update, "metrics": metrics, "rows": counter.rows, "tokens": tokens.count}
 
 
 @pytest.mark.parametrize(
@@ -210,3 +230,120 @@ def test_train_step_equals_the_full_vocabulary_trainer(tiny_model_and_tokenizer,
     assert scale > 1e-3
     for key, g in old["update"].items():
         torch.testing.assert_close(new["update"][key], g, atol=1e-5 * scale, rtol=0, msg=key)
+
+
+# ---- shared prompts --------------------------------------------------------------------------------------
+
+
+def tiny_llama(vocab: int) -> torch.nn.Module:
+    """A random-init Llama (SmolLM2's architecture) of the tiny model's vocabulary, tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).float()
+
+
+def grouped_items(vocab: int, seed: int = 0) -> list[CompletionTensors]:
+    """Three groups of samples whose prompts differ in length (9, 4 and 13 tokens); the second group's samples
+    are multi-turn (assistant, tool result, assistant); plus a lone sample with its own prompt and a failed
+    rollout (nothing trained) that repeats the first prompt."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> torch.Tensor:
+        return torch.randint(3, vocab, (n,), generator=g)
+
+    def item(prompt: torch.Tensor, parts: list[tuple[int, bool]]) -> CompletionTensors:
+        mask = torch.cat([torch.zeros(prompt.numel()), spans(*parts)])
+        ids = torch.cat([prompt, rand(int(mask.numel()) - prompt.numel())])
+        gen = torch.where(mask.bool(), -torch.rand(mask.numel(), generator=g), torch.zeros(mask.numel()))
+        return CompletionTensors(ids, mask, gen)
+
+    first, second, third, lone = rand(9), rand(4), rand(13), rand(6)
+    out = [item(first, [(n, True)]) for n in (5, 8, 3)]
+    out += [item(second, [(a, True), (4, False), (b, True)]) for a, b in ((3, 2), (6, 1))]
+    out += [item(third, [(n, True)]) for n in (2, 7, 7, 4)]
+    out.append(item(lone, [(5, True)]))
+    failed = item(first, [(6, True)])
+    out.append(CompletionTensors(failed.token_ids, torch.zeros_like(failed.loss_mask), failed.generation_logprobs))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_shared_prompts_give_the_full_forwards_logprobs_and_gradients(tiny_model_and_tokenizer, arch, temperature):
+    base, tokenizer = tiny_model_and_tokenizer
+    model = (copy.deepcopy(base) if arch == "qwen2" else tiny_llama(len(tokenizer))).train()
+    items = grouped_items(len(tokenizer))
+    ids, attention, mask = padded(items, left=False)
+    tokens = DecoderTokens(model)
+    try:
+        shared = shared_prefix_logprobs(model, [x.token_ids for x in items], [x.loss_mask for x in items], temperature)
+    finally:
+        tokens.close()
+    shared_grads = grads_of(model, shared, mask)
+    full = token_logprobs(model, ids, attention, temperature, score_mask=mask)
+    full_grads = grads_of(model, full, mask)
+    scored = mask.bool()
+    assert shared.shape == full.shape and int(scored.sum()) == 16 + 12 + 20 + 5
+    torch.testing.assert_close(shared[scored], full[scored], atol=1e-5, rtol=0)
+    assert bool((shared[~scored] == 0).all())
+    assert float(full[scored].detach().abs().min()) > 1e-3  # real logprobs, not zeros
+    assert shared_grads.keys() == full_grads.keys()
+    for key, g in full_grads.items():
+        scale = float(g.abs().max())
+        assert scale > 0, key
+        torch.testing.assert_close(shared_grads[key], g, atol=1e-5 * max(scale, 1.0), rtol=0, msg=key)
+    # the decoder ran over the 4 distinct prompts once (padded to 13), then over each trained sample's rest
+    # (padded to the longest rest, 3 + 4 + 4 = 11 tokens); the failed rollout did not run
+    assert tokens.count == 4 * 13 + 10 * 11 < ids.numel()
+
+
+def test_nothing_shared_means_nothing_to_save(tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    items = items_of(len(tokenizer))  # three different prompts
+    with torch.no_grad():
+        assert shared_prefix_logprobs(model, [x.token_ids for x in items], [x.loss_mask for x in items]) is None
+
+
+def test_a_train_step_on_groups_shares_their_prompts_with_the_same_update(tiny_model_and_tokenizer):
+    base, tokenizer = tiny_model_and_tokenizer
+    items = grouped_items(len(tokenizer), seed=3)
+    advantages = torch.linspace(-1.0, 1.5, len(items))
+    loss = ClippedPGLossConfig(kl_coef=0.1)
+    runs = [
+        _update(copy.deepcopy(base), items, advantages, loss, copy.deepcopy(base), micro=6, minibatches=1, share=share)
+        for share in (True, False)
+    ]
+    shared, full = runs
+    assert shared["tokens"] < full["tokens"]  # the policy pass shares the prompts (the reference has its own hook)
+    assert shared["rows"] == full["rows"]  # the head still sees exactly the trained positions
+    for key in ("loss", "loss/pg", "grad_norm", "importance_ratio/mean", "num_tokens"):
+        assert shared["metrics"][key] == pytest.approx(full["metrics"][key], rel=1e-4, abs=1e-6), key
+    scale = max(float(g.abs().max()) for g in full["update"].values())
+    assert scale > 1e-3
+    # the decoder's sums run in another order (other matmul shapes): equal to fp32 rounding, 1e-4 of the largest
+    for key, g in full["update"].items():
+        torch.testing.assert_close(shared["update"][key], g, atol=1e-4 * scale, rtol=0, msg=key)
+
+
+def test_the_no_grad_passes_share_prompts_too(tiny_model_and_tokenizer):
+    """The old-policy pass (several minibatches) and the reference pass go through `_frozen_logprobs`."""
+    model, tokenizer = tiny_model_and_tokenizer
+    items = grouped_items(len(tokenizer), seed=4)
+    passes = []
+    for share in (True, False):
+        trainer = PolicyTrainer(copy.deepcopy(model), optimizer=OptimizerSettings(micro_batch_size=6,
+                                share_prompt_prefix=share), loss=ClippedPGLossConfig(), temperature=0.8)
+        tokens = DecoderTokens(trainer.model)
+        try:
+            passes.append((trainer.logprobs(items), tokens.count))
+        finally:
+            tokens.close()
+    (shared, shared_tokens), (full, full_tokens) = passes
+    assert shared_tokens < full_tokens
+    for x, a, b in zip(items, shared, full, strict=True):
+        assert a.shape == b.shape == x.token_ids.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        assert bool((a[x.loss_mask == 0] == 0).all())
