@@ -9,11 +9,12 @@ subclass of these, never another copy.
 from nemo_rl_ext.testing.environments import FailingEnvironment, RolloutStep, ScriptedEnvironment
 from nemo_rl_ext.testing.faults import Fault
 from nemo_rl_ext.testing.scripted_generation import ScriptedCall, ScriptedGeneration, ScriptedRequest
-from nemo_rl_ext.testing.sleep_engine import SleepGeneration, make_sleep_engine
+from nemo_rl_ext.testing.sleep_engine import LongTail, SleepGeneration, make_sleep_engine
 
 __all__ = [
     "FailingEnvironment",
     "Fault",
+    "LongTail",
     "RolloutStep",
     "ScriptedCall",
     "ScriptedEnvironment",

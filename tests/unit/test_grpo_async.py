@@ -111,7 +111,7 @@ async def _train(collector: AsyncCollector, engine: SleepGeneration, steps: int,
         for step in range(1, steps + 1):
             taken = await collector.take()
             await collector.guard(asyncio.sleep(train_s))
-            engine.update_weights({}, in_flight=in_flight)
+            await collector.guard(asyncio.to_thread(engine.update_weights, {}, in_flight=in_flight))  # off the loop
             collector.set_version(step)
             out.append({**taken.metrics, "groups": float(len(taken.groups)),
                         "positions": [g.position for g in taken.groups]})
