@@ -25,6 +25,7 @@ from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 RESUME_MAY_CHANGE: tuple[str, ...] = (
     "grpo.max_num_steps",
     "grpo.save_period",
+    "grpo.stop_timeout_s",
     "keep_last_checkpoints",
     "grpo.val_period",
     "grpo.val_at_start",
@@ -85,6 +86,17 @@ class AsyncSettings(StrictModel):
     )
 
 
+def async_wedge_warning(settings: AsyncSettings) -> str | None:
+    """The warning for an asynchronous config where one group that never finishes stops the run (None when
+    there is slack): max_lag 0 leaves no spare budget slot, as the synchronous loop has none."""
+    if not (settings.enabled and settings.max_lag == 0 and settings.oversample == 0
+            and settings.group_deadline_s is None):
+        return None
+    return ("grpo.async: max_lag 0 with oversample 0 and no group_deadline_s: a group that never finishes (a hung "
+            "generation; a hung environment step until rollouts.fault_policy.env_step_timeout_s) stops the run, as "
+            "it would the synchronous loop. Set grpo.async.oversample >= 1 or grpo.async.group_deadline_s.")
+
+
 class GRPOSettings(StrictModel):
     """The loop: how many prompts and samples per step, for how long, and when to validate and save."""
 
@@ -112,6 +124,10 @@ class GRPOSettings(StrictModel):
         default=0, ge=0, description="Checkpoint every this many steps and at the last; 0 never."
     )
     seed: int = Field(default=42, description="Seed of data order, torch, and rollouts when generation.seed is unset.")
+    stop_timeout_s: float = Field(
+        default=600.0, gt=0.0, description="On SIGTERM / Ctrl-C, most seconds to finish the step in progress and "
+        "checkpoint it before stopping at once without a new checkpoint.",
+    )
     async_: AsyncSettings = Field(
         default_factory=AsyncSettings, alias="async", description="Asynchronous GRPO (`grpo.async` in YAML)."
     )

@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 
 from nemo_rl_ext.algorithms.async_collector import AsyncCollector, CollectorError, TakenStep
-from nemo_rl_ext.algorithms.grpo_config import AsyncSettings, DynamicSamplingSettings, GRPOConfig
+from nemo_rl_ext.algorithms.grpo_config import (
+    AsyncSettings,
+    DynamicSamplingSettings,
+    GRPOConfig,
+    async_wedge_warning,
+)
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.staleness import (
     admission_budget,
@@ -63,6 +68,14 @@ def test_every_bad_async_value_is_reported_at_once() -> None:
     with pytest.raises(ValueError, match="queue_size"):
         grpo_config(num_prompts_per_step=8, **{"async": {"queue_size": 4}})
     assert grpo_config(num_prompts_per_step=4, **{"async": {"queue_size": 4}}).grpo.async_.queue_size == 4
+
+
+def test_a_config_where_one_hung_group_stops_the_run_is_warned_about() -> None:
+    warning = async_wedge_warning(AsyncSettings(enabled=True, max_lag=0))
+    assert warning is not None and "grpo.async.oversample >= 1 or grpo.async.group_deadline_s" in warning
+    for slack in ({"max_lag": 1}, {"max_lag": 0, "oversample": 1}, {"max_lag": 0, "group_deadline_s": 60.0},
+                  {"enabled": False, "max_lag": 0}):
+        assert async_wedge_warning(AsyncSettings(**{"enabled": True, **slack})) is None, slack
 
 
 # ---- the staleness rules ----------------------------------------------------------------------------
