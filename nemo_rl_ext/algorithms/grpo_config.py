@@ -70,9 +70,10 @@ class AsyncSettings(StrictModel):
         default=1, ge=0, description="Most policy versions a trained group's oldest token may lag; 0 is on-policy."
     )
     in_flight: Literal["finish", "abort"] = Field(
-        default="finish",
-        description="Generations in flight at a weight update: finish on the old weights, or abort and continue "
-        "on the new ones (the turn keeps its tokens, each with its version).",
+        default="abort",
+        description="Generations in flight at a weight update: abort and continue on the new weights (the turn "
+        "keeps its tokens, each with its version), or finish on the old ones (the refit then waits for the "
+        "longest generation in flight).",
     )
     oversample: int = Field(
         default=0, ge=0, description="Groups started beyond what the steps within max_lag need (straggler slack)."
