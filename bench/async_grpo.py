@@ -3,14 +3,18 @@
     python bench/async_grpo.py              # simulated engine (30 steps each), then the real tiny model
     python bench/async_grpo.py --quick      # fewer steps
     python bench/async_grpo.py --no-real    # the simulated rows only
+    python bench/async_grpo.py --smoke      # a few simulated steps in about a second (the test suite's check)
 
 - Simulated (the claim): the sleep-per-token engine (nemo_rl_ext/testing/sleep_engine.py, a batch step costs
-  the same whatever it holds, as on an accelerator) with long-tail lengths: 10 % of requests generate 16x
-  more tokens (`--tokens` vs 16 x `--tokens`, chosen by a hash of the prompt and seed, so every contender
-  sees the same lengths). A step is `--prompts` groups of `--samples`, one turn each; the trainer step is
-  simulated by `--train-s` of sleep on a worker thread, then `update_weights`. The synchronous row rolls out
-  a step's prompts with `RolloutManager.run_rollouts`, trains, refits (today's loop); the asynchronous rows
-  run `AsyncCollector` (the collector `grpo.async` uses) at max_lag 1 and 2, with refits in `finish` mode.
+  the same whatever it holds, as on an accelerator, and a weight update waits for the requests in flight as
+  the real engines' do) with long-tail lengths: 10 % of requests generate 16x more tokens (`--tokens` vs
+  16 x `--tokens`, `LongTail`, chosen by a hash of the prompt and seed, so every contender sees the same
+  lengths). A step is `--prompts` groups of `--samples`, one turn each; the trainer step is simulated by
+  `--train-s` of sleep on a worker thread, then `update_weights` on that thread (as GRPO refits). The
+  synchronous row rolls out a step's prompts with `RolloutManager.run_rollouts`, trains, refits (the
+  synchronous loop); the asynchronous rows run `AsyncCollector` (the collector `grpo.async` uses) at
+  max_lag 1 and 2, with refits in `finish` mode (the refit waits for the longest request in flight) and in
+  `abort` mode (requests stop at their next token and continue on the new weights).
   Steps/s = steps / wall seconds from the first rollout to the last refit.
 - Real tiny model (honesty): the whole GRPO run (`GRPO.run`) on the say-"yes" task of
   tests/functional/test_grpo.py, sync and async (max_lag 1 and 2), generation and training sharing this
@@ -25,8 +29,6 @@ import json
 import sys
 import tempfile
 import time
-import zlib
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,29 +43,20 @@ from nemo_rl_ext.algorithms.staleness import lag_histogram  # noqa: E402
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration  # noqa: E402
 from nemo_rl_ext.data.records import DatumSpec, Message  # noqa: E402
 from nemo_rl_ext.experience.rollout_manager import RolloutManager  # noqa: E402
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationOutput  # noqa: E402
-from nemo_rl_ext.testing import ScriptedEnvironment, SleepGeneration  # noqa: E402
+from nemo_rl_ext.models.generation.interfaces import GenerationConfig  # noqa: E402
+from nemo_rl_ext.testing import LongTail, ScriptedEnvironment, SleepGeneration  # noqa: E402
 
-
-class LongTailSleep(SleepGeneration):
-    """The sleep engine with long-tail lengths: one request in ten generates `long` tokens, the rest `short`."""
-
-    def __init__(self, short: int, long: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.short, self.long = short, long
-
-    async def generate_async(self, prompt_token_ids: Sequence[int], config: GenerationConfig) -> GenerationOutput:
-        key = zlib.crc32(json.dumps([list(prompt_token_ids), config.seed]).encode())
-        n = self.long if key % 10 == 0 else self.short
-        return await super().generate_async(prompt_token_ids, config.model_copy(update={"max_new_tokens": n}))
+SIMULATED = (("sync", 0, "finish", 0), ("async", 1, "finish", 0), ("async", 1, "abort", 0), ("async", 2, "finish", 0),
+             ("async", 2, "abort", 0), ("async", 2, "abort", 4))
+"""(loop, max_lag, in_flight, oversample) of each simulated contender."""
 
 
 def simulated_setup(args: argparse.Namespace):
     from nemo_rl_ext.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    engine = LongTailSleep(args.tokens, 16 * args.tokens, token_s=args.token_ms / 1000, max_batch_size=4096,
-                           tag=1, tokenizer=tokenizer)
+    engine = SleepGeneration(token_s=args.token_ms / 1000, max_batch_size=4096, tag=1, tokenizer=tokenizer,
+                             length=LongTail(args.tokens, 16 * args.tokens))
     generation = SaltedGeneration(engine)
     env = ScriptedEnvironment(reward=lambda s: float(len(s.reply) % 3))
     manager = RolloutManager(tokenizer, {"t": env}, args.samples, 4096, policy_generation=generation,
@@ -76,42 +69,52 @@ async def run_sync(args: argparse.Namespace) -> dict:
     engine, generation, manager, stream = simulated_setup(args)
     executor = ThreadPoolExecutor(1)
     loop = asyncio.get_running_loop()
+    refit_s = 0.0
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         generation.salt = (1, step, 0)
         await manager.run_rollouts(stream.next(args.prompts), progress=False)
         await loop.run_in_executor(executor, time.sleep, args.train_s)
-        engine.update_weights({})
+        refit = time.perf_counter()
+        await loop.run_in_executor(executor, engine.update_weights, {})
+        refit_s += time.perf_counter() - refit
     wall = time.perf_counter() - start
     executor.shutdown()
-    return {"steps_s": args.steps / wall, "wall": wall, "hist": {0: args.steps * args.prompts}, "dropped": 0}
+    return {"steps_s": args.steps / wall, "hist": {0: args.steps * args.prompts}, "dropped": 0, "surplus": 0,
+            "idle": None, "wait": None, "refit": refit_s / args.steps}
 
 
-async def run_async(args: argparse.Namespace, max_lag: int, oversample: int) -> dict:
+async def run_async(args: argparse.Namespace, max_lag: int, in_flight: str, oversample: int) -> dict:
     engine, generation, manager, stream = simulated_setup(args)
-    settings = AsyncSettings(enabled=True, max_lag=max_lag, oversample=oversample)
+    settings = AsyncSettings(enabled=True, max_lag=max_lag, in_flight=in_flight, oversample=oversample)
     collector = AsyncCollector(manager, stream, settings, per_step=args.prompts, version=0, offset=0,
                                salt_prefix=1)
     executor = ThreadPoolExecutor(1)
     loop = asyncio.get_running_loop()
     metrics = []
+    refit_s = 0.0
     start = time.perf_counter()
     collector.start()
     try:
         for step in range(1, args.steps + 1):
-            taken = await collector.take()
+            taken = await collector.take(final=step == args.steps)
             await collector.guard(loop.run_in_executor(executor, time.sleep, args.train_s))
-            await collector.guard(loop.run_in_executor(executor, engine.update_weights, {}))
+            refit = time.perf_counter()
+            await collector.guard(loop.run_in_executor(executor, lambda: engine.update_weights({}, in_flight=in_flight)))
+            refit_s += time.perf_counter() - refit
             collector.set_version(step)
             metrics.append(taken.metrics)
     finally:
         wall = time.perf_counter() - start
         await collector.aclose()
         executor.shutdown()
-    dropped = sum(m["async/groups/discarded"] for m in metrics)
-    idle = sum(m["async/generation_idle_s"] for m in metrics)
-    return {"steps_s": args.steps / wall, "wall": wall, "hist": lag_histogram(metrics), "dropped": int(dropped),
-            "idle": idle}
+    total = {key: sum(m[key] for m in metrics) for key in
+             ("async/groups/dropped_stale", "async/groups/cancelled_stale", "async/groups/oversampled_discarded",
+              "async/generation_idle_s", "async/trainer_wait_s")}
+    return {"steps_s": args.steps / wall, "hist": lag_histogram(metrics),
+            "dropped": int(total["async/groups/dropped_stale"] + total["async/groups/cancelled_stale"]),
+            "surplus": int(total["async/groups/oversampled_discarded"]), "idle": total["async/generation_idle_s"],
+            "wait": total["async/trainer_wait_s"] / args.steps, "refit": refit_s / args.steps}
 
 
 def real_rows(args: argparse.Namespace) -> list[tuple[str, float, float, dict]]:
@@ -141,8 +144,12 @@ def real_rows(args: argparse.Namespace) -> list[tuple[str, float, float, dict]]:
     path = root / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     rows = []
-    for name, overrides in (("sync", []), ("async max_lag=1", ["grpo.async.enabled=true", "grpo.async.max_lag=1"]),
-                            ("async max_lag=2", ["grpo.async.enabled=true", "grpo.async.max_lag=2"])):
+    contenders = [("sync", [])] + [
+        (f"async max_lag={lag} {mode}", ["grpo.async.enabled=true", f"grpo.async.max_lag={lag}",
+                                         f"grpo.async.in_flight={mode}"])
+        for lag in (1, 2) for mode in ("finish", "abort")
+    ]
+    for name, overrides in contenders:
         out = root / name.replace(" ", "_").replace("=", "")
         with GRPO(load_config(path, [f"output_dir={out}", *overrides], GRPOConfig)) as grpo:
             start = time.perf_counter()
@@ -166,9 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-steps", type=int, default=20, help="steps of the real tiny-model runs")
     parser.add_argument("--quick", action="store_true", help="10 simulated and 8 real steps")
     parser.add_argument("--no-real", action="store_true", help="skip the real tiny model")
+    parser.add_argument("--smoke", action="store_true", help="3 fast simulated steps, no real model (a check)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.real_steps = 10, 8
+    if args.smoke:
+        args.steps, args.token_ms, args.train_s, args.tokens, args.no_real = 3, 0.2, 0.02, 4, True
     import torch
 
     torch.set_num_threads(1)
@@ -176,16 +186,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"simulated: {args.prompts} groups x {args.samples} samples per step, {args.tokens} tokens "
           f"(10 % of requests: {16 * args.tokens}) at {args.token_ms} ms/token, trainer step {args.train_s} s, "
           f"{args.steps} steps\n")
-    print("| contender | steps/s | vs sync | lag histogram (groups) | groups discarded | generation idle s |")
-    print("| --- | ---: | ---: | --- | ---: | ---: |")
-    sync = asyncio.run(run_sync(args))
-    print(f"| sync | {sync['steps_s']:.2f} | 1.00 | 0: {sync['hist'][0]} | 0 | - |")
-    for max_lag, oversample in ((1, 0), (2, 0), (2, args.prompts // 2)):
-        result = asyncio.run(run_async(args, max_lag, oversample))
+    print("| contender | steps/s | vs sync | lag histogram (groups) | stale (dropped + cancelled) | "
+          "over-sampled, discarded | trainer wait s/step | refit s/step | generation idle s |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    base = None
+    for loop, max_lag, in_flight, oversample in SIMULATED:
+        if loop == "sync":
+            result, label = asyncio.run(run_sync(args)), "sync"
+        else:
+            result = asyncio.run(run_async(args, max_lag, in_flight, oversample))
+            label = f"async max_lag={max_lag} {in_flight}" + (f" oversample={oversample}" if oversample else "")
+        base = base or result["steps_s"]
         hist = " ".join(f"{k}: {v}" for k, v in result["hist"].items())
-        label = f"async max_lag={max_lag}" + (f" oversample={oversample}" if oversample else "")
-        print(f"| {label} | {result['steps_s']:.2f} | {result['steps_s'] / sync['steps_s']:.2f} | {hist} | "
-              f"{result['dropped']} | {result['idle']:.2f} |")
+        wait = "-" if result["wait"] is None else f"{result['wait']:.3f}"
+        idle = "-" if result["idle"] is None else f"{result['idle']:.2f}"
+        print(f"| {label} | {result['steps_s']:.2f} | {result['steps_s'] / base:.2f} | {hist} | {result['dropped']} "
+              f"| {result['surplus']} | {wait} | {result['refit']:.3f} | {idle} |", flush=True)
     if not args.no_real:
         print(f"\nreal tiny model (say-yes task, 4 prompts x 16 samples, {args.real_steps} steps, hf engine, "
               "1 torch thread):\n")

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -45,29 +46,21 @@ from nemo_rl_ext.testing.sleep_engine import SleepGeneration  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-class TailSleepGeneration(SleepGeneration):
-    """The sleep engine with a length per prompt: `tokens`, or a Pareto draw from the prompt's ids (`tail`)."""
-
-    def __init__(self, tokenizer_dir: str, token_s: float, batch: int, tokens: int, tail: bool) -> None:
-        from transformers import AutoTokenizer
-
-        super().__init__(token_s=token_s, max_batch_size=batch, tag=0, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
-        self.tokens, self.tail = tokens, tail
-
-    def length(self, prompt_token_ids: Sequence[int]) -> int:
-        if not self.tail:
-            return self.tokens
-        rng = random.Random(zlib.crc32(bytes(str(list(prompt_token_ids)), "ascii")))
-        return min(16 * self.tokens, int(self.tokens * rng.paretovariate(1.2)))
-
-    async def generate_async(self, prompt_token_ids, config: GenerationConfig):  # noqa: ANN001, ANN201
-        n = min(config.max_new_tokens, self.length(prompt_token_ids))
-        return await super().generate_async(prompt_token_ids, config.model_copy(update={"max_new_tokens": n}))
+def tail_length(tokens: int, tail: bool, prompt_token_ids: Sequence[int], config: GenerationConfig) -> int:
+    """A prompt's length (all its samples): `tokens`, or a Pareto draw from the prompt's ids (`tail`)."""
+    if not tail:
+        return tokens
+    rng = random.Random(zlib.crc32(bytes(str(list(prompt_token_ids)), "ascii")))
+    return min(16 * tokens, int(tokens * rng.paretovariate(1.2)))
 
 
-def make_engine(tokenizer_dir: str, token_s: float, batch: int, tokens: int, tail: bool) -> TailSleepGeneration:
-    """The factory each worker calls in its own process."""
-    return TailSleepGeneration(tokenizer_dir, token_s, batch, tokens, tail)
+def make_engine(tokenizer_dir: str, token_s: float, batch: int, tokens: int, tail: bool) -> SleepGeneration:
+    """The factory each worker calls in its own process: the sleep engine with `tail_length` lengths."""
+    from transformers import AutoTokenizer
+
+    return SleepGeneration(token_s=token_s, max_batch_size=batch, tag=0,
+                           tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
+                           length=functools.partial(tail_length, tokens, tail))
 
 
 def fixed_shard(cfg: EvalConfig, factory) -> bool:  # noqa: ANN001
@@ -95,8 +88,6 @@ def main() -> None:
         args.prompts = 32
     print(machine_line(), flush=True)
     init_ray(ClusterConfig(local_num_cpus=2))
-    import functools
-
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -13,8 +13,13 @@ weight version its outputs came back with). Admission follows `staleness.admissi
 
 - finished, within the lag bound: waits in the queue (dynamic sampling drops a zero-variance one on arrival);
 - finished, but its oldest token is more than `max_lag` versions behind the weights that would train it:
-  dropped and counted (`async/groups/dropped_stale`), also while it waits, at each version change;
-- in flight when a version change makes it certainly too stale (one of its outputs is already that old):
+  dropped and counted (`async/groups/dropped_stale`), also while it waits, at each version change; one
+  that finished within the bound but went stale waiting (steps took other groups first) was surplus and
+  also counts in `async/groups/oversampled_discarded`, as do the groups in flight or waiting after the
+  last step (`take(final=True)`);
+- in flight when a version change makes it certainly too stale: one of its outputs is already that old,
+  or it has returned no output while more than `max_lag` versions passed since it started (counted from
+  its start version, as AReaL counts staleness, so a group hung before its first token frees its slot):
   cancelled and counted (`async/groups/cancelled_stale`); a step never waits for it;
 - running past `group_deadline_s`: cancelled and counted (`async/groups/deadline_expired`);
 - a rollout that raises (not an error recorded as data: those are completions) fails the collector, and
@@ -127,7 +132,8 @@ class AsyncCollector:
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._counts = dict.fromkeys(
-            ("started", "finished", "dropped_stale", "cancelled_stale", "deadline_expired"), 0
+            ("started", "finished", "dropped_stale", "cancelled_stale", "deadline_expired", "oversampled_discarded"),
+            0,
         )
         self._idle_s = 0.0
         self._idle_since: float | None = time.perf_counter()
@@ -138,9 +144,11 @@ class AsyncCollector:
         """Start admitting groups (call inside the running event loop)."""
         self._task = asyncio.create_task(self._run(), name="grpo-async-collector")
 
-    async def take(self) -> TakenStep:
+    async def take(self, *, final: bool = False) -> TakenStep:
         """Wait for a step's groups and take them (the step counts as taken); raises `CollectorError` at once
-        when the collector fails."""
+        when the collector fails. `final`: the run's last step; the groups left over (in flight or waiting)
+        count as `oversampled_discarded`."""
+        called = time.perf_counter()
         while True:
             self._raise_if_failed()
             self._drop_stale_ready()
@@ -155,6 +163,8 @@ class AsyncCollector:
         lags = [self.version - g.version for g in taken]
         self.steps_taken += 1
         self._wake.set()
+        if final:
+            self._counts["oversampled_discarded"] += len(self._ready) + len(self._in_flight)
         now = time.perf_counter()
         idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
         self._idle_s, self._idle_since = 0.0, (now if self._idle_since is not None else None)
@@ -166,6 +176,7 @@ class AsyncCollector:
         metrics["async/groups/in_flight"] = float(len(self._in_flight))
         metrics["async/groups/waiting"] = float(len(self._ready))
         metrics["async/generation_idle_s"] = idle
+        metrics["async/trainer_wait_s"] = now - called
         self._counts = dict.fromkeys(self._counts, 0)
         if self.dynamic is not None:
             generated = len(taken) + len(filtered)
@@ -182,10 +193,9 @@ class AsyncCollector:
         floor = version - self.settings.max_lag  # the oldest version a group may still hold
         for group in list(self._in_flight.values()):
             seen = group.scope.min_version
-            oldest = seen + self.offset if self.measures_tokens and seen is not None else None
-            if not self.measures_tokens:
-                oldest = group.start_version
-            if oldest is not None and oldest < floor and group.task is not None and not group.task.done():
+            # its oldest output's version; with none yet (or no token versions: NeMo Gym), its start version
+            oldest = seen + self.offset if self.measures_tokens and seen is not None else group.start_version
+            if oldest < floor and group.task is not None and not group.task.done():
                 group.task.cancel()
                 self._counts["cancelled_stale"] += 1
         self._wake.set()
@@ -238,9 +248,15 @@ class AsyncCollector:
         return len(self._ready) + len(self._filtered) >= self.dynamic.max_gen_batches * self.per_step
 
     def _drop_stale_ready(self) -> None:
+        """Drop the waiting groups that became too stale (surplus: steps took others first); their budget
+        slots free up, so admission runs again."""
         keep = [g for g in self._ready if self.version - g.version <= self.settings.max_lag]
-        self._counts["dropped_stale"] += len(self._ready) - len(keep)
-        self._ready = keep
+        dropped = len(self._ready) - len(keep)
+        if dropped:
+            self._counts["dropped_stale"] += dropped
+            self._counts["oversampled_discarded"] += dropped
+            self._ready = keep
+            self._wake.set()
 
     async def _run(self) -> None:
         while True:

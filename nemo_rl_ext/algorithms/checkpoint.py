@@ -114,10 +114,12 @@ def save_checkpoint(
     data_state: dict[str, Any],
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    rng_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of `step` atomically (replacing an existing one); returns its folder.
 
     With `keep_last`, older complete checkpoints beyond the newest `keep_last` are deleted afterwards.
+    `rng_state` (a `get_rng_state()` taken earlier, e.g. when the step ended) replaces the RNG states of now.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -129,7 +131,7 @@ def save_checkpoint(
         model.save_pretrained(tmp / "policy")
         tokenizer.save_pretrained(tmp / "policy")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(get_rng_state(), tmp / "rng.pt")
+        torch.save(rng_state if rng_state is not None else get_rng_state(), tmp / "rng.pt")
         state = {"step": int(step), "data": data_state, "extra": extra or {}}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         files = {}

@@ -18,6 +18,13 @@ sample and turn by the rollout implementation), and the backend mixes in the ste
 Asynchronous GRPO (`grpo.async.enabled`, `_run_async`): `AsyncCollector` keeps groups in flight while the
 trainer trains and refits on a worker thread; each trained group is at most `grpo.async.max_lag` policy
 versions behind (see `staleness` and `async_collector`). With `max_lag: 0` it is the synchronous loop.
+
+Stopping (`run` runs inside `stopping.LoopStop`): the first SIGTERM / Ctrl-C cuts a wait for rollouts
+or validation at once, but never a training step (it updates weights and optimizer state, on a thread in
+the asynchronous loop); the run then checkpoints its last whole step (the data position of that step's
+end, or, asynchronously, with the rows drawn and not trained listed as skipped) and raises
+`KeyboardInterrupt`. So a stopped run is resumable whatever `save_period` is. `grpo.stop_timeout_s` bounds
+the wait; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -28,10 +35,10 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -40,6 +47,7 @@ from tqdm.auto import tqdm
 from nemo_rl_ext.algorithms.async_collector import AsyncCollector
 from nemo_rl_ext.algorithms.checkpoint import (
     Checkpoint,
+    get_rng_state,
     latest_checkpoint,
     load_checkpoint,
     resumable_checkpoint,
@@ -51,10 +59,16 @@ from nemo_rl_ext.algorithms.grpo_batch import (
     has_reward_variance,
     training_batch_metrics,
 )
-from nemo_rl_ext.algorithms.grpo_config import RESUME_MAY_CHANGE, GRPOConfig, input_problems
+from nemo_rl_ext.algorithms.grpo_config import (
+    RESUME_MAY_CHANGE,
+    GRPOConfig,
+    async_wedge_warning,
+    input_problems,
+)
 from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
+from nemo_rl_ext.algorithms.stopping import LoopStop, Stopped
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
 from nemo_rl_ext.cluster import RoutedGeneration, loads_model_folder
 from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
@@ -69,6 +83,7 @@ from nemo_rl_ext.models.loading import load_model_and_tokenizer
 from nemo_rl_ext.models.policy import resolve_model_path
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TRAIN_SALT = 1
 """First element of the seed salt of training rollouts: (TRAIN_SALT, step, rollout batch)."""
@@ -194,6 +209,12 @@ class GRPO:
         self.logger.truncate_after(self.step if checkpoint is not None else -1)  # a fresh run starts empty
         (self.output_dir / "config.yaml").write_text(dump_config(cfg))
         self._runner = asyncio.Runner()
+        self._stop: LoopStop | None = None
+        """Stopping on a signal, while `run` runs."""
+        self._saved_step = self.step if checkpoint is not None else None
+        """The step of the newest checkpoint this run wrote or resumed from."""
+        self._rng_after_step: dict[str, Any] | None = None
+        """The RNG states when the last step ended (what a checkpoint of that step saves)."""
 
     @property
     def task_to_env(self) -> Mapping[str, EnvironmentInterface] | None:
@@ -262,7 +283,12 @@ class GRPO:
         """Run one GRPO step (rollouts, update, refit) and return its metrics; advances `self.step`."""
         step = self.step + 1
         start = time.perf_counter()
-        records, metrics = self._runner.run(self._collect(step))
+        position = self.train_data.consumed
+        try:
+            records, metrics = self._runner.run(self._unless_stopped(self._collect(step)))
+        except Stopped:  # the step never happened: a resumed run draws its rows again
+            self.train_data.consumed = position
+            raise
         rollout_done = time.perf_counter()
         self._train_records(records, metrics)
         train_done = time.perf_counter()
@@ -321,7 +347,7 @@ class GRPO:
 
     def save(self, extra: Mapping[str, Any] | None = None) -> Path:
         """Checkpoint the current step (`extra`: more JSON for the checkpoint's state)."""
-        return save_checkpoint(
+        path = save_checkpoint(
             self.checkpoint_root,
             self.step,
             model=self.trainer.model,
@@ -330,31 +356,69 @@ class GRPO:
             data_state=self.train_data.state_dict(),
             extra={"config": self.cfg.model_dump(mode="json"), **(extra or {})},
             keep_last=self.cfg.keep_last_checkpoints,
+            rng_state=self._rng_after_step,
         )
+        self._saved_step = self.step
+        return path
+
+    # ---- stopping on a signal -------------------------------------------------------------------
+
+    def _stopping(self) -> bool:
+        return self._stop is not None and self._stop.requested
+
+    async def _unless_stopped(self, awaitable: Awaitable[T]) -> T:
+        """Await `awaitable`; inside `run`, cancel it and raise `Stopped` as soon as a stop is requested."""
+        if self._stop is None:
+            return await awaitable
+        return await self._stop.unless_stopped(awaitable)
+
+    def _validate_unless_stopped(self) -> dict[str, float]:
+        try:
+            return self._runner.run(self._unless_stopped(self._validate()))
+        except Stopped:
+            return {}
 
     # ---- the loop -------------------------------------------------------------------------------
 
     def run(self) -> list[dict[str, float]]:
-        """Train until `grpo.max_num_steps`; returns the metrics of the steps run here (also in metrics.jsonl)."""
+        """Train until `grpo.max_num_steps`; returns the metrics of the steps run here (also in metrics.jsonl).
+
+        A SIGTERM or Ctrl-C (main thread) ends it with a checkpoint of the last whole step and
+        `KeyboardInterrupt` (see the module docstring)."""
         settings, log_cfg = self.cfg.grpo, self.cfg.logger
-        history = []
-        if settings.val_at_start and self.step == 0:
-            metrics = self.validate()
-            self.logger.log(0, metrics)
-            self._print(0, metrics)
+        history: list[dict[str, float]] = []
         bar = tqdm(total=settings.max_num_steps, initial=self.step, desc="grpo", unit="step",
                    disable=not log_cfg.progress)
-        try:
-            if settings.async_.enabled:
-                self._runner.run(self._run_async(history, bar))
-            while self.step < settings.max_num_steps:
-                start = time.perf_counter()
-                metrics = self.train_step()
-                if self._validates_now():
-                    metrics.update(self.validate())
-                self._end_step(metrics, start, history, bar)
-        finally:
-            bar.close()
+        stop = LoopStop(self._runner.get_loop(), timeout_s=settings.stop_timeout_s, name="grpo",
+                        what="the training step in progress and its checkpoint")
+        with stop:
+            self._stop = stop
+            try:
+                if settings.val_at_start and self.step == 0:
+                    metrics = self._validate_unless_stopped()
+                    if not stop.requested:
+                        self.logger.log(0, metrics)
+                        self._print(0, metrics)
+                if settings.async_.enabled:
+                    self._runner.run(self._run_async(history, bar))
+                while self.step < settings.max_num_steps and not stop.requested:
+                    start = time.perf_counter()
+                    metrics = self.train_step()
+                    if self._validates_now():
+                        metrics.update(self._validate_unless_stopped())
+                    self._end_step(metrics, start, history, bar)
+            except Stopped:
+                pass
+            finally:
+                bar.close()
+                self._stop = None
+            if stop.requested:
+                if self.step > 0 and self._saved_step != self.step:
+                    self.save()
+                if self.step < settings.max_num_steps:
+                    logger.info("stopped by a signal after step %d; resume=true continues from its checkpoint",
+                                self.step)
+                    raise KeyboardInterrupt
         return history
 
     def _validates_now(self) -> bool:
@@ -369,7 +433,10 @@ class GRPO:
         self.logger.log(self.step, metrics)
         history.append({"step": self.step, **metrics})
         self._print(self.step, metrics)
-        if settings.save_period and (self.step % settings.save_period == 0 or self.step == settings.max_num_steps):
+        self._rng_after_step = get_rng_state()
+        periodic = settings.save_period and (self.step % settings.save_period == 0
+                                             or self.step == settings.max_num_steps)
+        if periodic or self._stopping():  # a stop request: this step is the one to resume from
             self.save(checkpoint_extra)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics.get('rollout/reward/mean', float('nan')):.3f}")
@@ -379,9 +446,16 @@ class GRPO:
         the trainer steps on the groups it hands over; every step refits the engine (`in_flight` says what
         happens to the generations in flight), even one without an optimizer step, so that the policy
         version is the step count. A checkpoint skips the rows in flight or waiting (`data_state` counts
-        them as drawn): a resumed run never replays a group that may have wedged the run."""
+        them as drawn): a resumed run never replays a group that may have wedged the run.
+
+        A stop request cuts the wait for a step's groups; a training step in progress finishes (not its
+        refit: a resumed engine loads the checkpoint's weights), then the last whole step is checkpointed
+        with the rows in flight or waiting at the request as skipped."""
         settings = self.cfg.grpo
         knobs = settings.async_
+        warning = async_wedge_warning(knobs)
+        if warning:
+            logger.warning(warning)
         collector = AsyncCollector(
             self.manager, self.train_data, knobs, per_step=settings.num_prompts_per_step, version=self.step,
             offset=self.step - self.generation.weight_version, salt_prefix=TRAIN_SALT,
@@ -392,32 +466,61 @@ class GRPO:
         threads = torch.get_num_threads()  # the trainer thread computes as the main thread would
         executor = ThreadPoolExecutor(1, thread_name_prefix="grpo-trainer", initializer=torch.set_num_threads,
                                       initargs=(threads,))
+        skipped: list[int] | None = None
+        """The rows drawn and not trained when a stop was requested (then the collector is closed)."""
+
+        async def close_for_stop() -> None:
+            nonlocal skipped
+            if skipped is None:
+                skipped = collector.pending_rows()
+                await collector.aclose()  # also frees the requests a refit in "finish" mode waits for
+
         collector.start()
         try:
             while self.step < settings.max_num_steps:
                 start = time.perf_counter()
-                taken = await collector.take()
+                try:
+                    taken = await self._unless_stopped(collector.take(final=self.step + 1 == settings.max_num_steps))
+                except Stopped:
+                    break
                 rollout_done = time.perf_counter()
                 records = [g.record for g in taken.groups]
                 metrics = batch_metrics(taken.generated, rollout_done - start)
                 metrics.update(taken.metrics)
+                # never cut: it updates the weights and the optimizer state on the trainer's thread
                 await collector.guard(loop.run_in_executor(executor, self._train_records, records, metrics))
                 train_done = time.perf_counter()
-                refit = functools.partial(self._refit, in_flight=knobs.in_flight)
-                await collector.guard(loop.run_in_executor(executor, refit))
+                if not self._stopping():
+                    refit = loop.run_in_executor(executor, functools.partial(self._refit, in_flight=knobs.in_flight))
+                    try:
+                        await self._unless_stopped(collector.guard(asyncio.shield(refit)))
+                    except Stopped:
+                        await close_for_stop()
+                        await refit
                 refit_done = time.perf_counter()
                 self.step += 1
                 collector.set_version(self.step)
                 self.generation.salt = (TRAIN_SALT, self.step + 1, 0)
                 self._cluster_metrics(metrics)
-                metrics["async/trainer_wait_s"] = metrics["timing/rollout_s"] = rollout_done - start
+                metrics["timing/rollout_s"] = rollout_done - start
                 metrics["timing/train_s"] = train_done - rollout_done
                 metrics["timing/refit_s"] = refit_done - train_done
-                if self._validates_now():
-                    metrics.update(await collector.guard(self._validate()))
+                if self._validates_now() and not self._stopping():
+                    try:
+                        metrics.update(await self._unless_stopped(collector.guard(self._validate())))
+                    except Stopped:
+                        pass
                     self.generation.salt = (TRAIN_SALT, self.step + 1, 0)
-                extra = {"async": {"policy_version": self.step, "skipped_rows": collector.pending_rows()}}
-                self._end_step(metrics, start, history, bar, extra)
+                if self._stopping():
+                    await close_for_stop()
+                pending = skipped if skipped is not None else collector.pending_rows()
+                extra = {"async": {"policy_version": self.step, "skipped_rows": pending}}
+                self._end_step(metrics, start, history, bar, extra)  # checkpoints it when stopping
+                if self._stopping():
+                    return
+            if self._stopping() and self.step > 0:  # stopped while waiting for a step's groups
+                await close_for_stop()
+                self.save({"async": {"policy_version": self.step, "skipped_rows": skipped}})
         finally:
             await collector.aclose()
             executor.shutdown(wait=True)

@@ -25,6 +25,7 @@ from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 RESUME_MAY_CHANGE: tuple[str, ...] = (
     "grpo.max_num_steps",
     "grpo.save_period",
+    "grpo.stop_timeout_s",
     "keep_last_checkpoints",
     "grpo.val_period",
     "grpo.val_at_start",
@@ -69,9 +70,10 @@ class AsyncSettings(StrictModel):
         default=1, ge=0, description="Most policy versions a trained group's oldest token may lag; 0 is on-policy."
     )
     in_flight: Literal["finish", "abort"] = Field(
-        default="finish",
-        description="Generations in flight at a weight update: finish on the old weights, or abort and continue "
-        "on the new ones (the turn keeps its tokens, each with its version).",
+        default="abort",
+        description="Generations in flight at a weight update: abort and continue on the new weights (the turn "
+        "keeps its tokens, each with its version), or finish on the old ones (the refit then waits for the "
+        "longest generation in flight).",
     )
     oversample: int = Field(
         default=0, ge=0, description="Groups started beyond what the steps within max_lag need (straggler slack)."
@@ -83,6 +85,17 @@ class AsyncSettings(StrictModel):
         default=None, ge=1, description="Most finished groups waiting for the trainer (admission stops); None: "
         "what max_lag and oversample allow."
     )
+
+
+def async_wedge_warning(settings: AsyncSettings) -> str | None:
+    """The warning for an asynchronous config where one group that never finishes stops the run (None when
+    there is slack): max_lag 0 leaves no spare budget slot, as the synchronous loop has none."""
+    if not (settings.enabled and settings.max_lag == 0 and settings.oversample == 0
+            and settings.group_deadline_s is None):
+        return None
+    return ("grpo.async: max_lag 0 with oversample 0 and no group_deadline_s: a group that never finishes (a hung "
+            "generation; a hung environment step until rollouts.fault_policy.env_step_timeout_s) stops the run, as "
+            "it would the synchronous loop. Set grpo.async.oversample >= 1 or grpo.async.group_deadline_s.")
 
 
 class GRPOSettings(StrictModel):
@@ -112,6 +125,10 @@ class GRPOSettings(StrictModel):
         default=0, ge=0, description="Checkpoint every this many steps and at the last; 0 never."
     )
     seed: int = Field(default=42, description="Seed of data order, torch, and rollouts when generation.seed is unset.")
+    stop_timeout_s: float = Field(
+        default=600.0, gt=0.0, description="On SIGTERM / Ctrl-C, most seconds to finish the step in progress and "
+        "checkpoint it before stopping at once without a new checkpoint.",
+    )
     async_: AsyncSettings = Field(
         default_factory=AsyncSettings, alias="async", description="Asynchronous GRPO (`grpo.async` in YAML)."
     )

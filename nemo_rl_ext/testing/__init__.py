@@ -13,12 +13,13 @@ from nemo_rl_ext.testing.faults import Fault
 from nemo_rl_ext.testing.gym_agents import FakeAgents, UnusedPolicy
 from nemo_rl_ext.testing.reference import forward_logprobs
 from nemo_rl_ext.testing.scripted_generation import ScriptedCall, ScriptedGeneration, ScriptedRequest
-from nemo_rl_ext.testing.sleep_engine import SleepGeneration, make_sleep_engine
+from nemo_rl_ext.testing.sleep_engine import LongTail, SleepGeneration, make_sleep_engine
 
 __all__ = [
     "FailingEnvironment",
     "FakeAgents",
     "Fault",
+    "LongTail",
     "RolloutStep",
     "ScriptedCall",
     "ScriptedEnvironment",

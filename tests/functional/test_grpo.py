@@ -1,4 +1,5 @@
-"""GRPO end to end on a tiny model (native rollouts, CPU): it learns a task, and a killed run resumes exactly.
+"""GRPO end to end on a tiny model (native rollouts, CPU): it learns a task, and a killed or stopped run resumes
+exactly.
 
 The task: every prompt's ground truth is "yes", generation stops at the string "yes" (a stop string), and
 the `string_match` environment pays the similarity of the response to "yes" (1.0 for exactly "yes"). The
@@ -158,6 +159,44 @@ def test_killed_run_resumes_with_the_same_next_step(config_file: Path, tmp_path:
     # and the steps before the kill, computed by the killed process, match the uninterrupted run too
     for before, after in zip(uninterrupted[:k], resumed[:k], strict=True):
         assert after["rollout/reward/mean"] == before["rollout/reward/mean"]
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_without_periodic_checkpoints_leaves_the_last_step_resumable(config_file: Path, tmp_path: Path) -> None:
+    """save_period 0 writes no checkpoint; SIGTERM (wherever it lands: rollouts, update, refit) still leaves
+    one of the last whole step, and the resumed run's next step is the uninterrupted run's."""
+    short = ("grpo.save_period=0", "policy.hf.scheduler=static")
+    uninterrupted = run(config_file, f"output_dir={tmp_path / 'a'}", "grpo.max_num_steps=8", *short)
+
+    stopped = tmp_path / "b"
+    cmd = [sys.executable, str(REPO / "examples" / "run_grpo.py"), "--config", str(config_file),
+           f"output_dir={stopped}", *short, "grpo.max_num_steps=100"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    metrics_file = stopped / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 90
+        while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no step 2 after 90 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by SIGTERM" in out and "resume=true" in out and "Traceback" not in out, out[-3000:]
+    k = load_checkpoint(latest_checkpoint(stopped / "checkpoints")).step
+    assert k == len(metrics_file.read_text().splitlines()) and 2 <= k <= 7  # the last step it logged
+    resumed = run(config_file, f"output_dir={stopped}", "resume=true", f"grpo.max_num_steps={k + 1}", *short)
+    assert [m["step"] for m in resumed] == list(range(1, k + 2))
+    expected, got = uninterrupted[k], resumed[k]  # step k + 1: same rows, seeds, weights and optimizer state
+    keys = [key for key in expected if not key.startswith("timing/") and "wall_time" not in key]
+    assert {"train/loss", "train/grad_norm", "rollout/reward/mean"} <= set(keys)
+    for key in keys:
+        assert got[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
 
 
 @pytest.mark.timeout(90)

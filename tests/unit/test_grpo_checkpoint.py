@@ -18,6 +18,7 @@ from nemo_rl_ext.algorithms.checkpoint import (
     MARKER_FILE,
     CheckpointError,
     checkpoint_dir,
+    get_rng_state,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -64,6 +65,21 @@ def test_round_trip(tiny_model_and_tokenizer, tmp_path):
     fresh.load_state_dict(ckpt.optimizer_state())
     for a, b in zip(fresh.state_dict()["state"].values(), optimizer.state_dict()["state"].values(), strict=True):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+def test_a_save_can_store_rng_states_taken_earlier(tiny_model_and_tokenizer, tmp_path):
+    """What a stop does: it checkpoints a step that ended a while ago, with the RNG states of that moment."""
+    base, tokenizer = tiny_model_and_tokenizer
+    model, optimizer = trained_model_and_optimizer(base)
+    torch.manual_seed(5)
+    at_step_end = get_rng_state()
+    expected = torch.rand(3)
+    torch.rand(100)  # the next step's rollouts drew from the RNG before the stop
+    path = save_checkpoint(tmp_path, 2, model=model, tokenizer=tokenizer, optimizer=optimizer,
+                           data_state={"consumed": 8, "num_rows": 8}, rng_state=at_step_end)
+    torch.manual_seed(6)
+    load_checkpoint(path).restore_rng()
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_incomplete_saves_are_ignored_and_old_ones_pruned(tiny_model_and_tokenizer, tmp_path):

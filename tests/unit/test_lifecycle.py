@@ -96,6 +96,64 @@ def test_a_second_sigterm_stops_at_once(tmp_path):
     assert not marker.exists()
 
 
+GRACEFUL_MAIN = """
+import sys, time
+from nemo_rl_ext.lifecycle import graceful_stop, stop_on_signals
+
+marker, work_s, timeout_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+with stop_on_signals(name="job"):
+    with graceful_stop(lambda: print("requested", flush=True), timeout_s=timeout_s, what="the step",
+                       name="job") as stop:
+        print("ready", flush=True)
+        while not stop.requested:  # a loop between safe points
+            time.sleep(0.01)
+        time.sleep(work_s)  # the step in progress, then its checkpoint
+        open(marker, "w").write("saved")
+    raise KeyboardInterrupt
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_inside_graceful_stop_the_first_signal_lets_the_step_finish(tmp_path, sig):
+    marker = tmp_path / "marker"
+    proc = start(GRACEFUL_MAIN, str(marker), "0.5", "30")
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    assert proc.stdout.readline().strip() == "requested"  # the callback ran, nothing was interrupted
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - sent >= 0.5
+    assert marker.read_text() == "saved"
+    assert proc.returncode == 128 + sig, err
+    assert "finishing the step (at most 30 s)" in err and f"job: stopped by {signal.Signals(sig).name}" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_inside_graceful_stop_a_second_signal_stops_at_once(tmp_path, sig):
+    marker = tmp_path / "marker"
+    proc = start(GRACEFUL_MAIN, str(marker), "60", "600")  # a step that would take a minute
+    proc.send_signal(sig)
+    assert proc.stdout.readline().strip() == "requested"
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - sent < 10
+    assert proc.returncode == 128 + sig, err
+    assert not marker.exists()
+
+
+def test_graceful_stop_gives_up_after_its_timeout(tmp_path):
+    marker = tmp_path / "marker"
+    proc = start(GRACEFUL_MAIN, str(marker), "60", "1")
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert 1.0 <= time.monotonic() - sent < 10
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "the step did not finish within 1 s of the signal; stopping at once" in err
+    assert not marker.exists()
+
+
 PARENT = """
 import subprocess, sys, time
 watchdog = subprocess.Popen([sys.executable, sys.argv[1]], stdin=subprocess.PIPE, text=True,

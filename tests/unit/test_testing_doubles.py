@@ -21,6 +21,7 @@ from nemo_rl_ext.models.smollm2 import smollm2_path
 from nemo_rl_ext.testing import (
     FailingEnvironment,
     Fault,
+    LongTail,
     ScriptedEnvironment,
     ScriptedGeneration,
     SleepGeneration,
@@ -188,26 +189,81 @@ def test_the_sleep_engine_runs_max_batch_size_requests_at_a_time():
 
 
 @pytest.mark.parametrize("in_flight", ["finish", "abort"])
-def test_the_sleep_engines_updates_finish_or_abort_what_is_in_flight(in_flight):
-    gen = SleepGeneration(token_s=0.01, max_batch_size=1)
+def test_the_sleep_engines_updates_wait_for_what_is_in_flight_as_a_real_engines_do(in_flight):
+    gen = SleepGeneration(token_s=0.01, max_batch_size=2)
 
     async def go():
         running = asyncio.ensure_future(gen.generate_async([1], GenerationConfig(max_new_tokens=30)))
-        waiting = asyncio.ensure_future(gen.generate_async([2], GenerationConfig(max_new_tokens=3)))
-        await asyncio.sleep(0.1)
-        gen.update_weights({}, in_flight=in_flight)
-        return await running, await waiting
+        waiting = [asyncio.ensure_future(gen.generate_async([i], GenerationConfig(max_new_tokens=n)))
+                   for i, n in ((2, 10), (3, 3))]  # the second has no slot yet
+        await asyncio.sleep(0.05)
+        start = time.perf_counter()
+        update = asyncio.ensure_future(asyncio.to_thread(gen.update_weights, {}, in_flight=in_flight))
+        await asyncio.sleep(0.02)
+        arriving = asyncio.ensure_future(gen.generate_async([4], GenerationConfig(max_new_tokens=3)))
+        await update
+        took = time.perf_counter() - start
+        running_done = running.done()
+        return took, running_done, await running, [await w for w in waiting], await arriving
 
-    running, waiting = run(go())
-    assert gen.weight_version == 1 and running.weight_version == 0 and waiting.weight_version == 1
-    if in_flight == "finish":
+    took, running_done, running, waiting, arriving = run(go())
+    assert running_done  # the update returned only once the request in flight was done
+    assert gen.weight_version == 1 and running.weight_version == 0
+    # [2] held a slot (old version); [3] got [2]'s slot during the update and waited for it; [4] came during it
+    assert [w.weight_version for w in waiting] == [0, 1] and arriving.weight_version == 1
+    if in_flight == "finish":  # waited for the 30-token request: about 25 more tokens
         assert len(running.output_ids) == 30 and running.finish_reason is FinishReason.MAX_NEW_TOKENS
-    else:
+        assert took >= 0.2, took
+    else:  # stopped it at its next token
         assert 0 < len(running.output_ids) < 30 and running.finish_reason is FinishReason.ABORTED
         assert len(running.logprobs) == len(running.output_ids)
+        assert took < 0.2, took
     gen.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         run(gen.generate_async([1], GenerationConfig(max_new_tokens=1)))
+
+
+def test_the_sleep_engine_refuses_an_update_that_would_deadlock_its_own_loop():
+    gen = SleepGeneration(token_s=0.01)
+
+    async def go():
+        gen.update_weights({})  # nothing in flight: applies at once, on the loop's thread too
+        running = asyncio.ensure_future(gen.generate_async([1], GenerationConfig(max_new_tokens=5)))
+        await asyncio.sleep(0.02)
+        with pytest.raises(RuntimeError, match="1 of its requests are running.*another thread"):
+            gen.update_weights({})
+        return await running
+
+    assert run(go()).weight_version == 1 and gen.weight_version == 1
+
+
+def test_the_sleep_engines_lengths_come_from_its_length_option_and_survive_an_abort():
+    tail = LongTail(short=2, long=20, fraction=0.25)
+    configs = [GenerationConfig(max_new_tokens=32, seed=s) for s in range(200)]
+    lengths = [tail([1, 2], c) for c in configs]
+    assert set(lengths) == {2, 20} and 0.15 < lengths.count(20) / 200 < 0.35
+    assert lengths == [tail([1, 2], c) for c in configs]  # a hash, not a random draw
+
+    gen = SleepGeneration(token_s=0.005, length=lambda ids, config: 40 if ids[0] == 9 else 3,
+                          tokenizer=type("Tok", (), {"eos_token_id": 5})())
+    short = run(gen.generate_async([1], GenerationConfig(max_new_tokens=10)))
+    assert len(short.output_ids) == 3 and short.finish_reason is FinishReason.EOS and short.output_ids[-1] == 5
+    capped = run(gen.generate_async([9], GenerationConfig(max_new_tokens=10)))
+    assert len(capped.output_ids) == 10 and capped.finish_reason is FinishReason.MAX_NEW_TOKENS
+
+    async def aborted_then_continued():
+        first = asyncio.ensure_future(gen.generate_async([9], GenerationConfig(max_new_tokens=64)))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(gen.update_weights, {}, in_flight="abort")
+        out = await first
+        assert out.finish_reason is FinishReason.ABORTED
+        # the continuation's prompt no longer starts with 9, yet it makes the rest of the 40 tokens
+        rest = await gen.generate_async([9, *out.output_ids], GenerationConfig(max_new_tokens=64 - len(out.output_ids)))
+        return out, rest
+
+    out, rest = run(aborted_then_continued())
+    assert len(out.output_ids) + len(rest.output_ids) == 40 and rest.finish_reason is FinishReason.EOS
+    assert rest.weight_version == 1 and out.weight_version == 0
 
 
 # ---- environments -------------------------------------------------------------------------------------
