@@ -228,8 +228,13 @@ def test_train_step_equals_the_full_vocabulary_trainer(tiny_model_and_tokenizer,
     assert new["metrics"]["num_tokens"] == old["metrics"]["num_tokens"] == trained
     scale = max(float(g.abs().max()) for g in old["update"].values())
     assert scale > 1e-3
+    # fp32 rounding: with two SGD steps of lr 1 the second gradient is taken at weights that already differ by
+    # rounding. The tied embedding's update differed by 1.9e-5 of the largest update in a standalone run with one
+    # torch thread and by 3.4e-6 with two; 1e-5 failed in the whole unit suite (after test_bench_async_grpo) and
+    # passed when the file ran alone
+    tolerance = 5e-5 if minibatches > 1 else 1e-5
     for key, g in old["update"].items():
-        torch.testing.assert_close(new["update"][key], g, atol=1e-5 * scale, rtol=0, msg=key)
+        torch.testing.assert_close(new["update"][key], g, atol=tolerance * scale, rtol=0, msg=key)
 
 
 # ---- shared prompts --------------------------------------------------------------------------------------
