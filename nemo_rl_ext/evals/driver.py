@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -392,10 +392,11 @@ async def _roll_out(
     progress: bool,
     stop_after_groups: int | None,
     desc: str,
+    skip: Mapping[int, Collection[int]] | None = None,
 ) -> tuple[list[PromptGroupRecord], int, int]:
     """Roll out `todo` through `manager.stream_rollouts`, appending each group's samples that have no result
     yet (missing or errored before) as soon as the group is done; returns the records, lines written, error
-    lines written."""
+    lines written. `skip`: prompt -> samples not to append (results another store holds)."""
     records: list[PromptGroupRecord] = []
     written = errors = 0
     bar = tqdm(total=len(todo), desc=desc, unit="prompt", disable=not progress)
@@ -404,6 +405,7 @@ async def _roll_out(
         async with contextlib.aclosing(stream):
             async for record in stream:
                 have = store.done(record.prompt_idx, expected[record.prompt_idx])
+                have |= set((skip or {}).get(record.prompt_idx, ()))
                 lines = [
                     CompletionLine.from_completion(record, i, c, save_token_ids)
                     for i, c in enumerate(record.completions)
