@@ -50,19 +50,13 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from nemo_rl_ext.config import ConfigError, dump_config
+from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.prompt_queue import Item, PromptQueue
 from nemo_rl_ext.evals.ray_stores import plan_queue, settle_dead_worker, worker_store
+from nemo_rl_ext.evals.runs import WorkerStats, append_line
 from nemo_rl_ext.evals.shards import ShardRecord, group_root
-from nemo_rl_ext.evals.store import (
-    CompletionStore,
-    EvalPaths,
-    check_dataset,
-    check_resumable,
-    dumps,
-    row_digests,
-)
+from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, check_resumable, dumps
 from nemo_rl_ext.models.config import ClusterConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
@@ -147,7 +141,7 @@ class EvalWorker:
             from nemo_rl_ext.experience.build import build_policy
 
             self.generation = build_policy(cfg.policy.model_copy(update={"cluster": None}))[1]
-        self.stats = {"groups_generated": 0, "completions_written": 0, "errors_written": 0}
+        self.stats = WorkerStats()
         self._managers: list[Any] = []  # shut down by `run` or `shutdown`: the policy servers and Gyms they started
 
     def ready(self) -> int:
@@ -156,29 +150,15 @@ class EvalWorker:
 
         return os.getpid()
 
-    def _open(self, cfg: EvalConfig, root: Path) -> _Group:
-        """Open (or resume) the store `root` for `cfg`, as `driver.run_store_async` does."""
-        from nemo_rl_ext.evals.driver import build_rollout_setup, load_rows
+    async def _open(self, cfg: EvalConfig, root: Path) -> _Group:
+        """Open (or resume) the store `root` for `cfg`, as a run's own store is (store_setup.py)."""
+        from nemo_rl_ext.evals.store_setup import check_store, open_store
 
-        paths = EvalPaths(root)
-        root.mkdir(parents=True, exist_ok=True)
-        store = CompletionStore(paths.completions)
-        resuming = paths.completions.exists() and paths.completions.stat().st_size > 0
-        if resuming:
-            check_resumable(paths.config, cfg.model_dump(mode="json"),
-                            lambda saved: EvalConfig.model_validate(saved).model_dump(mode="json"), cfg.key_as_written)
-        rows = load_rows(cfg)
-        check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
-        paths.config.write_text(dump_config(cfg))
-        datums, manager = build_rollout_setup(self._runtime_config(cfg, root), self.generation, rows)
-        self._managers.append(manager)
-        manager.preflight(datums)
-        expected = {d.idx: manager.counts.for_agent(d.agent) for d in datums}
-        if cfg.rollouts.mode == "nemo_gym":  # every row this worker may send, on disk before the first is sent
-            from nemo_rl_ext.evals import gym_eval
-
-            gym_eval.materialize_rows(manager.impl, datums, expected, root, resuming)
-        group = _Group(cfg, root, store, manager, {d.idx: d for d in datums}, expected, len(rows))
+        opened = await open_store(check_store(cfg, root), self.generation, build_cfg=self._runtime_config(cfg, root))
+        self._managers.append(opened.manager)
+        store, expected = opened.store, opened.expected
+        group = _Group(cfg, root, store, opened.manager, {d.idx: d for d in opened.datums}, expected,
+                       len(opened.checked.rows))
         record = ShardRecord.read(root)  # what it listed (the driver adds what a dead incarnation left unlisted)
         group.held = dict(record.samples) if record is not None else {}
         group.held.update({p: n for p, n in expected.items() if all(store.line(p, s) is not None for s in range(n))})
@@ -188,7 +168,7 @@ class EvalWorker:
     def _runtime_config(self, cfg: EvalConfig, root: Path) -> EvalConfig:
         """`cfg` as this worker runs it (config.yaml keeps `cfg`): a set `rollouts.gym.launch.work_dir` gets a
         folder per worker and group, as every worker launches its own Gym (logs of the same names)."""
-        gym = cfg.rollouts.gym if cfg.rollouts.mode == "nemo_gym" else None
+        gym = cfg.rollouts.gym  # unused in native mode (changing it there changes nothing)
         if gym is None or gym.launch is None or gym.launch.work_dir is None:
             return cfg
         sub = root.relative_to(Path(cfg.eval.save_path)).as_posix().replace("/", "-")
@@ -196,11 +176,11 @@ class EvalWorker:
         rollouts = cfg.rollouts.model_copy(update={"gym": gym.model_copy(update={"launch": launch})})
         return cfg.model_copy(update={"rollouts": rollouts})
 
-    async def run(self, jobs: Sequence[tuple[EvalConfig, str]], queue: Any, in_flight: int) -> dict[str, int]:
+    async def run(self, jobs: Sequence[tuple[EvalConfig, str]], queue: Any, in_flight: int) -> WorkerStats:
         """Lease prompts from `queue` until it is done, `in_flight` at a time; `jobs[g]` is group g's config
         and store. Returns what this incarnation generated."""
         start = time.perf_counter()
-        groups = [self._open(cfg, Path(root)) for cfg, root in jobs]
+        groups = [await self._open(cfg, Path(root)) for cfg, root in jobs]
         finished: list[Item] = []
 
         async def flush() -> None:
@@ -239,9 +219,8 @@ class EvalWorker:
             await self._stop_managers()
         wall = time.perf_counter() - start
         for group in groups:
-            with open(EvalPaths(group.root).runs, "ab") as f:
-                f.write(dumps({"worker": self.name, **self.stats, "wall_time_s": wall}) + b"\n")
-        return dict(self.stats)
+            append_line(EvalPaths(group.root).runs, self.stats.run_json(self.name, wall))
+        return self.stats
 
     async def _roll_out_prompt(self, group: _Group, g: int, p: int, skip: frozenset[int]) -> None:
         """Give every sample of prompt p that is not in `skip` (results another store holds) a line in the group's
@@ -255,9 +234,7 @@ class EvalWorker:
                 group.manager, [group.datums[p]], group.expected, group.store,
                 group.cfg.eval.save_token_ids, None, False, None, "", skip={p: skip},
             )
-            self.stats["groups_generated"] += len(records)
-            self.stats["completions_written"] += written
-            self.stats["errors_written"] += errors
+            self.stats = self.stats.plus(len(records), written, errors)
         if any(group.store.line(p, s) is None for s in need):
             raise RuntimeError(f"the rollouts returned fewer than {n} completions for prompt {p}")
         if self.on_written is not None:
@@ -337,7 +314,7 @@ def run_ray_eval(
     in_flight = cfg.eval.max_concurrent_prompts or DEFAULT_IN_FLIGHT
     slots = [_Slot(k) for k in range(cfg.eval.ray_workers)]
     running: dict[Any, _Slot] = {}
-    stats: list[dict[str, int]] = []
+    stats: list[WorkerStats] = []
 
     def launch(slot: _Slot) -> None:
         slot.name = f"worker-{slot.k}"
@@ -410,11 +387,11 @@ def run_ray_eval(
         paths=EvalPaths(save_path),
         complete=complete,
         summary=summary,
-        groups_generated=sum(s["groups_generated"] for s in stats),
-        completions_written=sum(s["completions_written"] for s in stats),
+        groups_generated=sum(s.groups_generated for s in stats),
+        completions_written=sum(s.completions_written for s in stats),
         skipped_completions=skipped,
         wall_time_s=time.perf_counter() - start,
-        errors_written=sum(s["errors_written"] for s in stats),
+        errors_written=sum(s.errors_written for s in stats),
         retried=retried,
     )
 

@@ -164,10 +164,10 @@ def gym_metric_lines(summary: EvalSummary) -> list[str]:
         return []
     lines = ["", "## NeMo Gym's aggregate metrics (`/aggregate_metrics`)", ""]
     for agent, entry in gym.items():
-        if entry.get("error"):
-            lines.append(f"- `{agent}`: not available ({entry['error']})")
+        if entry.error:
+            lines.append(f"- `{agent}`: not available ({entry.error})")
             continue
-        scalars = {k: v for k, v in (entry.get("key_metrics") or {}).items() if isinstance(v, int | float | str)}
+        scalars = {k: v for k, v in (entry.key_metrics or {}).items() if isinstance(v, int | float | str)}
         shown = ", ".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in scalars.items())
         lines.append(f"- `{agent}`: {shown or 'no key metrics'}")
     return lines

@@ -63,6 +63,10 @@ def test_two_ray_workers_merge_to_the_bytes_of_one_shard(local_ray, tiny_model_d
     held = [held_prompts(root / "shards" / s) for s in stores]
     assert sorted(held[0] + held[1]) == list(range(NUM_PROMPTS))  # every prompt once: pulled, not sliced
     assert held[0] and held[1], held  # both workers pulled prompts
+    runs = [json.loads((root / "shards" / s / "runs.jsonl").read_text()) for s in stores]  # one line each
+    assert all(list(r) == ["worker", "groups_generated", "completions_written", "errors_written", "wall_time_s"]
+               for r in runs)
+    assert sorted(r["worker"] for r in runs) == stores and sum(r["groups_generated"] for r in runs) == NUM_PROMPTS
     assert [e["event"] for e in events(root)] == ["started", "started", "finished"]
 
     again = run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", WORKER_CPUS), progress=False)
