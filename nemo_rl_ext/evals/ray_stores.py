@@ -79,13 +79,15 @@ class StoreLines:
 
 
 def settle(root: Path, cfg: EvalConfig, num_rows: int, complete: Mapping[int, int]) -> list[int]:
-    """Add the prompts in `complete` (prompt -> samples; complete on disk) to the store's shard.json (written
-    anew when it lacks one, keeping what it lists); returns those it did not list yet. Only while no worker
-    writes into `root`."""
+    """Add the prompts in `complete` (prompt -> samples; complete on disk) to the store's shard.json, keeping what
+    it lists; a store that has its config.yaml and dataset fingerprint but no shard.json gets one (perhaps
+    listing nothing: its worker died before it wrote its first, and the merge would call it unstarted). Returns
+    the prompts it did not list yet. Only while no worker writes into `root`."""
     record = ShardRecord.read(root)
     listed = dict(record.samples) if record is not None else {}
     added = sorted(p for p in complete if p not in listed)
-    if added:
+    paths = EvalPaths(root)
+    if added or (record is None and paths.config.exists() and paths.dataset.exists()):
         seed = cfg.policy.generation.seed if cfg.eval.seeds is not None else None
         ShardRecord(shard=None, seed=seed, num_prompts=record.num_prompts if record is not None else num_rows,
                     samples={**listed, **complete}, finished=True).write(root)

@@ -76,7 +76,6 @@ def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
     config that changed a key that changes completions, or dataset rows that changed (ConfigError); then
     record config.yaml and the dataset fingerprint."""
     paths = EvalPaths(root)
-    paths.root.mkdir(parents=True, exist_ok=True)
     store = CompletionStore(paths.completions)  # ConfigError on a garbage line
     if store.torn_bytes:
         print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
@@ -89,6 +88,7 @@ def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
             cfg.key_as_written,
         )
     rows = load_rows(cfg)
+    paths.root.mkdir(parents=True, exist_ok=True)  # then at once its two files (a store without them is refused)
     check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
     paths.config.write_text(dump_config(cfg))
     return CheckedStore(cfg, paths, store, resuming, rows)

@@ -222,6 +222,14 @@ def test_a_dead_workers_complete_prompts_are_listed_and_done_the_rest_requeued_w
     assert queue.lease("worker-0", 6) == items(3, 4, 5) and queue.skip_samples(items(3)) == {(0, 3): frozenset({0})}
     never = settle_dead_worker(tmp_path, groups, 7, 6, {})  # a worker that never opened its store
     assert never == DeadWorker([], [], {}) and not worker_store(tmp_path, None, 7).exists()
+    early = worker_store(tmp_path, None, 2)  # one that died after writing its config, before its shard.json
+    early.mkdir()
+    (early / "config.yaml").write_text("{}")
+    assert settle_dead_worker(tmp_path, groups, 2, 6, {}) == DeadWorker([], [], {})
+    assert ShardRecord.read(early) is None  # without its dataset fingerprint the merge must refuse it: left as is
+    (early / "dataset_fingerprint.json").write_text("{}")
+    assert settle_dead_worker(tmp_path, groups, 2, 6, {}) == DeadWorker([], [], {})
+    assert listed(early) == []  # an empty store, not one the merge calls unstarted
 
 
 class Local:
