@@ -3,9 +3,10 @@
     result = run_eval(load_config("examples/configs/evals/eval.yaml", [], EvalConfig))
     result.summary["metrics"]["pass@1"]
 
-The driver has no generation loop of its own: `build_rollout_setup` (`experience.build.build_rollouts` on
+The driver has no generation loop of its own: `store_setup.open_store` (`experience.build.build_rollouts` on
 the `rollouts` section) builds the datums and the manager, and every group comes from
-`manager.stream_rollouts`, as GRPO's do.
+`manager.stream_rollouts`, as GRPO's do. Nothing here branches on the rollout mode: what differs (nemo_gym's rows
+sent and Gym's own aggregate) the manager answers for.
 Groups are written as they finish (see `store.py`); re-running with the same `save_path` rolls out only
 the groups with missing or errored samples, and the summary is always computed from the file, so a
 resumed run reports exactly what an uninterrupted one does (rollouts are seeded per prompt, sample and
@@ -28,57 +29,27 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from tqdm.auto import tqdm
 
-from nemo_rl_ext.config import dump_config
-from nemo_rl_ext.data.datasets import load_jsonl
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
-from nemo_rl_ext.evals.config import EvalConfig, dataset_file
+from nemo_rl_ext.evals import gym_eval
+from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.lines import CompletionLine
+from nemo_rl_ext.evals.runs import RunRecord, append_line
 from nemo_rl_ext.evals.shards import ShardRecord, ShardSpec, store_root
-from nemo_rl_ext.evals.store import (
-    CompletionStore,
-    EvalPaths,
-    check_dataset,
-    check_resumable,
-    dumps,
-    row_digests,
-)
+from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, dumps
+from nemo_rl_ext.evals.store_setup import build_rollout_setup, check_store, load_rows, open_store
 from nemo_rl_ext.evals.summary import EvalSummary, summarize
 from nemo_rl_ext.evals.timings import append_timings
-from nemo_rl_ext.experience.build import build_policy, build_rollouts
+from nemo_rl_ext.experience.build import build_policy
 from nemo_rl_ext.experience.rollout_manager import RolloutManager, batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
-
-def load_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
-    """The dataset rows the eval evaluates: the first `eval.num_prompts` rows of `eval.dataset_path`."""
-    # a Gym row's agent may come from gym.agent_name: gym_datums names the rows that have none
-    gym = cfg.rollouts.mode == "nemo_gym"
-    required = ("responses_create_params",) if gym else ("question", "answer")
-    return load_jsonl(dataset_file(cfg), required=required)[: cfg.eval.num_prompts]
-
-
-def build_rollout_setup(
-    cfg: EvalConfig, generation: GenerationInterface, rows: Sequence[dict[str, Any]] | None = None
-) -> tuple[list[DatumSpec], RolloutManager]:
-    """The datums and the RolloutManager of `cfg.rollouts` (`experience.build.build_rollouts`).
-
-    `rows`: the rows to evaluate (default: `load_rows(cfg)`)."""
-    rows = load_rows(cfg) if rows is None else rows
-    return build_rollouts(
-        cfg.rollouts,
-        generation.tokenizer,
-        generation,
-        rows,
-        generation_config=cfg.policy.generation,
-        cluster=cfg.policy.cluster,
-    )
+__all__ = ["EvalResult", "build_rollout_setup", "load_rows", "run_eval", "run_eval_async"]
 
 
 @dataclass(frozen=True)
@@ -164,45 +135,22 @@ async def run_store_async(
     """Run (or resume) the eval of `cfg` into the store `root`: the whole run's folder, or one job's
     (`cfg.eval.shard` set: only the prompts the shard owns, a shard.json beside them, no summary)."""
     start = time.perf_counter()
-    paths = EvalPaths(root)
     shard = cfg.eval.shard_spec
-    paths.root.mkdir(parents=True, exist_ok=True)
-    store = CompletionStore(paths.completions)  # ConfigError on a garbage line
-    if store.torn_bytes:
-        print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
-    resuming = paths.completions.exists() and paths.completions.stat().st_size > 0
-    if resuming:
-        check_resumable(
-            paths.config,
-            cfg.model_dump(mode="json"),
-            lambda saved: EvalConfig.model_validate(saved).model_dump(mode="json"),
-            cfg.key_as_written,
-        )
-    rows = load_rows(cfg)
-    check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
-    paths.config.write_text(dump_config(cfg))
-
+    checked = check_store(cfg, root)  # before the engine is built: a changed config or dataset fails fast
+    paths, store = checked.paths, checked.store
     own_generation = generation is None
     gen = build_policy(cfg.policy)[1] if generation is None else generation
     manager = None
     try:
-        datums, manager = build_rollout_setup(cfg, gen, rows)
-        manager.preflight(datums)  # every row, also in a shard: each shard reports the same missing counts
-        if shard is not None:  # the datums keep their dataset index: seeds and the merge key depend on it
-            datums = [d for d in datums if shard.owns(d.idx)]
-        expected = {d.idx: manager.counts.for_agent(d.agent) for d in datums}
+        opened = await open_store(checked, gen, shard=shard)
+        datums, expected, manager = opened.datums, opened.expected, opened.manager
         if shard is not None:
-            shard_record(cfg, len(rows), expected, finished=False).write(paths.root)
+            shard_record(cfg, len(checked.rows), expected, finished=False).write(paths.root)
         todo = [d for d in datums if len(store.done(d.idx, expected[d.idx])) < expected[d.idx]]
         skipped = sum(len(store.done(d.idx, expected[d.idx])) for d in datums)
         retried = sum(len(store.failed(d.idx, expected[d.idx])) for d in datums)
-        gym = cfg.rollouts.mode == "nemo_gym"
-        if gym:  # the rows Gym gets, on disk before the first is sent (a resume sends these again)
-            from nemo_rl_ext.evals import gym_eval
-
-            gym_eval.materialize_rows(manager.impl, datums, expected, paths.root, resuming)
         if todo:
-            for stale in (paths.summary, paths.root / "gym_aggregate_metrics.json"):
+            for stale in (paths.summary, paths.root / gym_eval.AGGREGATE_FILE):
                 stale.unlink(missing_ok=True)  # stale until the missing groups are on disk
         if skipped or retried:
             print(
@@ -220,9 +168,9 @@ async def run_store_async(
             stop_after_groups,
             f"eval {cfg.rollouts.mode_name}",
         )
-        if gym and all(store.line(d.idx, s) is not None for d in datums for s in range(expected[d.idx])):
-            await gym_eval.aggregate_metrics(  # while Gym is up: its own per-agent aggregate of the results
-                manager.impl, datums, expected, store, paths.root, reuse=not records
+        if all(store.line(d.idx, s) is not None for d in datums for s in range(expected[d.idx])):
+            await gym_eval.aggregate_metrics(  # nemo_gym, while Gym is up: its own per-agent aggregate
+                manager, datums, expected, store, paths.root, reuse=not records
             )
     finally:
         try:
@@ -233,21 +181,7 @@ async def run_store_async(
                 gen.shutdown()
     wall = time.perf_counter() - start
     metrics = batch_metrics(records, wall) if records else {}
-    with open(paths.runs, "ab") as f:
-        f.write(
-            dumps(
-                {
-                    "groups_generated": len(records),
-                    "completions_written": written,
-                    "errors_written": errors_written,
-                    "retried": retried,
-                    "skipped_completions": skipped,
-                    "wall_time_s": wall,
-                    "rollout_metrics": metrics,
-                }
-            )
-            + b"\n"
-        )
+    append_line(paths.runs, RunRecord(len(records), written, errors_written, retried, skipped, wall, metrics).to_json())
     missing = [idx for idx, n in expected.items() if any(store.line(idx, s) is None for s in range(n))]
     if missing and stop_after_groups is None:
         raise RuntimeError(
@@ -256,20 +190,12 @@ async def run_store_async(
     complete = not missing and len(records) == len(todo)
     summary = None
     if shard is not None:  # a job's store: the summary comes from the merge of every job's store
-        shard_record(cfg, len(rows), expected, finished=complete).write(paths.root)
+        shard_record(cfg, len(checked.rows), expected, finished=complete).write(paths.root)
     elif complete:
         summary = summarize(cfg, datums, expected, store)
-        if cfg.rollouts.mode == "nemo_gym":
-            from nemo_rl_ext.evals.gym_eval import load_aggregate
-
-            gym_metrics = load_aggregate(paths.root) or {}
-            summary = dataclasses.replace(  # group_level_metrics (per task) stay in gym_aggregate_metrics.json
-                summary,
-                gym_metrics={
-                    agent: {k: v for k, v in entry.items() if k in ("agent_metrics", "key_metrics", "error")}
-                    for agent, entry in gym_metrics.items()
-                },
-            )
+        gym_metrics = gym_eval.summary_metrics(paths.root)  # None but in nemo_gym mode
+        if gym_metrics is not None:  # group_level_metrics (per task) stay in gym_aggregate_metrics.json
+            summary = dataclasses.replace(summary, gym_metrics=gym_metrics)
         paths.summary.write_bytes(dumps(summary.to_json(), indent=True) + b"\n")
         from nemo_rl_ext.evals.report import write_report
 
@@ -392,10 +318,11 @@ async def _roll_out(
     progress: bool,
     stop_after_groups: int | None,
     desc: str,
+    skip: Mapping[int, Collection[int]] | None = None,
 ) -> tuple[list[PromptGroupRecord], int, int]:
     """Roll out `todo` through `manager.stream_rollouts`, appending each group's samples that have no result
     yet (missing or errored before) as soon as the group is done; returns the records, lines written, error
-    lines written."""
+    lines written. `skip`: prompt -> samples not to append (results another store holds)."""
     records: list[PromptGroupRecord] = []
     written = errors = 0
     bar = tqdm(total=len(todo), desc=desc, unit="prompt", disable=not progress)
@@ -404,6 +331,7 @@ async def _roll_out(
         async with contextlib.aclosing(stream):
             async for record in stream:
                 have = store.done(record.prompt_idx, expected[record.prompt_idx])
+                have |= set((skip or {}).get(record.prompt_idx, ()))
                 lines = [
                     CompletionLine.from_completion(record, i, c, save_token_ids)
                     for i, c in enumerate(record.completions)

@@ -1,4 +1,6 @@
 """The nemo_gym eval's own files: the rows sent to Gym (materialized before sending) and Gym's aggregate metrics.
+The driver calls these in every mode; a manager that sends no rows and has no aggregate of its own (native mode)
+makes them write nothing (`RolloutManager.request_rows` / `aggregate_metrics` answer None).
 
 - `gym_rows.jsonl`: every row POSTed to an agent's `/run`, one JSON body a line, in prompt order and, within
   a prompt, sample order (as Gym's collector writes `*_materialized_inputs.jsonl`). Written before the
@@ -9,7 +11,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,21 +20,23 @@ import orjson
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.evals.store import CompletionStore
-from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
+from nemo_rl_ext.evals.summary import GymAgentMetrics
+from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.gym.client import agent_name_of
-
-logger = logging.getLogger(__name__)
 
 ROWS_FILE = "gym_rows.jsonl"
 AGGREGATE_FILE = "gym_aggregate_metrics.json"
 
 
-def materialize_rows(
-    impl: AsyncNemoGymRolloutImpl, datums: Sequence[DatumSpec], expected: Mapping[int, int], root: Path,
-    resuming: bool,
-) -> Path:
-    """Write the rows to `root/gym_rows.jsonl` (or, when resuming, read them back) and pin them in `impl`
-    so that exactly these rows are sent. A file that does not fit the datums is a ConfigError."""
+def prepare_rows(
+    manager: RolloutManager, datums: Sequence[DatumSpec], expected: Mapping[int, int], root: Path, resuming: bool,
+) -> Path | None:
+    """Pin in `manager` the rows it sends for `datums`, written to `root/gym_rows.jsonl` first (or, when resuming,
+    read back from it), so that exactly these rows are sent; returns the file. A manager that sends no rows
+    (native mode) writes nothing: None. A file that does not fit the datums is a ConfigError."""
+    built = manager.request_rows(datums)
+    if built is None:
+        return None
     path = root / ROWS_FILE
     if resuming and path.exists():
         lines = path.read_bytes().splitlines()
@@ -53,13 +56,12 @@ def materialize_rows(
         bad = [idx for idx, group in by_prompt.items() if any(not _for_agent(r, agents[idx]) for r in group)]
         if bad:
             raise ConfigError(f"{path}: the rows of prompt(s) {bad[:20]} are for another agent than the dataset's")
-        impl.pin_rows(by_prompt)
+        manager.pin_rows(by_prompt)
         return path
-    by_prompt = {d.idx: impl._build_inputs(d) for d in datums}
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for d in datums for r in by_prompt[d.idx]))
+    tmp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for d in datums for r in built[d.idx]))
     tmp.replace(path)
-    impl.pin_rows(by_prompt)
+    manager.pin_rows(built)
     return path
 
 
@@ -91,27 +93,19 @@ def stripped_results(
 
 
 async def aggregate_metrics(
-    impl: AsyncNemoGymRolloutImpl, datums: Sequence[DatumSpec], expected: Mapping[int, int],
+    manager: RolloutManager, datums: Sequence[DatumSpec], expected: Mapping[int, int],
     store: CompletionStore, root: Path, *, reuse: bool,
-) -> dict[str, Any]:
-    """Agent -> Gym's `/aggregate_metrics` answer for the results on disk, also written to
-    `root/gym_aggregate_metrics.json`. `reuse`: nothing new was rolled out, so a file already there is
-    kept (Gym is not started for it). An agent whose call fails gets `{"error": ...}` (not fatal)."""
+) -> dict[str, Any] | None:
+    """Agent -> the manager's own aggregate of the results on disk (nemo_gym: Gym's `/aggregate_metrics`, while
+    Gym is up), also written to `root/gym_aggregate_metrics.json`; None, and nothing written, for a manager
+    without one (native mode). `reuse`: nothing new was rolled out, so a file already there is kept (Gym is not
+    started for it). An agent whose call fails gets `{"error": ...}` (not fatal)."""
     path = root / AGGREGATE_FILE
     if reuse and path.exists():
         return orjson.loads(path.read_bytes())
-    from nemo_rl_ext.experience.fault_policy import describe
-
-    client = await impl.client()
-    metrics: dict[str, Any] = {}
-    for agent, results in sorted(stripped_results(datums, expected, store).items()):
-        try:
-            answer = await client.aggregate_metrics(agent, results)
-        except Exception as exc:  # an infrastructure failure: recorded, the eval's own metrics stand
-            logger.warning("Gym /aggregate_metrics for agent %r failed: %s", agent, describe(exc))
-            metrics[agent] = {"error": describe(exc)}
-            continue
-        metrics[agent] = {k: answer.get(k) for k in ("agent_metrics", "key_metrics", "group_level_metrics")}
+    metrics = await manager.aggregate_metrics(stripped_results(datums, expected, store))
+    if metrics is None:
+        return None
     path.write_bytes(orjson.dumps(metrics, option=orjson.OPT_INDENT_2) + b"\n")
     return metrics
 
@@ -120,3 +114,12 @@ def load_aggregate(root: Path) -> dict[str, Any] | None:
     """The metrics `aggregate_metrics` wrote into `root`, or None."""
     path = root / AGGREGATE_FILE
     return orjson.loads(path.read_bytes()) if path.exists() else None
+
+
+def summary_metrics(root: Path) -> dict[str, GymAgentMetrics] | None:
+    """The summary's `gym_metrics` from `root/gym_aggregate_metrics.json` (per agent, without the per-task
+    `group_level_metrics`, which stay in the file); None without the file (native mode)."""
+    aggregate = load_aggregate(root)
+    if aggregate is None:
+        return None
+    return {agent: GymAgentMetrics.from_json(entry) for agent, entry in aggregate.items()}

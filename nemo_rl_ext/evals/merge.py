@@ -5,10 +5,13 @@ then summary.json and report.md computed from those merged completions only.
 
 A group is the run (no `eval.seeds`) or one seed; its stores are `<group>/shards/*/` (shards.py). The merge
 refuses, in one ConfigError listing every problem: a missing static shard, a store that has not finished, a
-store whose config differs from the others (apart from `MERGE_MAY_DIFFER`) or whose dataset rows differ,
-and a (prompt, sample) pair held by two stores with different lines. The union is keyed by
-(prompt_idx, sample_idx): each store contributes its result for a pair (else its latest error line); a pair
-held by several stores must have byte-identical results (an error line gives way to a result). The merged
+store whose config differs from the others (apart from `MERGE_MAY_DIFFER`) or whose dataset rows differ, a
+store without its config.yaml or dataset_fingerprint.json (which those checks need), and a (prompt, sample)
+pair held by two stores with different lines. The union is keyed by (prompt_idx, sample_idx): each store
+contributes its result for a pair (else its latest error line), so a prompt's samples may come from several
+stores (a Ray worker that retries a prompt's error samples appends only those); a pair held by several stores
+must have byte-identical results (an error line gives way to a result). Each merged line's latency comes from
+the timings.jsonl of the store the line is taken from. The merged
 completions.jsonl is sorted by (prompt_idx, sample_idx), so any split of the prompts over any number of
 stores merges to the same bytes when sampling is seeded (`policy.generation.seed`).
 
@@ -112,9 +115,12 @@ def find_stores(root: Path) -> list[tuple[int | None, Path]]:
 
 
 def read_store(run_root: Path, seed: int | None, root: Path) -> tuple[JobStore, list[str]]:
-    """The store in `root` and what is unreadable in it."""
+    """The store in `root` and what is unreadable or missing in it (a store that has started rolling out, i.e.
+    has a shard.json, must have its config.yaml and dataset_fingerprint.json: without them the merge could not
+    check that it ran the same config on the same rows)."""
     name = str(root.relative_to(run_root))
     problems: list[str] = []
+    record = ShardRecord.read(root)
     cfg = None
     config = root / "config.yaml"
     if config.exists():
@@ -122,6 +128,9 @@ def read_store(run_root: Path, seed: int | None, root: Path) -> tuple[JobStore, 
             cfg = EvalConfig.model_validate(OmegaConf.to_container(OmegaConf.load(config), resolve=True))
         except Exception as exc:  # a hand-edited or foreign file: named, not a traceback
             problems.append(f"{name}/config.yaml: unreadable ({type(exc).__name__}: {str(exc)[:300]})")
+    elif record is not None:
+        problems.append(f"{name}: no config.yaml (so its config can't be compared with the other stores'; "
+                        "restore the file, or re-run its job into a new store)")
     digests = None
     fingerprint = root / "dataset_fingerprint.json"
     if fingerprint.exists():
@@ -129,12 +138,15 @@ def read_store(run_root: Path, seed: int | None, root: Path) -> tuple[JobStore, 
             digests = tuple(orjson.loads(fingerprint.read_bytes())["row_sha256"])
         except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
             problems.append(f"{name}/dataset_fingerprint.json: unreadable ({type(exc).__name__}: {exc})")
+    elif record is not None:
+        problems.append(f"{name}: no dataset_fingerprint.json (so its dataset rows can't be compared with the "
+                        "other stores'; restore the file, or re-run its job into a new store)")
     store = None
     try:
         store = CompletionStore(root / "completions.jsonl", repair=False, keep_bytes=True)
     except ConfigError as exc:
         problems.append(str(exc))
-    return JobStore(root, name, seed, cfg, ShardRecord.read(root), digests, store), problems
+    return JobStore(root, name, seed, cfg, record, digests, store), problems
 
 
 def _rerun_hint(job: JobStore) -> str:
@@ -199,14 +211,15 @@ def run_problems(run_root: Path, jobs: Sequence[JobStore]) -> list[str]:
     for name, n in num_prompts.items():
         if ref_rows is not None and n != ref_rows:
             problems.append(f"{name} evaluates {n} prompts, {ref.name} {ref_rows}")
-    if ref.row_digests is not None and ref_rows is not None:
+    rows_ref = next((j for j in jobs if j.row_digests is not None), None)  # a store without one is named above
+    if rows_ref is not None and rows_ref.row_digests is not None and ref_rows is not None:
         for job in jobs:
-            if job.row_digests is None or job is ref:
+            if job.row_digests is None or job is rows_ref:
                 continue
-            pairs = zip(ref.row_digests[:ref_rows], job.row_digests, strict=False)
+            pairs = zip(rows_ref.row_digests[:ref_rows], job.row_digests, strict=False)
             changed = [i for i, (a, b) in enumerate(pairs) if a != b]
             if changed:
-                problems.append(f"dataset fingerprint of {job.name} differs from {ref.name}: "
+                problems.append(f"dataset fingerprint of {job.name} differs from {rows_ref.name}: "
                                 f"{len(changed)} row(s) differ (rows {changed[:MAX_LISTED]})")
     return problems
 
@@ -214,12 +227,25 @@ def run_problems(run_root: Path, jobs: Sequence[JobStore]) -> list[str]:
 # ---- the union of one group -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class MergedLine:
+    """One line of a group's merged completions.jsonl, as read from the store it is taken from."""
+
+    line: CompletionLine
+    """The line."""
+    raw: bytes
+    """Its bytes in that store (without the newline): copied as they are."""
+    source: JobStore
+    """The store it is taken from (its timings.jsonl has the line's latency)."""
+
+
 def union_lines(
     jobs: Sequence[JobStore], num_prompts: int, group: str = ""
-) -> tuple[list[tuple[CompletionLine, bytes]], dict[int, int], list[str]]:
-    """The group's lines sorted by (prompt_idx, sample_idx) with their bytes, each prompt's sample count, and
-    the problems: a pair whose results differ between two stores (both files named), counts that disagree,
-    prompts of the selection that no store covers."""
+) -> tuple[list[MergedLine], dict[int, int], list[str]]:
+    """The group's lines sorted by (prompt_idx, sample_idx), each prompt's sample count, and the problems: a
+    pair whose results differ between two stores (both files named), counts that disagree, prompts of the
+    selection that no store covers, pairs no store has a line of. A prompt's samples may come from several
+    stores (a retry appends only the samples no store has a result of)."""
     expected: dict[int, int] = {}
     problems: list[str] = []
     for job in jobs:
@@ -252,7 +278,7 @@ def union_lines(
         problems.append(
             f"{group}{len(lacking)} (prompt, sample) pair(s) have no line in any store: {lacking[:MAX_LISTED]}"
         )
-    lines = [(chosen[k][0], chosen[k][1]) for k in sorted(chosen) if k[0] in expected and k[1] < expected[k[0]]]
+    lines = [MergedLine(*chosen[k]) for k in sorted(chosen) if k[0] in expected and k[1] < expected[k[0]]]
     return lines, expected, problems
 
 
@@ -268,17 +294,18 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _merged_timings(jobs: Sequence[JobStore], pairs: set[tuple[int, int]]) -> dict[tuple[int, int], float]:
-    """The latencies of the merged (prompt, sample) pairs, from the stores' timings.jsonl (a pair a store holds
-    no line for is not taken from it; a wall-clock time is a measurement, so stores need not agree)."""
+def _merged_timings(lines: Sequence[MergedLine]) -> dict[tuple[int, int], float]:
+    """The latency of each merged line, from the timings.jsonl of the store the line is taken from (a wall-clock
+    time is a measurement, so stores need not agree; a line without an entry there has none)."""
+    by_store: dict[Path, Mapping[tuple[int, int], float]] = {}
     merged: dict[tuple[int, int], float] = {}
-    for job in jobs:
-        if job.store is None:
-            continue
-        held = set(job.store.keys())
-        for pair, latency in read_timings(job.root).items():
-            if pair in pairs and pair in held:
-                merged.setdefault(pair, latency)
+    for m in lines:
+        root = m.source.root
+        if root not in by_store:
+            by_store[root] = read_timings(root)
+        pair = (m.line.prompt_idx, m.line.sample_idx)
+        if pair in by_store[root]:
+            merged[pair] = by_store[root][pair]
     return merged
 
 
@@ -293,7 +320,7 @@ def _without_job(cfg: EvalConfig) -> EvalConfig:
 
 
 def write_group(
-    folder: Path, cfg: EvalConfig, jobs: Sequence[JobStore], lines: Sequence[tuple[CompletionLine, bytes]],
+    folder: Path, cfg: EvalConfig, jobs: Sequence[JobStore], lines: Sequence[MergedLine],
     expected: Mapping[int, int], fingerprint: Path,
 ) -> EvalSummary:
     """Write a group's merged completions.jsonl (sorted), config.yaml, dataset_fingerprint.json, summary.json,
@@ -302,12 +329,12 @@ def write_group(
 
     paths = EvalPaths(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(paths.completions, b"".join(raw + b"\n" for _, raw in lines))
+    _write_atomic(paths.completions, b"".join(m.raw + b"\n" for m in lines))
     _write_atomic(paths.config, dump_config(_without_job(cfg)).encode())
     if fingerprint.exists():
         _write_atomic(paths.dataset, fingerprint.read_bytes())
     store = CompletionStore(paths.completions, repair=False)  # read back: the summary is the file's
-    timings = _merged_timings(jobs, {(line.prompt_idx, line.sample_idx) for line, _ in lines})
+    timings = _merged_timings(lines)
     _write_atomic(folder / TIMINGS_FILE, b"".join(
         dumps({"prompt_idx": p, "sample_idx": s, "latency_s": v}) + b"\n" for (p, s), v in sorted(timings.items())
     ))

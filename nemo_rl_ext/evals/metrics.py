@@ -8,8 +8,9 @@ Error samples (stop_reason "error": a dead server, a failed generation, an envir
 not answers: a prompt's n is its number of non-error samples, and the errors are only counted. A prompt
 that errors leave with n < k is excluded from that k's metrics and counted in `num_prompts_short@k`.
 
-The metrics are one list (`metric_defs()`: the built-ins, then what `register_metric` added) that both the
-aggregation here and the report's table iterate; docs/extending.md shows how to add one.
+The metrics are one list (`metric_defs()`: the built-ins, then what `register_metric` added) that the
+aggregation here, the report's table and the reward profile (profile.py) iterate; docs/extending.md shows how
+to add one.
 """
 
 from __future__ import annotations
@@ -220,8 +221,8 @@ def _mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
 class MetricDef:
     """One per-prompt eval metric: how it is computed over a prompt's samples and how the report shows it.
 
-    Aggregation (`aggregate_eval_metrics`, hence the eval summary and GRPO validation) and the report's
-    table both iterate `metric_defs()`, so a metric exists everywhere once it is registered."""
+    Aggregation (`aggregate_eval_metrics`, hence the eval summary and GRPO validation), the report's table and
+    the reward profile iterate `metric_defs()`, so a metric exists everywhere once it is registered."""
 
     name: str
     """Its name: the key is `name@k` for each k when `per_k`, else `name` (and the same under `agent/<a>/`)."""
@@ -236,6 +237,9 @@ class MetricDef:
     """The `format()` spec of its cells in the report (value and stderr)."""
     in_report: bool = True
     """Whether the report's table has its row(s) (one per k when `per_k`)."""
+    in_profile: bool = True
+    """Whether the reward profile (summary.json's `profile`, per task) carries it: `<name>_at_k` (k -> value) when
+    `per_k`, else `<name>`; and the report's profile table its row(s)."""
 
     def keys(self, ks: Sequence[int]) -> list[str]:
         """Its metric keys for these ks (without the `/stderr` companions)."""
@@ -257,12 +261,16 @@ BUILTIN_METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "maj", lambda p, correct, k: maj_at_k(p.answers, correct, k), description="majority vote of k samples"
     ),
-    MetricDef("mean", lambda p, correct, k: mean_at_k(p.rewards, k), description="mean reward of k samples"),
+    MetricDef("mean", lambda p, correct, k: mean_at_k(p.rewards, k), description="mean reward of k samples",
+              in_profile=False),  # equal to mean_reward for every k: the profile has that
 )
 """The metrics every eval reports, in report order."""
 
-_RESERVED = frozenset({"num_prompts", "num_samples", "num_errors", "num_prompts_short"})
-"""Count keys that aggregation writes itself (no metric may take their names)."""
+_RESERVED = frozenset({"num_prompts", "num_samples", "num_errors", "num_prompts_short", "error_rate",
+                       "truncation_rate", "mean_turns", "generated_tokens", "latency_s", "difficulty",
+                       "num_prompts_unscored"})
+"""Count keys that aggregation writes itself, and the reward profile's own keys (profile.py `TaskProfile`): no
+metric may take their names."""
 
 _REGISTRY: dict[str, MetricDef] = {m.name: m for m in BUILTIN_METRICS}
 

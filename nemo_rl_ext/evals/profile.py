@@ -12,8 +12,9 @@ What is reproducible, and what is not:
 
 The profile (summary.json's `profile`): `overall` and `tasks` (one entry per agent, or task, sorted), each a
 `TaskProfile`: prompts, samples, errors and error rate (errors are infrastructure failures, counted, never
-scored); over the non-error samples: mean reward, pass@k and maj@k (the values of the summary's `metrics`),
-truncation rate, mean turns, generated tokens (the model's own tokens: the assistant messages' `num_tokens`)
+scored); over the non-error samples: every metric of `metric_defs()` that is `in_profile` (the summary's
+values: `mean_reward`, `pass_at_k` and `maj_at_k` built in, then each registered metric, `<name>_at_k` per k or
+`<name>`), truncation rate, mean turns, generated tokens (the model's own tokens: the assistant messages' `num_tokens`)
 and rollout latency (from timings.jsonl: the samples without an entry there, e.g. written before timings were
 recorded, are left out, and `latency_s.num_samples` says how many had one); and the histogram of the prompts'
 solved fractions.
@@ -44,6 +45,7 @@ import numpy as np
 import orjson
 
 from nemo_rl_ext.evals.lines import CompletionLine, JsonView
+from nemo_rl_ext.evals.metrics import metric_defs
 from nemo_rl_ext.evals.store import dumps
 from nemo_rl_ext.evals.timings import Timings
 
@@ -120,12 +122,10 @@ class TaskProfile(JsonView):
     """Pairs whose line is an error (infrastructure failures; not scored)."""
     error_rate: float
     """num_errors / num_samples."""
-    mean_reward: float | None
-    """Mean over prompts of the prompt's mean reward (the summary's `mean_reward`; None: nothing scored)."""
-    pass_at_k: Mapping[int, float]
-    """k -> pass@k (the summary's value), for each k that some prompt has k non-error samples for."""
-    maj_at_k: Mapping[int, float]
-    """k -> maj@k, likewise."""
+    metrics: Mapping[str, float | Mapping[int, float] | None]
+    """Metric name -> the summary's value for this task, for each `in_profile` metric of `metric_defs()` in its
+    order: a per-k metric as k -> value for each k some prompt has k non-error samples for (JSON key
+    `<name>_at_k`), the others a float, None when nothing was scored (JSON key `<name>`)."""
     truncation_rate: float | None
     """Fraction of the non-error samples that hit the length limit (None: none)."""
     mean_turns: float | None
@@ -139,16 +139,41 @@ class TaskProfile(JsonView):
     num_prompts_unscored: int
     """Prompts left out of `difficulty` because every sample was an error."""
 
+    @property
+    def mean_reward(self) -> float | None:
+        """Mean over prompts of the prompt's mean reward (the summary's `mean_reward`; None: nothing scored)."""
+        value = self.metrics.get("mean_reward")
+        return value if not isinstance(value, Mapping) else None
+
+    @property
+    def pass_at_k(self) -> Mapping[int, float]:
+        """k -> pass@k (the summary's value), for each k that some prompt has k non-error samples for."""
+        return self.per_k("pass")
+
+    @property
+    def maj_at_k(self) -> Mapping[int, float]:
+        """k -> maj@k, likewise."""
+        return self.per_k("maj")
+
+    def per_k(self, name: str) -> Mapping[int, float]:
+        """k -> the per-k metric `name` ({} when the profile has no such metric)."""
+        value = self.metrics.get(name)
+        return value if isinstance(value, Mapping) else {}
+
     def to_json(self) -> dict[str, Any]:
         """The task's object in summary.json's `profile` (the ks as string keys)."""
+        metrics = {
+            f"{name}_at_k" if isinstance(v, Mapping) else name: (
+                {str(k): x for k, x in v.items()} if isinstance(v, Mapping) else v
+            )
+            for name, v in self.metrics.items()
+        }
         return {
             "num_prompts": self.num_prompts,
             "num_samples": self.num_samples,
             "num_errors": self.num_errors,
             "error_rate": self.error_rate,
-            "mean_reward": self.mean_reward,
-            "pass_at_k": {str(k): v for k, v in self.pass_at_k.items()},
-            "maj_at_k": {str(k): v for k, v in self.maj_at_k.items()},
+            **metrics,
             "truncation_rate": self.truncation_rate,
             "mean_turns": self.mean_turns,
             "generated_tokens": self.generated_tokens.to_json(),
@@ -159,12 +184,20 @@ class TaskProfile(JsonView):
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> TaskProfile:
-        """The task profile of a parsed summary.json entry."""
+        """The task profile of a parsed summary.json entry (every key that is not a field is a metric)."""
+        fields = {k: v for k, v in obj.items() if k in cls.__dataclass_fields__}
+        metrics: dict[str, float | Mapping[int, float] | None] = {}
+        for key, v in obj.items():
+            if key in cls.__dataclass_fields__:
+                continue
+            if key.endswith("_at_k") and isinstance(v, Mapping):
+                metrics[key.removesuffix("_at_k")] = {int(k): x for k, x in v.items()}
+            else:
+                metrics[key] = v
         return cls(
             **{
-                **obj,
-                "pass_at_k": {int(k): v for k, v in obj["pass_at_k"].items()},
-                "maj_at_k": {int(k): v for k, v in obj["maj_at_k"].items()},
+                **fields,
+                "metrics": metrics,
                 "generated_tokens": Spread(**obj["generated_tokens"]),
                 "latency_s": Spread(**obj["latency_s"]),
             }
@@ -250,9 +283,11 @@ def _task_profile(
         num_samples=len(lines),
         num_errors=len(lines) - len(scored),
         error_rate=(len(lines) - len(scored)) / len(lines) if lines else 0.0,
-        mean_reward=metrics.get(f"{prefix}mean_reward"),
-        pass_at_k={k: metrics[f"{prefix}pass@{k}"] for k in ks if f"{prefix}pass@{k}" in metrics},
-        maj_at_k={k: metrics[f"{prefix}maj@{k}"] for k in ks if f"{prefix}maj@{k}" in metrics},
+        metrics={
+            m.name: {k: metrics[key] for k in ks if (key := f"{prefix}{m.name}@{k}") in metrics} if m.per_k
+            else metrics.get(f"{prefix}{m.name}")
+            for m in metric_defs() if m.in_profile
+        },
         truncation_rate=sum(x.truncated for x in scored) / len(scored) if scored else None,
         mean_turns=sum(x.num_turns for x in scored) / len(scored) if scored else None,
         generated_tokens=Spread.of([generated_tokens(x) for x in scored]),
@@ -274,8 +309,8 @@ def reward_profile(
     """The profile of the prompts' lines (`groups[i]`: one line per sample of prompt i, its result or latest
     error; every line of a group has the same `prompt_idx` and `agent`).
 
-    `metrics`: `aggregate_eval_metrics` of the same prompts (with `ks` and `threshold`); pass@k, maj@k and
-    mean reward are read from it, so the profile and the summary's table can never disagree. `timings`
+    `metrics`: `aggregate_eval_metrics` of the same prompts (with `ks` and `threshold`); every `in_profile` metric
+    of `metric_defs()` is read from it, so the profile and the summary's table can never disagree. `timings`
     (`read_timings` of the folder; None: none) gives the latencies. The rest is computed from the lines here."""
     timings = timings or {}
     by_agent: dict[str, list[Sequence[CompletionLine]]] = {}

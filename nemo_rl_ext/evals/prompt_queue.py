@@ -3,22 +3,25 @@
     queue = PromptQueue([(0, p) for p in range(24)], lease_timeout_s=600)
     queue.lease("worker-0")          # -> [(0, 0)]: the worker rolls the prompt out into its own store
     queue.complete("worker-0", [(0, 0)])
-    queue.release("worker-1")        # worker-1 died: the prompts it held go back to the front of the queue
+    queue.release("worker-1", done=[(0, 3)])  # worker-1 died: what its store holds is done, the rest goes back
 
 A plain class (ray_shards.py makes it a Ray actor), so the lease rules are tested without Ray. An item is
 (group, prompt_idx): the group is the seed's index with `eval.seeds`, else 0. A worker leases an item when it has
 a free slot, so a slow worker takes fewer items and no worker waits for another's fixed slice. An item stays
-leased until its worker completes it; it goes back to the queue when the worker dies (`release`, called by the
-driver that watches the workers) or when its lease is older than `lease_timeout_s` (`expire`: the driver then
-kills that worker, which may hang). A completion from a worker whose lease was taken back still counts: the
-lines are on disk in its store, and a second worker's lines for the same prompt are byte-identical (seeded).
+leased until its worker completes it, and goes back to the queue only once its worker is dead (`release`, called
+by the driver that watches the workers, after it has read what the dead worker's store holds): so no two live
+workers ever hold the same item, and a prompt is rolled out into one store only. A lease older than
+`lease_timeout_s` is reported (`expire`), once; the driver then kills that worker (it may hang) and releases it.
+
+An item may come with the samples that some store already holds a result for (`skips`: a resumed prompt with
+error samples, or a prompt a dead worker wrote part of); the worker that leases it appends only the others.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 Item = tuple[int, int]
@@ -36,7 +39,8 @@ class QueueStatus:
     done: int
     """Items completed."""
     requeued: int
-    """Items that went back to the queue (their worker died or its lease expired), counted each time."""
+    """Items that went back to the queue (their worker died, or was killed for an expired lease), counted each
+    time."""
     total: int
     """Items the queue started with."""
 
@@ -54,10 +58,16 @@ class PromptQueue:
         items: Sequence[Item],
         lease_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        skips: Mapping[Item, Collection[int]] | None = None,
     ) -> None:
         items = [(int(g), int(p)) for g, p in items]
         if len(set(items)) != len(items):
             raise ValueError("every item must be queued once")
+        self._skips: dict[Item, frozenset[int]] = {}
+        """item -> the sample indices some store already holds a result for (not rolled out again)."""
+        self._add_skips(skips or {})
+        self._stale: set[str] = set()
+        """Workers `expire` has reported (until they are released)."""
         self._pending: deque[Item] = deque(items)
         self._leases: dict[str, dict[Item, float]] = {}
         """worker -> {item: when it was leased}."""
@@ -95,29 +105,49 @@ class PromptQueue:
             for held in self._leases.values():
                 held.pop(item, None)
 
-    def release(self, worker: str) -> list[Item]:
-        """`worker` died: the items it held go back to the front of the queue (in lease order); returns them."""
+    def skip_samples(self, items: Iterable[Item]) -> dict[Item, frozenset[int]]:
+        """The sample indices of each of `items` that some store already holds a result for (items without any
+        are left out): the worker that rolls the item out appends only its other samples."""
+        out = {}
+        for item in items:
+            item = (int(item[0]), int(item[1]))
+            if self._skips.get(item):
+                out[item] = self._skips[item]
+        return out
+
+    def _add_skips(self, skips: Mapping[Item, Collection[int]]) -> None:
+        for item, samples in skips.items():
+            item = (int(item[0]), int(item[1]))
+            self._skips[item] = self._skips.get(item, frozenset()) | {int(s) for s in samples}
+
+    def release(
+        self, worker: str, done: Iterable[Item] = (), skips: Mapping[Item, Collection[int]] | None = None
+    ) -> list[Item]:
+        """`worker` is dead: `done` (the items its store holds a line of every sample of) are done, `skips` adds
+        the samples its store holds a result for to those items' skip sets, and the other items it held go back
+        to the front of the queue (in lease order); returns those."""
+        self.complete(worker, done)
+        self._add_skips(skips or {})
         held = self._leases.pop(worker, {})
+        self._stale.discard(worker)
         back = [item for item in held if item not in self._done]
         self._pending.extendleft(reversed(back))
         self._requeued += len(back)
         return back
 
     def expire(self) -> dict[str, list[Item]]:
-        """Take back every lease older than `lease_timeout_s`; returns worker -> the items taken from it."""
+        """The workers holding a lease older than `lease_timeout_s`, each with its stale items, each worker
+        reported once. Nothing goes back to the queue here: the driver kills these workers, then `release`s
+        them (a worker that still runs could still write what it holds)."""
         if self._timeout is None:
             return {}
         now = self._clock()
         out: dict[str, list[Item]] = {}
         for worker, held in self._leases.items():
             old = [item for item, since in held.items() if now - since > self._timeout]
-            for item in old:
-                del held[item]
-            if old:
+            if old and worker not in self._stale:
+                self._stale.add(worker)
                 out[worker] = old
-        back = [item for items in out.values() for item in items]
-        self._pending.extendleft(reversed(back))
-        self._requeued += len(back)
         return out
 
     def status(self) -> QueueStatus:

@@ -22,12 +22,15 @@ the first is sent; a resumed worker sends those). A running Gym calls one policy
 has one port, so those need one policy server in all (config.py `_gym_worker_problems`). The merged summary
 has no `gym_metrics` (merge.py).
 
-A worker that dies (killed, out of memory, its node lost) is seen by the driver as its `run` call failing:
-the prompts it held go back to the front of the queue, and the worker is started again on the same store
-(a group already on disk is skipped, a torn last line is cut) until it has died `policy.cluster.max_failures`
-times; then it is taken out and the others finish the queue. A lease older than `eval.ray_lease_timeout_s`
-also goes back, and its worker is killed (it may hang). Every start, death and requeue is a line in
-`<save_path>/ray_workers.jsonl`. When the queue is done the driver runs the merge (merge.py): the same
+A worker that dies (killed, out of memory, its node lost) is seen by the driver as its `run` call failing. The
+driver then reads the dead worker's store (ray_stores.py): the prompts it holds every line of are added to its
+shard.json and count as done (a worker writes a prompt's lines up to `FLUSH_S` before it reports them), and only
+the other prompts it held go back to the front of the queue, with the samples its store holds results of as
+their skip set. The worker is started again on the same store (a group already on disk is skipped, a torn last
+line is cut) until it has died `policy.cluster.max_failures` times; then it is taken out and the others finish
+the queue. A worker holding a lease older than `eval.ray_lease_timeout_s` is killed (it may hang), and its
+prompts go back the same way once it is dead. So no prompt is rolled out into two stores. Every start, death and
+requeue is a line in `<save_path>/ray_workers.jsonl`. When the queue is done the driver runs the merge (merge.py): the same
 sorted completions.jsonl, summary.json and report.md as a run in one process or as static shards, because
 every sample is seeded by (prompt, sample, turn) and the merge keys lines by (prompt, sample).
 
@@ -47,18 +50,13 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from nemo_rl_ext.config import ConfigError, dump_config
+from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.prompt_queue import Item, PromptQueue
+from nemo_rl_ext.evals.ray_stores import plan_queue, settle_dead_worker, worker_store
+from nemo_rl_ext.evals.runs import WorkerStats, append_line
 from nemo_rl_ext.evals.shards import ShardRecord, group_root
-from nemo_rl_ext.evals.store import (
-    CompletionStore,
-    EvalPaths,
-    check_dataset,
-    check_resumable,
-    dumps,
-    row_digests,
-)
+from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, check_resumable, dumps
 from nemo_rl_ext.models.config import ClusterConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
@@ -84,9 +82,11 @@ EngineFactory = Callable[[], GenerationInterface]
 """Builds a worker's engine in its process (must pickle); None: `build_policy(policy)`."""
 
 
-def worker_store(save_path: Path, seed: int | None, k: int) -> Path:
-    """The store of worker k: `<save_path>/[seeds/<seed>/]shards/worker-<k>/`."""
-    return group_root(save_path, seed) / "shards" / f"worker-{k}"
+OnWritten = Callable[[str, int, int], None]
+"""Called in a worker with (worker name, group, prompt) once the prompt's lines are on disk, before the worker
+reports it to the queue (tests kill the worker there; must pickle)."""
+
+__all__ = ["EvalWorker", "OnWritten", "group_configs", "run_ray_eval", "worker_store"]
 
 
 def group_configs(cfg: EvalConfig) -> list[tuple[int | None, EvalConfig]]:
@@ -116,7 +116,8 @@ class _Group:
     expected: dict[int, int]
     num_rows: int
     held: dict[int, int] = field(default_factory=dict)
-    """prompt -> samples, for every prompt this store has a line of each sample of (its shard.json)."""
+    """prompt -> samples, for every prompt this store holds (a line of each sample, but of those another store has
+    the result of): its shard.json."""
 
     def write_record(self) -> None:
         ShardRecord(shard=None, seed=self.cfg.policy.generation.seed if self.cfg.eval.seeds is not None else None,
@@ -127,19 +128,20 @@ class EvalWorker:
     """One Ray worker: an engine, and a loop that leases prompts and rolls them out into its stores."""
 
     def __init__(self, name: str, cfg: EvalConfig, engine_factory: EngineFactory | None = None,
-                 torch_threads: int | None = 1) -> None:
+                 torch_threads: int | None = 1, on_written: OnWritten | None = None) -> None:
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)  # Ray does not cap torch threads
         self.name = name
+        self.on_written = on_written
         if engine_factory is not None:
             self.generation = engine_factory()
         else:
             from nemo_rl_ext.experience.build import build_policy
 
             self.generation = build_policy(cfg.policy.model_copy(update={"cluster": None}))[1]
-        self.stats = {"groups_generated": 0, "completions_written": 0, "errors_written": 0}
+        self.stats = WorkerStats()
         self._managers: list[Any] = []  # shut down by `run` or `shutdown`: the policy servers and Gyms they started
 
     def ready(self) -> int:
@@ -148,37 +150,25 @@ class EvalWorker:
 
         return os.getpid()
 
-    def _open(self, cfg: EvalConfig, root: Path) -> _Group:
-        """Open (or resume) the store `root` for `cfg`, as `driver.run_store_async` does."""
-        from nemo_rl_ext.evals.driver import build_rollout_setup, load_rows
+    async def _open(self, cfg: EvalConfig, root: Path) -> _Group:
+        """Open (or resume) the store `root` for `cfg`, as a run's own store is (store_setup.py)."""
+        from nemo_rl_ext.evals.store_setup import check_store, open_store
 
-        paths = EvalPaths(root)
-        root.mkdir(parents=True, exist_ok=True)
-        store = CompletionStore(paths.completions)
-        resuming = paths.completions.exists() and paths.completions.stat().st_size > 0
-        if resuming:
-            check_resumable(paths.config, cfg.model_dump(mode="json"),
-                            lambda saved: EvalConfig.model_validate(saved).model_dump(mode="json"), cfg.key_as_written)
-        rows = load_rows(cfg)
-        check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
-        paths.config.write_text(dump_config(cfg))
-        datums, manager = build_rollout_setup(self._runtime_config(cfg, root), self.generation, rows)
-        self._managers.append(manager)
-        manager.preflight(datums)
-        expected = {d.idx: manager.counts.for_agent(d.agent) for d in datums}
-        if cfg.rollouts.mode == "nemo_gym":  # every row this worker may send, on disk before the first is sent
-            from nemo_rl_ext.evals import gym_eval
-
-            gym_eval.materialize_rows(manager.impl, datums, expected, root, resuming)
-        group = _Group(cfg, root, store, manager, {d.idx: d for d in datums}, expected, len(rows))
-        group.held = {p: n for p, n in expected.items() if all(store.line(p, s) is not None for s in range(n))}
+        opened = await open_store(check_store(cfg, root), self.generation, build_cfg=self._runtime_config(cfg, root))
+        self._managers.append(opened.manager)
+        store, expected = opened.store, opened.expected
+        group = _Group(cfg, root, store, opened.manager, {d.idx: d for d in opened.datums}, expected,
+                       len(opened.checked.rows))
+        record = ShardRecord.read(root)  # what it listed (the driver adds what a dead incarnation left unlisted)
+        group.held = dict(record.samples) if record is not None else {}
+        group.held.update({p: n for p, n in expected.items() if all(store.line(p, s) is not None for s in range(n))})
         group.write_record()
         return group
 
     def _runtime_config(self, cfg: EvalConfig, root: Path) -> EvalConfig:
         """`cfg` as this worker runs it (config.yaml keeps `cfg`): a set `rollouts.gym.launch.work_dir` gets a
         folder per worker and group, as every worker launches its own Gym (logs of the same names)."""
-        gym = cfg.rollouts.gym if cfg.rollouts.mode == "nemo_gym" else None
+        gym = cfg.rollouts.gym  # unused in native mode (changing it there changes nothing)
         if gym is None or gym.launch is None or gym.launch.work_dir is None:
             return cfg
         sub = root.relative_to(Path(cfg.eval.save_path)).as_posix().replace("/", "-")
@@ -186,11 +176,11 @@ class EvalWorker:
         rollouts = cfg.rollouts.model_copy(update={"gym": gym.model_copy(update={"launch": launch})})
         return cfg.model_copy(update={"rollouts": rollouts})
 
-    async def run(self, jobs: Sequence[tuple[EvalConfig, str]], queue: Any, in_flight: int) -> dict[str, int]:
+    async def run(self, jobs: Sequence[tuple[EvalConfig, str]], queue: Any, in_flight: int) -> WorkerStats:
         """Lease prompts from `queue` until it is done, `in_flight` at a time; `jobs[g]` is group g's config
         and store. Returns what this incarnation generated."""
         start = time.perf_counter()
-        groups = [self._open(cfg, Path(root)) for cfg, root in jobs]
+        groups = [await self._open(cfg, Path(root)) for cfg, root in jobs]
         finished: list[Item] = []
 
         async def flush() -> None:
@@ -208,8 +198,6 @@ class EvalWorker:
                 await flush()
 
         async def loop() -> None:
-            from nemo_rl_ext.evals.driver import _roll_out
-
             while True:
                 items = await queue.lease.remote(self.name, 1)
                 if items is None:
@@ -217,20 +205,9 @@ class EvalWorker:
                 if not items:
                     await asyncio.sleep(POLL_S)
                     continue
+                skips = await queue.skip_samples.remote(items)
                 for g, p in items:
-                    group = groups[g]
-                    n = group.expected[p]
-                    if len(group.store.done(p, n)) < n:
-                        records, written, errors = await _roll_out(
-                            group.manager, [group.datums[p]], group.expected, group.store,
-                            group.cfg.eval.save_token_ids, None, False, None, "",
-                        )
-                        self.stats["groups_generated"] += len(records)
-                        self.stats["completions_written"] += written
-                        self.stats["errors_written"] += errors
-                    if any(group.store.line(p, s) is None for s in range(n)):
-                        raise RuntimeError(f"the rollouts returned fewer than {n} completions for prompt {p}")
-                    group.held[p] = n
+                    await self._roll_out_prompt(groups[g], g, p, skips.get((g, p), frozenset()))
                     finished.append((g, p))
 
         flushing = asyncio.ensure_future(flusher())
@@ -242,9 +219,27 @@ class EvalWorker:
             await self._stop_managers()
         wall = time.perf_counter() - start
         for group in groups:
-            with open(EvalPaths(group.root).runs, "ab") as f:
-                f.write(dumps({"worker": self.name, **self.stats, "wall_time_s": wall}) + b"\n")
-        return dict(self.stats)
+            append_line(EvalPaths(group.root).runs, self.stats.run_json(self.name, wall))
+        return self.stats
+
+    async def _roll_out_prompt(self, group: _Group, g: int, p: int, skip: frozenset[int]) -> None:
+        """Give every sample of prompt p that is not in `skip` (results another store holds) a line in the group's
+        store, rolling the prompt out unless the store has them; then it is held (listed at the next flush)."""
+        from nemo_rl_ext.evals.driver import _roll_out
+
+        n = group.expected[p]
+        need = [s for s in range(n) if s not in skip]
+        if any(s not in group.store.done(p, n) for s in need):
+            records, written, errors = await _roll_out(
+                group.manager, [group.datums[p]], group.expected, group.store,
+                group.cfg.eval.save_token_ids, None, False, None, "", skip={p: skip},
+            )
+            self.stats = self.stats.plus(len(records), written, errors)
+        if any(group.store.line(p, s) is None for s in need):
+            raise RuntimeError(f"the rollouts returned fewer than {n} completions for prompt {p}")
+        if self.on_written is not None:
+            self.on_written(self.name, g, p)
+        group.held[p] = n
 
     async def _stop_managers(self) -> None:
         """Stop every manager opened (its policy server and Gym, in nemo_gym mode), each once."""
@@ -260,31 +255,6 @@ class EvalWorker:
 # ---- the driver ------------------------------------------------------------------------------------------
 
 
-def todo_items(save_path: Path, groups: Sequence[tuple[int | None, EvalConfig]], num_rows: int
-               ) -> tuple[list[Item], int, int]:
-    """The (group, prompt) items no store of the run holds a result of every sample for, and the counts of
-    (prompt, sample) results already on disk and of error samples to retry."""
-    items: list[Item] = []
-    skipped = retried = 0
-    for g, (seed, _) in enumerate(groups):
-        done: set[int] = set()
-        errors: dict[int, int] = {}
-        for root in sorted((group_root(save_path, seed) / "shards").glob("*")):
-            record = ShardRecord.read(root)
-            if record is None or not (root / "completions.jsonl").exists():
-                continue
-            store = CompletionStore(root / "completions.jsonl", repair=False)
-            for p, n in record.samples.items():
-                if len(store.done(p, n)) == n and p not in done:
-                    done.add(p)
-                    skipped += n
-                else:
-                    errors[p] = len(store.failed(p, n))
-        retried += sum(v for p, v in errors.items() if p not in done)
-        items += [(g, p) for p in range(num_rows) if p not in done]
-    return items, skipped, retried
-
-
 @dataclass
 class _Slot:
     """Worker k: its current actor and how often it died."""
@@ -297,9 +267,11 @@ class _Slot:
 
 
 def run_ray_eval(
-    cfg: EvalConfig, *, engine_factory: EngineFactory | None = None, progress: bool = True
+    cfg: EvalConfig, *, engine_factory: EngineFactory | None = None, progress: bool = True,
+    on_written: OnWritten | None = None,
 ) -> EvalResult:
-    """Run (or resume) `cfg` on `eval.ray_workers` Ray workers and merge (module docstring); an `EvalResult`."""
+    """Run (or resume) `cfg` on `eval.ray_workers` Ray workers and merge (module docstring); an `EvalResult`.
+    `on_written`: see `OnWritten` (tests)."""
     from nemo_rl_ext.cluster import init_ray
     from nemo_rl_ext.evals.driver import EvalResult, load_rows
     from nemo_rl_ext.evals.merge import merge_run
@@ -317,7 +289,9 @@ def run_ray_eval(
                 check_resumable(paths.config, gcfg.model_dump(mode="json"),
                                 lambda saved: EvalConfig.model_validate(saved).model_dump(mode="json"),
                                 gcfg.key_as_written)
-    items, skipped, retried = todo_items(save_path, groups, num_rows)
+    plan = plan_queue(save_path, groups, num_rows)  # and every store's shard.json lists what it holds
+    items, skipped, retried = plan.items, plan.skipped, plan.retried
+    skips = dict(plan.skips)  # the queue's skip sets, kept here too (a dead store is read against them)
     if skipped or retried:
         print(f"resume: {skipped} completion(s) already in {save_path}/.../shards, {retried} error sample(s) to "
               f"retry; {len(items)} group(s) to go")
@@ -332,18 +306,21 @@ def run_ray_eval(
         with open(events, "ab") as f:
             f.write(dumps({"time": time.time(), "run": run_id, **fields}) + b"\n")
 
-    queue = ray.remote(PromptQueue).options(num_cpus=0, max_restarts=0).remote(items, cfg.eval.ray_lease_timeout_s)
+    queue = ray.remote(PromptQueue).options(num_cpus=0, max_restarts=0).remote(
+        items, cfg.eval.ray_lease_timeout_s, skips=skips
+    )
     worker_cls = ray.remote(EvalWorker)
     options = {"num_cpus": cluster.replica.num_cpus, "num_gpus": cluster.replica.num_gpus, "max_restarts": 0}
     in_flight = cfg.eval.max_concurrent_prompts or DEFAULT_IN_FLIGHT
     slots = [_Slot(k) for k in range(cfg.eval.ray_workers)]
     running: dict[Any, _Slot] = {}
-    stats: list[dict[str, int]] = []
+    stats: list[WorkerStats] = []
 
     def launch(slot: _Slot) -> None:
         slot.name = f"worker-{slot.k}"
         actor_name = f"nemo_rl_ext.eval/{run_id}/{slot.name}.{slot.incarnation}"
-        slot.actor = worker_cls.options(name=actor_name, **options).remote(slot.name, cfg, engine_factory)
+        slot.actor = worker_cls.options(name=actor_name, **options).remote(slot.name, cfg, engine_factory, 1,
+                                                                           on_written)
         jobs = [(gcfg, str(worker_store(save_path, seed, slot.k))) for seed, gcfg in groups]
         running[slot.actor.run.remote(jobs, queue, in_flight)] = slot
         event(event="started", worker=slot.name, incarnation=slot.incarnation, actor=actor_name)
@@ -360,22 +337,28 @@ def run_ray_eval(
                 slot = running.pop(ref)
                 try:
                     stats.append(ray.get(ref))
-                except ray.exceptions.RayActorError as err:  # the worker died: its prompts go back
-                    back = ray.get(queue.release.remote(slot.name), timeout=60)
+                except ray.exceptions.RayActorError as err:  # the worker died: what its store lacks goes back
+                    dead = settle_dead_worker(save_path, groups, slot.k, num_rows, skips)
+                    back = ray.get(queue.release.remote(slot.name, dead.done, dead.skips), timeout=60)
+                    for item, held in dead.skips.items():
+                        skips[item] = skips.get(item, frozenset()) | held
                     slot.deaths += 1
                     restart = slot.deaths < cluster.max_failures
                     reason = " ".join(str(err).split())[:500] or type(err).__name__
-                    event(event="died", worker=slot.name, requeued=[list(i) for i in back], deaths=slot.deaths,
-                          restarted=restart, reason=reason)
-                    print(f"{slot.name} died ({reason}); {len(back)} prompt(s) back to the queue; " + (
+                    event(event="died", worker=slot.name, requeued=[list(i) for i in back],
+                          recovered=[list(i) for i in dead.recovered], deaths=slot.deaths, restarted=restart,
+                          reason=reason)
+                    print(f"{slot.name} died ({reason}); {len(back)} prompt(s) back to the queue, "
+                          f"{len(dead.recovered)} found complete in its store; " + (
                         f"restarting it ({slot.deaths} of {cluster.max_failures} deaths)" if restart
                         else f"taken out after {slot.deaths} deaths (policy.cluster.max_failures)"))
                     if restart:
                         launch(slot)
-            for name, taken in ray.get(queue.expire.remote(), timeout=60).items():
-                event(event="lease_expired", worker=name, requeued=[list(i) for i in taken])
-                print(f"{name} held prompt(s) {[p for _, p in taken]} longer than eval.ray_lease_timeout_s "
-                      f"({cfg.eval.ray_lease_timeout_s:g} s): back to the queue, killing {name}")
+            for name, stale in ray.get(queue.expire.remote(), timeout=60).items():
+                event(event="lease_expired", worker=name, held=[list(i) for i in stale])
+                print(f"{name} held prompt(s) {[p for _, p in stale]} longer than eval.ray_lease_timeout_s "
+                      f"({cfg.eval.ray_lease_timeout_s:g} s): killing {name} (what it lacks goes back once it is "
+                      "dead)")
                 for slot in slots:
                     if slot.name == name and slot.actor is not None:
                         ray.kill(slot.actor, no_restart=True)
@@ -404,11 +387,11 @@ def run_ray_eval(
         paths=EvalPaths(save_path),
         complete=complete,
         summary=summary,
-        groups_generated=sum(s["groups_generated"] for s in stats),
-        completions_written=sum(s["completions_written"] for s in stats),
+        groups_generated=sum(s.groups_generated for s in stats),
+        completions_written=sum(s.completions_written for s in stats),
         skipped_completions=skipped,
         wall_time_s=time.perf_counter() - start,
-        errors_written=sum(s["errors_written"] for s in stats),
+        errors_written=sum(s.errors_written for s in stats),
         retried=retried,
     )
 

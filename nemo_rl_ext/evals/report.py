@@ -1,8 +1,9 @@
 """The eval report: a metric table (printed and in Markdown), a PNG of pass@k against k per agent, the reward
 profile per task (a Markdown table and `reward_profile.png`) and the per-prompt difficulty file.
 
-The table has a row per key of every metric in `metric_defs()` (the list aggregation iterates too), so a
-registered metric shows up here without editing this module.
+The table has a row per key of every metric in `metric_defs()` (the list aggregation iterates too), and the
+reward-profile table a row per metric the profile carries (its `in_profile` ones), so a registered metric shows
+up in both without editing this module.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def metric_rows(summary: EvalSummary) -> tuple[list[str], list[list[str]]]:
 
 def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _scalar(value: float | Mapping[int, float] | None) -> float | None:
+    return None if isinstance(value, Mapping) else value
 
 
 def error_note(summary: EvalSummary, max_listed: int = 5) -> list[str]:
@@ -164,10 +169,10 @@ def gym_metric_lines(summary: EvalSummary) -> list[str]:
         return []
     lines = ["", "## NeMo Gym's aggregate metrics (`/aggregate_metrics`)", ""]
     for agent, entry in gym.items():
-        if entry.get("error"):
-            lines.append(f"- `{agent}`: not available ({entry['error']})")
+        if entry.error:
+            lines.append(f"- `{agent}`: not available ({entry.error})")
             continue
-        scalars = {k: v for k, v in (entry.get("key_metrics") or {}).items() if isinstance(v, int | float | str)}
+        scalars = {k: v for k, v in (entry.key_metrics or {}).items() if isinstance(v, int | float | str)}
         shown = ", ".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in scalars.items())
         lines.append(f"- `{agent}`: {shown or 'no key metrics'}")
     return lines
@@ -192,11 +197,19 @@ def profile_rows(summary: EvalSummary) -> tuple[list[str], list[list[str]]]:
     def row(name: str, cell: Any) -> list[str]:
         return [name] + [cell(t) for _, t in columns]
 
+    formats = {m.name: m.report_format for m in metric_defs()}
+    metric_rows: list[list[str]] = []
+    for name, value in columns[0][1].metrics.items():  # every task has the same metrics, in metric_defs() order
+        spec = formats.get(name, ".3f")
+        if isinstance(value, Mapping):
+            metric_rows += [row(f"{name}@{k}", lambda t, name=name, k=k, spec=spec: _number(t.per_k(name).get(k), spec))
+                            for k in ks]
+        else:
+            metric_rows.append(row(name.replace("_", " "), lambda t, name=name, spec=spec: _number(
+                _scalar(t.metrics.get(name)), spec)))
     rows = [
         row("prompts / samples", lambda t: f"{t.num_prompts} / {t.num_samples}"),
-        row("mean reward", lambda t: _number(t.mean_reward, ".3f")),
-        *(row(f"pass@{k}", lambda t, k=k: _number(t.pass_at_k.get(k), ".3f")) for k in ks),
-        *(row(f"maj@{k}", lambda t, k=k: _number(t.maj_at_k.get(k), ".3f")) for k in ks),
+        *metric_rows,
         row("error rate", lambda t: f"{t.error_rate:.3f}"),
         row("truncation rate", lambda t: _number(t.truncation_rate, ".3f")),
         row("turns (mean)", lambda t: _number(t.mean_turns, ".2f")),

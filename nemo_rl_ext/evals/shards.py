@@ -108,7 +108,10 @@ class ShardRecord:
     samples: Mapping[int, int]
     """prompt_idx -> samples it needs, for every prompt this store is responsible for."""
     finished: bool
-    """True when each of those (prompt, sample) pairs has a line (a result, or an error to retry)."""
+    """True when each of those (prompt, sample) pairs has a line (a result, or an error to retry). A Ray worker's
+    store is always finished: it lists a prompt only once the prompt is complete (a sample may have its result
+    in another store of the group instead: a retry appends only the missing ones); whether the run covers every
+    prompt is the queue's business, and the merge checks it."""
 
     def to_json(self) -> dict[str, Any]:
         """The shard.json object."""

@@ -52,6 +52,31 @@ class ErrorSample(JsonView):
 
 
 @dataclass(frozen=True, eq=False)
+class GymAgentMetrics(JsonView):
+    """One agent's entry in summary.json's `gym_metrics`: NeMo Gym's own `/aggregate_metrics` answer for the
+    agent's results, or the error that kept Gym from answering."""
+
+    agent_metrics: Mapping[str, Any] | None = None
+    """Gym's `agent_metrics` (None: not answered)."""
+    key_metrics: Mapping[str, Any] | None = None
+    """Gym's `key_metrics`, the headline numbers the report shows (None: not answered)."""
+    error: str | None = None
+    """Why Gym did not answer (None: it did)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """`{"agent_metrics": ..., "key_metrics": ...}`, or `{"error": ...}`."""
+        if self.error is not None:
+            return {"error": self.error}
+        return {"agent_metrics": self.agent_metrics, "key_metrics": self.key_metrics}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> GymAgentMetrics:
+        """The entry of a parsed summary.json, or of gym_aggregate_metrics.json (its `group_level_metrics` are
+        left out)."""
+        return cls(obj.get("agent_metrics"), obj.get("key_metrics"), obj.get("error"))
+
+
+@dataclass(frozen=True, eq=False)
 class EvalSummary(JsonView):
     """What an eval found (summary.json); also readable by its JSON keys (`summary["metrics"]`)."""
 
@@ -89,7 +114,7 @@ class EvalSummary(JsonView):
     """Mean assistant turns of the non-error samples (None: no such samples)."""
     metrics: Mapping[str, float]
     """`aggregate_eval_metrics` over the prompts: flat, slash-namespaced keys."""
-    gym_metrics: Mapping[str, Any] | None = None
+    gym_metrics: Mapping[str, GymAgentMetrics] | None = None
     """nemo_gym mode: agent -> Gym's own `/aggregate_metrics` answer (or its error); None otherwise."""
     profile: RewardProfile | None = None
     """The per-task reward profile (profile.py); None for a summary written before it existed."""
@@ -116,7 +141,7 @@ class EvalSummary(JsonView):
             "metrics": dict(self.metrics),
         }
         if self.gym_metrics is not None:
-            out["gym_metrics"] = dict(self.gym_metrics)
+            out["gym_metrics"] = {agent: m.to_json() for agent, m in self.gym_metrics.items()}
         if self.profile is not None:
             out["profile"] = self.profile.to_json()
         return out
@@ -132,6 +157,9 @@ class EvalSummary(JsonView):
                 "agents": tuple(obj["agents"]),
                 "error_samples": tuple(ErrorSample(**e) for e in obj["error_samples"]),
                 "profile": None if obj.get("profile") is None else RewardProfile.from_json(obj["profile"]),
+                "gym_metrics": None if obj.get("gym_metrics") is None else {
+                    agent: GymAgentMetrics.from_json(entry) for agent, entry in obj["gym_metrics"].items()
+                },
             }
         )
 

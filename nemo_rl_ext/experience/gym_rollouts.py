@@ -110,6 +110,28 @@ class AsyncNemoGymRolloutImpl:
         """The per-agent sample counts in force (a `stream_rollouts(counts=...)` call's, else the constructor's)."""
         return effective_counts(self._counts)
 
+    def request_rows(self, datums: Sequence[DatumSpec]) -> dict[int, list[dict[str, Any]]]:
+        """Prompt index -> the rows `run_rollout` sends for that datum (`_build_inputs`: pinned rows as pinned)."""
+        return {d.idx: self._build_inputs(d) for d in datums}
+
+    async def aggregate_metrics(
+        self, results_by_agent: Mapping[str, Sequence[Mapping[str, Any]]]
+    ) -> dict[str, dict[str, Any]]:
+        """Agent -> Gym's `/aggregate_metrics` answer for its results (`agent_metrics`, `key_metrics`,
+        `group_level_metrics`), or `{"error": ...}` when the call failed (logged, not raised: an infrastructure
+        failure). The results are as Gym's collector sends them. Starts the servers if they are not running."""
+        client = await self.client()
+        metrics: dict[str, dict[str, Any]] = {}
+        for agent, results in sorted(results_by_agent.items()):
+            try:
+                answer = await client.aggregate_metrics(agent, list(results))
+            except Exception as exc:
+                logger.warning("Gym /aggregate_metrics for agent %r failed: %s", agent, describe(exc))
+                metrics[agent] = {"error": describe(exc)}
+                continue
+            metrics[agent] = {k: answer.get(k) for k in ("agent_metrics", "key_metrics", "group_level_metrics")}
+        return metrics
+
     def pin_rows(self, rows_by_prompt: Mapping[int, Sequence[Mapping[str, Any]]]) -> None:
         """Send exactly these rows for these prompt indices (e.g. read back from a materialized file on
         resume) instead of building them with `_build_inputs`."""

@@ -120,6 +120,29 @@ class RolloutManager:
         `warn_unused`, count keys that match no row's agent give a UserWarning."""
         (counts or self.counts).preflight(((d.idx, d.agent) for d in datums), warn_unused=warn_unused)
 
+    def request_rows(self, datums: Sequence[DatumSpec]) -> dict[int, list[dict[str, Any]]] | None:
+        """Prompt index -> the request rows the implementation sends for that datum, one per sample (nemo_gym:
+        the bodies of Gym's `/run`, built now, or as pinned); None when it sends none (native: the prompt is
+        rendered in this process). A caller may store them and `pin_rows` them on resume."""
+        build = getattr(self.impl, "request_rows", None)
+        return None if build is None else build(datums)
+
+    def pin_rows(self, rows_by_prompt: Mapping[int, Sequence[Mapping[str, Any]]]) -> None:
+        """Send exactly these rows for these prompts (`request_rows`' shape) instead of building them; ValueError
+        for an implementation that sends none."""
+        pin = getattr(self.impl, "pin_rows", None)
+        if pin is None:
+            raise ValueError(f"{type(self.impl).__name__} sends no request rows to pin")
+        pin(rows_by_prompt)
+
+    async def aggregate_metrics(
+        self, results_by_agent: Mapping[str, Sequence[Mapping[str, Any]]]
+    ) -> dict[str, dict[str, Any]] | None:
+        """Agent -> the implementation's own aggregate of finished results (nemo_gym: Gym's `/aggregate_metrics`
+        answer, or `{"error": ...}`; starts Gym if it is not running); None when it has none (native)."""
+        aggregate = getattr(self.impl, "aggregate_metrics", None)
+        return None if aggregate is None else await aggregate(results_by_agent)
+
     async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
         """Roll out one prompt N times and score the completions."""
         return await self.impl.run_rollout(input_sample)

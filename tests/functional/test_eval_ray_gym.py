@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from gym_processes import wait_until_gone
-from test_eval_shard_jobs import same_summary
+from test_eval_shard_jobs import same_report, same_summary, timings_complete
 
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.evals.config import EvalConfig
@@ -91,7 +91,8 @@ def test_nemo_gym_on_two_ray_workers_each_launch_gym_and_merge_as_one_shard(
         (a, a_logprobs), (b, b_logprobs) = gym_stable(a), gym_stable(b)
         assert a == b
         assert a_logprobs == pytest.approx(b_logprobs, abs=1e-4)
-    same_summary(root / "summary.json", tmp_path / "one" / "summary.json")
+    assert same_summary(root / "summary.json", tmp_path / "one" / "summary.json")
+    assert same_report(root, tmp_path / "one") and timings_complete(root, NUM_SAMPLES)
     assert result.summary.gym_metrics is None  # Gym's own aggregate needs a live Gym: not in a merged summary
     assert all(json.loads(x)["error"] is None for x in merged.splitlines())  # every sample went through Gym
 

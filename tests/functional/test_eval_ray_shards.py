@@ -5,17 +5,19 @@ merges to the same bytes."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from test_eval_shard_jobs import NUM_PROMPTS, SAMPLES, overrides, same_summary
+from test_eval_shard_jobs import NUM_PROMPTS, SAMPLES, overrides, same_report, same_summary, timings_complete
 
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
-from nemo_rl_ext.evals.ray_shards import EVENTS_FILE
+from nemo_rl_ext.evals.ray_shards import EVENTS_FILE, run_ray_eval
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER_CPUS = "policy.cluster={replica: {num_cpus: 0.5}}"  # two workers fit the session's 2-CPU Ray with room
@@ -55,11 +57,16 @@ def test_two_ray_workers_merge_to_the_bytes_of_one_shard(local_ray, tiny_model_d
     assert merged == (one_shard / "completions.jsonl").read_bytes()
     assert merged.count(b"\n") == NUM_PROMPTS * SAMPLES
     assert same_summary(root / "summary.json", one_shard / "summary.json")
+    assert same_report(root, one_shard) and timings_complete(root, NUM_PROMPTS * SAMPLES)
     stores = sorted(p.name for p in (root / "shards").iterdir())
     assert stores == ["worker-0", "worker-1"]
     held = [held_prompts(root / "shards" / s) for s in stores]
     assert sorted(held[0] + held[1]) == list(range(NUM_PROMPTS))  # every prompt once: pulled, not sliced
     assert held[0] and held[1], held  # both workers pulled prompts
+    runs = [json.loads((root / "shards" / s / "runs.jsonl").read_text()) for s in stores]  # one line each
+    assert all(list(r) == ["worker", "groups_generated", "completions_written", "errors_written", "wall_time_s"]
+               for r in runs)
+    assert sorted(r["worker"] for r in runs) == stores and sum(r["groups_generated"] for r in runs) == NUM_PROMPTS
     assert [e["event"] for e in events(root)] == ["started", "started", "finished"]
 
     again = run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", WORKER_CPUS), progress=False)
@@ -130,7 +137,7 @@ def test_a_killed_worker_gives_its_prompts_back_and_the_merge_is_unchanged(
     log = events(root)
     [died] = [e for e in log if e["event"] == "died"]
     assert died["worker"] == "worker-1" and died["restarted"] is (max_failures > 1)
-    assert died["requeued"], "worker-1 held no prompt when it was killed"
+    assert died["requeued"] or died["recovered"], "worker-1 held no prompt when it was killed"
     requeued = {p for _, p in died["requeued"]}
     starts = [e["worker"] for e in log if e["event"] == "started"]
     assert sorted(starts) == (["worker-0", "worker-1", "worker-1"] if max_failures > 1 else ["worker-0", "worker-1"])
@@ -142,3 +149,48 @@ def test_a_killed_worker_gives_its_prompts_back_and_the_merge_is_unchanged(
         assert requeued <= set(held["worker-0"])
     assert (root / "completions.jsonl").read_bytes() == (one_shard / "completions.jsonl").read_bytes()
     assert same_summary(root / "summary.json", one_shard / "summary.json")
+
+
+def die_once_after_writing(marker: Path):
+    """A worker hook (`run_ray_eval(on_written=...)`, pickled by value): worker-1 SIGKILLs itself right after its
+    first prompt's lines are on disk, before it lists the prompt in shard.json or reports it to the queue."""
+
+    def on_written(worker: str, group: int, prompt: int) -> None:
+        if worker == "worker-1" and not marker.exists():
+            marker.write_text(f"{prompt}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return on_written
+
+
+def result_lines(store: Path) -> list[tuple[int, int]]:
+    rows = [json.loads(x) for x in (store / "completions.jsonl").read_bytes().splitlines()]
+    return [(x["prompt_idx"], x["sample_idx"]) for x in rows if x["stop_reason"] != "error"]
+
+
+@pytest.mark.timeout(400)
+def test_a_worker_killed_between_writing_and_reporting_a_prompt_leaves_it_in_one_store(
+    local_ray, tiny_model_dir, one_shard, tmp_path
+) -> None:
+    root = tmp_path / "ray"
+    marker = tmp_path / "killed-after-prompt"
+    cfg = config(tiny_model_dir, root, "eval.ray_workers=2", "eval.max_concurrent_prompts=1", WORKER_CPUS,
+                 "policy.cluster.max_failures=1")  # taken out at its first death: worker-0 finishes the queue
+    result = run_ray_eval(cfg, progress=False, on_written=die_once_after_writing(marker))
+    assert marker.exists(), "worker-1 wrote no prompt"
+    killed_after = int(marker.read_text())
+    assert result.complete and result.summary is not None
+
+    stores = [root / "shards" / f"worker-{k}" for k in range(2)]
+    pairs = [pair for store in stores for pair in result_lines(store)]
+    assert sorted(pairs) == [(p, s) for p in range(NUM_PROMPTS) for s in range(SAMPLES)]  # each in exactly one store
+    [died] = [e for e in events(root) if e["event"] == "died"]
+    assert died["worker"] == "worker-1" and died["restarted"] is False
+    # its prompt was on disk but unreported: found there and listed, not handed to worker-0
+    assert died["recovered"] == [[0, killed_after]] and died["requeued"] == []
+    assert killed_after in held_prompts(root / "shards" / "worker-1")
+    assert killed_after not in held_prompts(root / "shards" / "worker-0")
+
+    assert (root / "completions.jsonl").read_bytes() == (one_shard / "completions.jsonl").read_bytes()
+    assert same_summary(root / "summary.json", one_shard / "summary.json")
+    assert same_report(root, one_shard) and timings_complete(root, NUM_PROMPTS * SAMPLES)

@@ -35,6 +35,39 @@ def same_summary(a: Path, b: Path) -> bool:
     assert left == right, (a, b)
     return True
 
+
+LATENCY_ROW = "| rollout latency s (p50 / p95) |"
+"""The one row of report.md that shows measured numbers (its reward-profile table's latencies)."""
+
+
+def untimed_report(folder: Path) -> str:
+    """report.md with the numbers of its latency row removed."""
+    text = (folder / "report.md").read_text()
+    assert text.count(LATENCY_ROW) == 1, folder
+    return "\n".join(LATENCY_ROW if x.startswith(LATENCY_ROW) else x for x in text.splitlines())
+
+
+def same_report(a: Path, b: Path) -> bool:
+    """The folders' report.md equal byte for byte but for the latency row's numbers, and their difficulty.jsonl
+    equal byte for byte."""
+    assert untimed_report(a) == untimed_report(b), (a, b)
+    assert (a / "difficulty.jsonl").read_bytes() == (b / "difficulty.jsonl").read_bytes(), (a, b)
+    return True
+
+
+def timings_complete(folder: Path, num_samples: int) -> bool:
+    """The folder's timings.jsonl has one entry (a measured latency) per line of its completions.jsonl, in the same
+    order, and its summary's latencies count every sample (`num_samples`, none of them an error)."""
+    keys = [(x["prompt_idx"], x["sample_idx"]) for x in map(json.loads, (folder / "completions.jsonl").read_bytes().splitlines())]
+    timings = [json.loads(x) for x in (folder / "timings.jsonl").read_bytes().splitlines()]
+    assert [(t["prompt_idx"], t["sample_idx"]) for t in timings] == keys, folder
+    assert all(isinstance(t["latency_s"], float) and t["latency_s"] > 0 for t in timings), folder
+    profile = json.loads((folder / "summary.json").read_bytes())["profile"]
+    assert profile["overall"]["latency_s"]["num_samples"] == len(keys) == num_samples, folder
+    assert sum(t["latency_s"]["num_samples"] for t in profile["tasks"].values()) == num_samples, folder
+    return True
+
+
 def overrides(tiny_model_dir: Path, save_path: Path, *extra: str) -> list[str]:
     return [
         f"policy.model_name={tiny_model_dir}",
@@ -104,6 +137,8 @@ def test_three_shard_processes_merge_to_the_bytes_of_one_shard_and_of_an_unshard
     assert merged == (one_shard / "completions.jsonl").read_bytes()
     assert merged.count(b"\n") == NUM_PROMPTS * SAMPLES
     assert same_summary(root / "summary.json", one_shard / "summary.json")
+    assert same_report(root, one_shard)
+    assert timings_complete(root, NUM_PROMPTS * SAMPLES) and timings_complete(one_shard, NUM_PROMPTS * SAMPLES)
     for i in range(3):  # each shard rolled out its slice, and only that
         store = root / "shards" / f"{i}-of-3"
         owned = [p for p in range(NUM_PROMPTS) if ShardSpec(i, 3).owns(p)]
@@ -117,6 +152,8 @@ def test_three_shard_processes_merge_to_the_bytes_of_one_shard_and_of_an_unshard
     plain = run_eval(cfg, generation=generation, progress=False)  # unsharded, in completion order
     assert sorted_line_bytes(plain.paths.completions) == merged
     assert same_summary(plain.paths.summary, root / "summary.json")
+    assert same_report(plain.paths.root, root)
+    assert timings_complete(plain.paths.root, NUM_PROMPTS * SAMPLES)  # in completion order, as its lines
 
 
 @pytest.mark.timeout(400)
@@ -177,10 +214,12 @@ def test_two_seeds_as_jobs_merge_the_same_from_one_or_three_shards(tiny_model_di
         a, b = one / "seeds" / str(seed), three / "seeds" / str(seed)
         assert (a / "completions.jsonl").read_bytes() == (b / "completions.jsonl").read_bytes()
         assert same_summary(a / "summary.json", b / "summary.json")
+        assert same_report(a, b) and timings_complete(b, NUM_PROMPTS * SAMPLES)
         config = (b / "shards" / "0-of-3" / "config.yaml").read_text()
         assert f"seed: {seed}\n" in config  # the job's policy.generation.seed
     assert (one / "seeds/3/completions.jsonl").read_bytes() != (one / "seeds/7/completions.jsonl").read_bytes()
     assert same_summary(one / "summary.json", three / "summary.json")
+    assert same_report(one, three)  # the pooled report and difficulty file
     pooled = json.loads((three / "summary.json").read_text())
     assert pooled["num_completions"] == NUM_PROMPTS * SAMPLES * 2 and pooled["ks"] == [1, 2]
     assert pooled["metrics"]["num_samples"] == NUM_PROMPTS * SAMPLES * 2
@@ -205,6 +244,9 @@ def test_multi_turn_shards_in_process_equal_an_unsharded_run(tiny_model_dir, gen
     plain = run_eval(cfg(tmp_path / "plain"), generation=generation, progress=False)
     assert sorted_line_bytes(plain.paths.completions) == (tmp_path / "sharded" / "completions.jsonl").read_bytes()
     assert same_summary(plain.paths.summary, tmp_path / "sharded" / "summary.json")
+    assert same_report(plain.paths.root, tmp_path / "sharded")
+    samples = (tmp_path / "sharded" / "completions.jsonl").read_bytes().count(b"\n")
+    assert timings_complete(tmp_path / "sharded", samples) and timings_complete(plain.paths.root, samples)
 
 
 @pytest.mark.gym

@@ -373,6 +373,13 @@ async def test_native_eval_writes_the_profile_png_and_difficulty_file(tiny_model
     latency = {(t["prompt_idx"], t["sample_idx"]): t["latency_s"] for t in timings}
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary)[-1] == "profile" and summary == result.summary
+    # native mode: the manager sends no rows and has no aggregate of its own, so no Gym file and no gym_metrics
+    assert not (out / "gym_rows.jsonl").exists() and not (out / "gym_aggregate_metrics.json").exists()
+    assert "gym_metrics" not in summary
+    [run] = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    assert list(run) == ["groups_generated", "completions_written", "errors_written", "retried", "skipped_completions",
+                         "wall_time_s", "rollout_metrics"]
+    assert (run["groups_generated"], run["completions_written"], run["skipped_completions"]) == (5, 13, 0)
     for agent in ("even", "odd"):
         mine = [x for x in lines if x["agent"] == agent]
         task = summary["profile"]["tasks"][agent]

@@ -25,7 +25,7 @@ from nemo_rl_ext.evals.metrics import (
     unregister_metric,
 )
 from nemo_rl_ext.evals.store import CompletionStore, dumps
-from nemo_rl_ext.evals.summary import ErrorSample, EvalSummary
+from nemo_rl_ext.evals.summary import ErrorSample, EvalSummary, GymAgentMetrics
 
 BEFORE = [  # (sample, save_token_ids) -> the line the old writer produced
     b'{"prompt_idx":7,"sample_idx":0,"agent":"math","reward":1.0,"answer":"4","stop_reason":"natural",'
@@ -111,8 +111,11 @@ def test_the_summary_has_the_summary_json_keys_in_order_and_reads_back() -> None
     assert list(s.to_json()) == keys
     assert s.to_json()["error_samples"] == [{"prompt_idx": 0, "sample_idx": 2, "agent": "a", "error": "boom"}]
     assert s["metrics"]["pass@2"] == 1.0 and s["ks"] == [1, 2]  # readable by its JSON keys
-    gym = dataclasses.replace(s, gym_metrics={"agent": {"key_metrics": {"x": 1}}})
+    gym = dataclasses.replace(s, gym_metrics={"agent": GymAgentMetrics({"mean/reward": 0.5}, {"x": 1}),
+                                              "other": GymAgentMetrics(error="ConnectError: down")})
     assert list(gym.to_json()) == [*keys, "gym_metrics"]
+    assert gym["gym_metrics"] == {"agent": {"agent_metrics": {"mean/reward": 0.5}, "key_metrics": {"x": 1}},
+                                  "other": {"error": "ConnectError: down"}}  # summary.json's bytes as before
     for x in (s, gym):
         text = dumps(x.to_json(), indent=True)
         back = EvalSummary.from_json(json.loads(text))

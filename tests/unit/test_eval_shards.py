@@ -192,6 +192,22 @@ def test_merge_refuses_differing_config_and_dataset_naming_the_shards(tmp_path: 
     assert "dataset fingerprint of shards/1-of-3 differs from shards/0-of-3: 1 row(s) differ (rows [4])" in msg
 
 
+def test_merge_refuses_stores_without_their_config_or_dataset_fingerprint_naming_both(tmp_path: Path) -> None:
+    root = static_run(tmp_path / "run", 3)
+    (root / "shards" / "0-of-3" / "dataset_fingerprint.json").unlink()  # the first store: the old reference
+    (root / "shards" / "1-of-3" / "config.yaml").unlink()
+    fp = root / "shards" / "2-of-3" / "dataset_fingerprint.json"  # still compared with a store that has one
+    record = orjson.loads(fp.read_bytes())
+    record["row_sha256"][5] = "e" * 16
+    fp.write_bytes(orjson.dumps(record))
+    msg = merge_error(root)
+    assert msg.startswith(f"3 problems with the stores in {root}:")
+    assert "shards/0-of-3: no dataset_fingerprint.json (so its dataset rows can't be compared" in msg
+    assert "shards/1-of-3: no config.yaml (so its config can't be compared with the other stores'" in msg
+    assert "dataset fingerprint of shards/2-of-3 differs from shards/1-of-3: 1 row(s) differ (rows [5])" in msg
+    assert not (root / "completions.jsonl").exists()
+
+
 def test_merge_refuses_a_duplicate_that_is_not_byte_identical_naming_both_files(tmp_path: Path) -> None:
     root = static_run(tmp_path / "run", 3)
     same = root / "shards" / "1-of-3"
@@ -217,6 +233,33 @@ def test_an_error_line_gives_way_to_a_result_from_another_store(tmp_path: Path) 
     reference = merge_run(static_run(tmp_path / "static", 2))
     assert (root / "completions.jsonl").read_bytes() == (tmp_path / "static" / "completions.jsonl").read_bytes()
     assert result.summary == reference.summary
+
+
+def test_a_retry_that_holds_only_the_failed_sample_merges_with_the_first_store(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    cfg = run_cfg(root)
+    error = line(None, 2, 1, stop_reason="error", reward=0.0, answer=None, error="ConnectionError: down")
+    rows_a = [line(None, p, s) for p in (0, 1, 2) for s in range(N_SAMPLES) if (p, s) != (2, 1)] + [error]
+    write_store(root, cfg, None, "worker-a", [0, 1, 2], lines=rows_a)
+    # a Ray worker retried prompt 2 with skip {0, 2}: it appended sample 1 alone
+    rows_b = [line(None, 2, 1)] + [line(None, p, s) for p in (3, 4, 5, 6) for s in range(N_SAMPLES)]
+    write_store(root, cfg, None, "worker-b", [2, 3, 4, 5, 6], lines=rows_b)
+    for name, entries in (("worker-a", [(p, s, 1.0 + p) for p in (0, 1, 2) for s in range(N_SAMPLES)]),
+                          ("worker-b", [(p, s, 10.0 + p) for p, s in [(2, 1)] + [(p, s) for p in (3, 4, 5, 6)
+                                                                                   for s in range(N_SAMPLES)]])):
+        (root / "shards" / name / "timings.jsonl").write_bytes(b"".join(
+            dumps({"prompt_idx": p, "sample_idx": s, "latency_s": v}) + b"\n" for p, s, v in entries))
+    result = merge_run(root)
+    reference = merge_run(static_run(tmp_path / "static", 2))
+    assert (root / "completions.jsonl").read_bytes() == (tmp_path / "static" / "completions.jsonl").read_bytes()
+    assert result.summary.metrics == reference.summary.metrics and result.summary.num_errors == 0
+    # each merged line's latency is the one its store measured for it: (2, 1) from the retry, not the error
+    timings = [json.loads(x) for x in (root / "timings.jsonl").read_text().splitlines()]
+    assert [(t["prompt_idx"], t["sample_idx"]) for t in timings] == [
+        (p, s) for p in range(N_PROMPTS) for s in range(N_SAMPLES)]
+    got = {(t["prompt_idx"], t["sample_idx"]): t["latency_s"] for t in timings}
+    assert got[(2, 0)] == 3.0 and got[(2, 1)] == 12.0 and got[(3, 0)] == 13.0
+    assert result.summary.profile.overall.latency_s.num_samples == N_PROMPTS * N_SAMPLES
 
 
 def test_dynamic_stores_must_cover_the_selection(tmp_path: Path) -> None:

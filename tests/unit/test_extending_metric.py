@@ -1,5 +1,6 @@
 """docs/extending.md's metric section works as written: its code block, run as is, adds a metric that the eval's
-aggregation computes (checked against a brute-force count here) and the report's table shows."""
+aggregation computes (checked against a brute-force count here), the report's table shows, and the per-task reward
+profile carries (summary.json's `profile`, the report's profile table)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import orjson
 import pytest
 
+from nemo_rl_ext.config import load_config
+from nemo_rl_ext.data.records import DatumSpec
+from nemo_rl_ext.evals.config import EvalConfig
+from nemo_rl_ext.evals.lines import CompletionLine
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, metric_defs, unregister_metric
 from nemo_rl_ext.evals.report import format_metric_table, markdown_report
-from nemo_rl_ext.evals.summary import EvalSummary
+from nemo_rl_ext.evals.store import CompletionStore, dumps
+from nemo_rl_ext.evals.summary import EvalSummary, summarize
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 SECTION = "## 3. A metric"
@@ -55,8 +62,11 @@ def test_the_documented_metric_is_aggregated_and_reported_and_can_be_removed() -
     with doc_snippet() as namespace:
         assert namespace["PASS_ALL"] in metric_defs()
         check_pass_all()
+        check_pass_all_in_the_profile()
     assert "pass_all" not in [m.name for m in metric_defs()]  # the registration left no trace
     assert not any(k.startswith("pass_all") for k in aggregate_eval_metrics(PROMPTS, [1]))
+    profile = summary_of_lines()["profile"]["overall"]
+    assert "pass_all_at_k" not in profile and list(profile)[4:7] == ["mean_reward", "pass_at_k", "maj_at_k"]
 
 
 def check_pass_all() -> None:
@@ -92,3 +102,47 @@ def check_pass_all() -> None:
     beta2 = f"{metrics['agent/beta/pass_all@2']:.3f} ± {metrics['agent/beta/pass_all@2/stderr']:.3f}"
     assert f"| pass_all@2 | {metrics['pass_all@2']:.3f} ± " in md and md.count(beta2) >= 1
 
+
+
+def summary_of_lines() -> EvalSummary:
+    """The eval summary (profile included) of completion lines holding `PROMPTS`' samples, error lines included."""
+    lines = []
+    for p, prompt in enumerate(PROMPTS):
+        for s, (r, a) in enumerate(zip(prompt.rewards, prompt.answers, strict=True)):
+            lines.append(CompletionLine(prompt_idx=p, sample_idx=s, agent=prompt.agent_name, reward=r, answer=a,
+                                        stop_reason="natural", truncated=False, num_turns=1))
+        for s in range(len(prompt.rewards), len(prompt.rewards) + prompt.num_errors):
+            lines.append(CompletionLine(prompt_idx=p, sample_idx=s, agent=prompt.agent_name, reward=0.0, answer=None,
+                                        stop_reason="error", truncated=False, num_turns=0, error="down"))
+    cfg = load_config(None, ["eval.dataset_path=d.jsonl", "eval.save_path=out", "eval.num_tests_per_prompt=4",
+                             "eval.ks=[1,2,4]", "eval.reward_threshold=1.0", "eval.max_error_rate=1"], EvalConfig)
+    expected = {p: len(x.rewards) + x.num_errors for p, x in enumerate(PROMPTS)}
+    datums = [DatumSpec(idx=p, message_log=(), task_name="") for p in expected]
+    return summarize(cfg, datums, expected, CompletionStore.of_lines(lines), timings={})
+
+
+def check_pass_all_in_the_profile() -> None:
+    summary = summary_of_lines()
+    profile = summary.profile
+    assert profile is not None
+    for task, prompts in (("alpha", PROMPTS[:2]), ("beta", PROMPTS[2:])):
+        want = {}
+        for k in (1, 2, 4):
+            values = [all_correct_fraction([r >= 1.0 for r in p.rewards], k) for p in prompts if len(p.rewards) >= k]
+            if values:
+                want[k] = sum(values) / len(values)
+        assert dict(profile.tasks[task].per_k("pass_all")) == pytest.approx(want, abs=1e-12), task
+    assert list(profile.tasks["beta"].per_k("pass_all")) == [1, 2]  # beta has 3 samples: no k=4, as for pass@4
+    assert profile.overall.per_k("pass_all")[4] == pytest.approx(0.5)  # alpha's prompts: 0 and 1
+    obj = summary.to_json()["profile"]["tasks"]["alpha"]
+    keys = list(obj)
+    assert keys.index("maj_at_k") + 1 == keys.index("pass_all_at_k") < keys.index("truncation_rate")
+    assert obj["pass_all_at_k"] == {str(k): v for k, v in profile.tasks["alpha"].per_k("pass_all").items()}
+    assert "mean_at_k" not in obj  # mean@k equals mean_reward: not in the profile
+    back = EvalSummary.from_json(orjson.loads(dumps(summary.to_json(), indent=True)))
+    assert back.profile is not None and back.profile.tasks["beta"].per_k("pass_all") == profile.tasks["beta"].per_k(
+        "pass_all") and back == summary
+    md = markdown_report(summary, "p.png").split("## Reward profile")[1]
+    alpha2 = profile.tasks["alpha"].per_k("pass_all")[2]
+    assert f"| pass_all@2 | {profile.overall.per_k('pass_all')[2]:.3f} | {alpha2:.3f} | " in md
+    assert "| pass_all@4 | 0.500 | 0.500 | - |" in md  # beta's column: no k=4

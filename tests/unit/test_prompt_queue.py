@@ -1,19 +1,29 @@
-"""The lease queue of an eval on Ray workers (without Ray), the eval.ray_workers rules, and which prompts a resumed
-Ray eval queues again."""
+"""The lease queue of an eval on Ray workers (without Ray), the eval.ray_workers rules, which prompts a resumed Ray
+eval queues again, what the driver does with a dead worker's store, and a worker (its `run`, in this process) that
+retries a prompt's error samples."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.lines import CompletionLine
+from nemo_rl_ext.evals.merge import merge_run
 from nemo_rl_ext.evals.prompt_queue import PromptQueue
-from nemo_rl_ext.evals.ray_shards import group_configs, todo_items, worker_store
+from nemo_rl_ext.evals.ray_shards import EvalWorker, group_configs, worker_store
+from nemo_rl_ext.evals.ray_stores import DeadWorker, plan_queue, settle_dead_worker
 from nemo_rl_ext.evals.shards import ShardRecord
 from nemo_rl_ext.evals.store import CompletionStore
+from nemo_rl_ext.experience.native_rollouts import rollout_seed
+from nemo_rl_ext.testing import ScriptedGeneration
+
+REPO = Path(__file__).resolve().parents[2]
 
 BASE = ["eval.dataset_path=data.jsonl", "eval.save_path=out", "policy.generation.seed=0"]
 
@@ -59,7 +69,7 @@ def test_a_dead_workers_leases_go_back_to_the_front_of_the_queue() -> None:
     assert status.finished and status.requeued == 1 and status.leased == {}
 
 
-def test_an_expired_lease_goes_back_and_a_late_completion_still_counts() -> None:
+def test_an_expired_lease_is_reported_once_and_goes_back_only_when_its_worker_is_released() -> None:
     clock = Clock()
     queue = PromptQueue(items(0, 1, 2), lease_timeout_s=10, clock=clock)
     assert queue.lease("hung") == items(0)
@@ -67,23 +77,26 @@ def test_an_expired_lease_goes_back_and_a_late_completion_still_counts() -> None
     assert queue.lease("ok") == items(1)
     clock.now = 11
     assert queue.expire() == {"hung": items(0)}  # "ok" leased at 5: 6 s old, kept
-    assert queue.status().leased == {"ok": 1}
-    queue.complete("hung", items(0))  # it finished after all (its lines are on disk): done, not leased again
-    assert queue.lease("ok", 3) == items(2)
-    queue.complete("ok", items(1, 2))
+    assert queue.expire() == {}  # reported once: the driver is killing it
+    assert queue.status().leased == {"hung": 1, "ok": 1}  # still hung's: it may still write it until it is dead
+    assert queue.lease("ok", 3) == items(2)  # not item 0
+    assert queue.release("hung") == items(0)  # dead now: back to the queue
+    assert queue.lease("ok") == items(0)
+    queue.complete("ok", items(0, 1, 2))
     assert queue.lease("ok") is None and queue.status().requeued == 1
     assert PromptQueue(items(0), lease_timeout_s=None).expire() == {}
 
 
-def test_a_completion_while_another_worker_holds_the_item_releases_that_lease() -> None:
-    clock = Clock()
-    queue = PromptQueue(items(0, 1), lease_timeout_s=1, clock=clock)
-    queue.lease("a")
-    clock.now = 2
-    queue.expire()
-    assert queue.lease("b") == items(0)  # re-leased to b
-    queue.complete("a", items(0))  # a's lines landed first
-    assert queue.status().leased == {} and queue.release("b") == []  # b's death gives nothing back
+def test_a_dead_workers_prompts_on_disk_are_done_and_the_rest_go_back_with_their_skips() -> None:
+    queue = PromptQueue(items(*range(5)), skips={(0, 4): [1]})
+    assert queue.lease("a", 3) == items(0, 1, 2)
+    assert queue.skip_samples(items(0, 1, 2, 3, 4)) == {(0, 4): frozenset({1})}
+    # a died: its store holds every line of 0 and 1 (not reported yet), and sample 0 of 2
+    assert queue.release("a", done=items(0, 1), skips={(0, 2): {0}}) == items(2)
+    status = queue.status()
+    assert (status.done, status.pending, status.requeued) == (2, 3, 1)
+    assert queue.lease("b", 5) == items(2, 3, 4)  # 0 and 1 are never leased again
+    assert queue.skip_samples(items(2, 4)) == {(0, 2): frozenset({0}), (0, 4): frozenset({1})}
 
 
 def test_bad_queue_input() -> None:
@@ -156,16 +169,130 @@ def line(p: int, s: int, error: bool = False) -> CompletionLine:
                           error="server down" if error else None)
 
 
-def test_a_resumed_ray_eval_queues_only_prompts_without_a_result_for_every_sample(tmp_path: Path) -> None:
-    cfg = load_config(None, [*BASE, f"eval.save_path={tmp_path}", "eval.ray_workers=2"], EvalConfig)
+def listed(root: Path) -> list[int]:
+    record = ShardRecord.read(root)
+    assert record is not None
+    return sorted(record.samples)
+
+
+def test_a_resumed_ray_eval_queues_from_the_lines_on_disk_with_skips_and_lists_them(tmp_path: Path) -> None:
+    cfg = load_config(None, [*BASE, f"eval.save_path={tmp_path}", "eval.ray_workers=2", "eval.num_tests_per_prompt=2"],
+                      EvalConfig)
     groups = group_configs(cfg)
     a, b = worker_store(tmp_path, None, 0), worker_store(tmp_path, None, 1)
     for root in (a, b):
         root.mkdir(parents=True)
     CompletionStore(a / "completions.jsonl").append([line(0, 0), line(0, 1), line(1, 0), line(1, 1, error=True)])
-    ShardRecord(None, None, 5, {0: 2, 1: 2}, True).write(a)
-    # b: prompt 2 complete, prompt 3's lines on disk but not in shard.json (died before it flushed)
-    CompletionStore(b / "completions.jsonl").append([line(2, 0), line(2, 1), line(3, 0), line(3, 1)])
-    ShardRecord(None, None, 5, {2: 2}, True).write(b)
-    todo, skipped, retried = todo_items(tmp_path, groups, 5)
-    assert todo == items(1, 3, 4) and skipped == 4 and retried == 1
+    ShardRecord(None, None, 6, {0: 2, 1: 2}, True).write(a)
+    # b: prompt 2 complete; prompt 3's lines on disk but not in shard.json (it died before it flushed); of prompt
+    # 5 only sample 0 (a kill cut the group short)
+    CompletionStore(b / "completions.jsonl").append([line(2, 0), line(2, 1), line(3, 0), line(3, 1), line(5, 0)])
+    ShardRecord(None, None, 6, {2: 2}, True).write(b)
+    plan = plan_queue(tmp_path, groups, 6)
+    assert plan.items == items(1, 4, 5)  # 3 is done: never rolled out into a second store
+    assert plan.skips == {(0, 1): frozenset({0}), (0, 5): frozenset({0})}  # the retry appends only the others
+    assert (plan.skipped, plan.retried) == (8, 1)
+    assert listed(a) == [0, 1] and listed(b) == [2, 3]  # every prompt on disk is in its store's shard.json
+    # a retry of prompt 1's error sample landed in b: prompt 1 is done, from two stores
+    CompletionStore(b / "completions.jsonl").append([line(1, 1)])
+    plan = plan_queue(tmp_path, groups, 6)
+    assert plan.items == items(4, 5) and (plan.skipped, plan.retried) == (9, 0)
+    assert listed(b) == [1, 2, 3]
+
+
+def test_a_dead_workers_complete_prompts_are_listed_and_done_the_rest_requeued_with_skips(tmp_path: Path) -> None:
+    cfg = load_config(None, [*BASE, f"eval.save_path={tmp_path}", "eval.ray_workers=2", "eval.num_tests_per_prompt=2"],
+                      EvalConfig)
+    groups = group_configs(cfg)
+    dead = worker_store(tmp_path, None, 1)
+    dead.mkdir(parents=True)
+    queue = PromptQueue(items(*range(6)), skips={(0, 1): {0}})  # sample 0 of prompt 1 is in another store
+    assert queue.lease("worker-1", 4) == items(0, 1, 2, 3)
+    queue.complete("worker-1", items(0))
+    ShardRecord(None, None, 6, {0: 2}, True).write(dead)
+    # it wrote prompt 2 and the retry of prompt 1 (sample 1 only) but died before reporting them, and only
+    # sample 0 of prompt 3 reached the disk
+    CompletionStore(dead / "completions.jsonl").append([line(0, 0), line(0, 1), line(2, 0), line(2, 1), line(1, 1),
+                                                         line(3, 0)])
+    settled = settle_dead_worker(tmp_path, groups, 1, 6, {(0, 1): frozenset({0})})
+    assert settled.done == items(0, 1, 2) and settled.recovered == items(1, 2)
+    assert settled.skips == {(0, 3): frozenset({0})}
+    assert listed(dead) == [0, 1, 2]
+    assert queue.release("worker-1", settled.done, settled.skips) == items(3)  # only what the store lacks
+    assert queue.lease("worker-0", 6) == items(3, 4, 5) and queue.skip_samples(items(3)) == {(0, 3): frozenset({0})}
+    never = settle_dead_worker(tmp_path, groups, 7, 6, {})  # a worker that never opened its store
+    assert never == DeadWorker([], [], {}) and not worker_store(tmp_path, None, 7).exists()
+    early = worker_store(tmp_path, None, 2)  # one that died after writing its config, before its shard.json
+    early.mkdir()
+    (early / "config.yaml").write_text("{}")
+    assert settle_dead_worker(tmp_path, groups, 2, 6, {}) == DeadWorker([], [], {})
+    assert ShardRecord.read(early) is None  # without its dataset fingerprint the merge must refuse it: left as is
+    (early / "dataset_fingerprint.json").write_text("{}")
+    assert settle_dead_worker(tmp_path, groups, 2, 6, {}) == DeadWorker([], [], {})
+    assert listed(early) == []  # an empty store, not one the merge calls unstarted
+
+
+class Local:
+    """A PromptQueue called the way a Ray actor's handle is (`await queue.lease.remote(...)`), in this process."""
+
+    def __init__(self, queue: PromptQueue) -> None:
+        self.queue = queue
+
+    def __getattr__(self, name: str) -> SimpleNamespace:
+        method = getattr(self.queue, name)
+
+        async def remote(*args: Any) -> Any:
+            return method(*args)
+
+        return SimpleNamespace(remote=remote)
+
+
+async def run_worker(k: int, cfg: EvalConfig, reply: Any, queue: PromptQueue, tok: Any) -> Path:
+    """Worker k (no Ray: its `run` in this process) over `queue` into its store."""
+    root = worker_store(Path(cfg.eval.save_path), None, k)
+    worker = EvalWorker(f"worker-{k}", cfg, engine_factory=lambda: ScriptedGeneration(tok, reply), torch_threads=None)
+    try:
+        await worker.run([(cfg, str(root))], Local(queue), 1)
+    finally:
+        await worker.shutdown()
+    return root
+
+
+def keys_of(root: Path) -> list[tuple[int, int]]:
+    return [(x["prompt_idx"], x["sample_idx"]) for x in map(json.loads, (root / "completions.jsonl").read_text().splitlines())]
+
+
+async def test_a_retried_prompt_appends_only_the_samples_no_store_has_and_the_merge_takes_the_union(
+    tiny_model_and_tokenizer, tmp_path: Path
+) -> None:
+    _, tok = tiny_model_and_tokenizer
+
+    def cfg(save: Path) -> EvalConfig:
+        return load_config(None, [f"eval.save_path={save}", f"eval.dataset_path={REPO / 'examples/data/arithmetic.jsonl'}",
+                                  "eval.num_prompts=3", "eval.num_tests_per_prompt=2", "policy.generation.seed=0",
+                                  "eval.ray_workers=2", "policy.model_name=unused"], EvalConfig)
+
+    def reply(request) -> str:
+        return str(request.config.seed % 7)
+
+    def flaky(request) -> str:  # sample 1 of prompt 1 fails
+        if request.config.seed == rollout_seed(0, 1, 1, 0):
+            raise RuntimeError("engine down")
+        return reply(request)
+
+    run = tmp_path / "run"
+    first = await run_worker(0, cfg(run), flaky, PromptQueue(items(0, 1, 2)), tok)
+    assert keys_of(first) == [(p, s) for p in range(3) for s in range(2)] and listed(first) == [0, 1, 2]
+    plan = plan_queue(run, group_configs(cfg(run)), 3)
+    assert plan.items == items(1) and plan.skips == {(0, 1): frozenset({0})} and plan.retried == 1
+    retry = await run_worker(1, cfg(run), reply, PromptQueue(plan.items, skips=plan.skips), tok)
+    assert keys_of(retry) == [(1, 1)] and listed(retry) == [1]  # not sample 0: the first store has its result
+    merged = merge_run(run)
+    assert merged.summary.num_errors == 0 and merged.summary.num_completions == 6
+    clean = await run_worker(0, cfg(tmp_path / "clean"), reply, PromptQueue(items(0, 1, 2)), tok)
+    merge_run(tmp_path / "clean")
+    assert (run / "completions.jsonl").read_bytes() == (tmp_path / "clean" / "completions.jsonl").read_bytes()
+    assert keys_of(clean) == keys_of(run)
+    timings = [json.loads(x) for x in (run / "timings.jsonl").read_text().splitlines()]
+    assert [(t["prompt_idx"], t["sample_idx"]) for t in timings] == keys_of(run)  # the retry's, not the error's
+    assert merged.summary.profile.overall.latency_s.num_samples == 6

@@ -1,0 +1,142 @@
+"""Opening an eval store for rolling out, the one setup that a run, a shard job and a Ray worker share.
+
+    checked = check_store(cfg, root)                  # before any engine is built: a changed config fails fast
+    opened = await open_store(checked, generation, shard=cfg.eval.shard_spec)
+    # opened.datums, opened.expected, opened.manager (the caller shuts it down), opened.store
+
+`check_store` cuts a torn last line, refuses a resume with a config or dataset rows that changed, loads the rows
+and records config.yaml and dataset_fingerprint.json. `open_store` builds the datums and the `RolloutManager`
+(`experience.build.build_rollouts`), preflights every row, keeps a shard's own datums (dataset indices kept),
+and pins the rows the manager sends (nemo_gym: gym_rows.jsonl; nothing in native mode). Neither branches on
+the rollout mode: the manager answers for its implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_rl_ext.config import dump_config
+from nemo_rl_ext.data.datasets import load_jsonl
+from nemo_rl_ext.data.records import DatumSpec
+from nemo_rl_ext.evals.config import EvalConfig, dataset_file
+from nemo_rl_ext.evals.gym_eval import prepare_rows
+from nemo_rl_ext.evals.shards import ShardSpec
+from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, check_dataset, check_resumable, row_digests
+from nemo_rl_ext.experience.build import build_rollouts
+from nemo_rl_ext.experience.rollout_manager import RolloutManager
+from nemo_rl_ext.models.generation.interfaces import GenerationInterface
+
+
+def load_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
+    """The dataset rows the eval evaluates: the first `eval.num_prompts` rows of `eval.dataset_path`."""
+    # a Gym row's agent may come from gym.agent_name: gym_datums names the rows that have none
+    gym = cfg.rollouts.mode == "nemo_gym"
+    required = ("responses_create_params",) if gym else ("question", "answer")
+    return load_jsonl(dataset_file(cfg), required=required)[: cfg.eval.num_prompts]
+
+
+def build_rollout_setup(
+    cfg: EvalConfig, generation: GenerationInterface, rows: Sequence[dict[str, Any]] | None = None
+) -> tuple[list[DatumSpec], RolloutManager]:
+    """The datums and the RolloutManager of `cfg.rollouts` (`experience.build.build_rollouts`).
+
+    `rows`: the rows to evaluate (default: `load_rows(cfg)`)."""
+    rows = load_rows(cfg) if rows is None else rows
+    return build_rollouts(
+        cfg.rollouts,
+        generation.tokenizer,
+        generation,
+        rows,
+        generation_config=cfg.policy.generation,
+        cluster=cfg.policy.cluster,
+    )
+
+
+@dataclass(frozen=True)
+class CheckedStore:
+    """A store whose files agree with the config (`check_store`)."""
+
+    cfg: EvalConfig
+    """The config it runs (as config.yaml records it)."""
+    paths: EvalPaths
+    """Its files."""
+    store: CompletionStore
+    """Its completions (a torn last line cut off)."""
+    resuming: bool
+    """True when it already held completions."""
+    rows: list[dict[str, Any]]
+    """The selected dataset rows."""
+
+
+def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
+    """Open (or resume) the store `root` for `cfg`: cut a torn last line; when it holds completions, refuse a
+    config that changed a key that changes completions, or dataset rows that changed (ConfigError); then
+    record config.yaml and the dataset fingerprint."""
+    paths = EvalPaths(root)
+    store = CompletionStore(paths.completions)  # ConfigError on a garbage line
+    if store.torn_bytes:
+        print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
+    resuming = paths.completions.exists() and paths.completions.stat().st_size > 0
+    if resuming:
+        check_resumable(
+            paths.config,
+            cfg.model_dump(mode="json"),
+            lambda saved: EvalConfig.model_validate(saved).model_dump(mode="json"),
+            cfg.key_as_written,
+        )
+    rows = load_rows(cfg)
+    paths.root.mkdir(parents=True, exist_ok=True)  # then at once its two files (a store without them is refused)
+    check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
+    paths.config.write_text(dump_config(cfg))
+    return CheckedStore(cfg, paths, store, resuming, rows)
+
+
+@dataclass(frozen=True)
+class OpenStore:
+    """A store ready for rolling out (`open_store`)."""
+
+    checked: CheckedStore
+    """Its files and rows."""
+    datums: list[DatumSpec]
+    """The datums it rolls out (a shard's own), with their dataset indices."""
+    expected: dict[int, int]
+    """prompt_idx -> samples it needs (its agent's count), for each of `datums`."""
+    manager: RolloutManager
+    """The manager that rolls them out (the caller shuts it down)."""
+
+    @property
+    def paths(self) -> EvalPaths:
+        """The store's files."""
+        return self.checked.paths
+
+    @property
+    def store(self) -> CompletionStore:
+        """The store's completions."""
+        return self.checked.store
+
+
+async def open_store(
+    checked: CheckedStore,
+    generation: GenerationInterface,
+    *,
+    shard: ShardSpec | None = None,
+    build_cfg: EvalConfig | None = None,
+) -> OpenStore:
+    """Build the datums and the manager of `checked`'s config over `generation` (`build_cfg`: the config to build
+    from instead, e.g. a Ray worker's own Gym folder), preflight every row (also in a shard: each shard reports
+    the same missing counts), keep the datums `shard` owns, and pin the rows the manager sends (gym_eval.py).
+    The manager is shut down when any of this fails."""
+    datums, manager = build_rollout_setup(build_cfg or checked.cfg, generation, checked.rows)
+    try:
+        manager.preflight(datums)
+        if shard is not None:  # the datums keep their dataset index: seeds and the merge key depend on it
+            datums = [d for d in datums if shard.owns(d.idx)]
+        expected = {d.idx: manager.counts.for_agent(d.agent) for d in datums}
+        prepare_rows(manager, datums, expected, checked.paths.root, checked.resuming)  # before the first is sent
+    except BaseException:
+        await manager.shutdown()
+        raise
+    return OpenStore(checked, datums, expected, manager)
