@@ -19,23 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_ext.config import dump_config
-from nemo_rl_ext.data.datasets import load_jsonl
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.evals.config import EvalConfig, dataset_file
 from nemo_rl_ext.evals.gym_eval import prepare_rows
 from nemo_rl_ext.evals.shards import ShardSpec
 from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, check_dataset, check_resumable, row_digests
-from nemo_rl_ext.experience.build import build_rollouts
+from nemo_rl_ext.experience.build import build_rollouts, load_rollout_rows
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
 
 def load_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
     """The dataset rows the eval evaluates: the first `eval.num_prompts` rows of `eval.dataset_path`."""
-    # a Gym row's agent may come from gym.agent_name: gym_datums names the rows that have none
-    gym = cfg.rollouts.mode == "nemo_gym"
-    required = ("responses_create_params",) if gym else ("question", "answer")
-    return load_jsonl(dataset_file(cfg), required=required)[: cfg.eval.num_prompts]
+    return load_rollout_rows(cfg.rollouts, dataset_file(cfg))[: cfg.eval.num_prompts]
 
 
 def build_rollout_setup(
