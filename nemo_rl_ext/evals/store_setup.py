@@ -67,14 +67,9 @@ class CheckedStore:
     """The selected dataset rows."""
 
 
-def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
-    """Open (or resume) the store `root` for `cfg`: cut a torn last line; when it holds completions, refuse a
-    config that changed a key that changes completions, or dataset rows that changed (ConfigError); then
-    record config.yaml and the dataset fingerprint."""
-    paths = EvalPaths(root)
-    store = CompletionStore(paths.completions)  # ConfigError on a garbage line
-    if store.torn_bytes:
-        print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
+def check_store_config(cfg: EvalConfig, paths: EvalPaths) -> bool:
+    """Whether the store `paths` holds completions; if so, refuse (ConfigError) a `cfg` that changed a key that
+    changes completions against its config.yaml."""
     resuming = paths.completions.exists() and paths.completions.stat().st_size > 0
     if resuming:
         check_resumable(
@@ -83,6 +78,18 @@ def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
             lambda saved: EvalConfig.model_validate(saved).model_dump(mode="json"),
             cfg.key_as_written,
         )
+    return resuming
+
+
+def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
+    """Open (or resume) the store `root` for `cfg`: cut a torn last line; when it holds completions, refuse a
+    config that changed a key that changes completions, or dataset rows that changed (ConfigError); then
+    record config.yaml and the dataset fingerprint."""
+    paths = EvalPaths(root)
+    store = CompletionStore(paths.completions)  # ConfigError on a garbage line
+    if store.torn_bytes:
+        print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
+    resuming = check_store_config(cfg, paths)
     rows = load_rows(cfg)
     paths.root.mkdir(parents=True, exist_ok=True)  # then at once its two files (a store without them is refused)
     check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
