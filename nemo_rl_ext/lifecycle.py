@@ -143,8 +143,10 @@ class graceful_stop:  # noqa: N801 (a context manager, like contextlib's)
         return self
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
+        if self.requested:  # as a second SIGTERM: a KeyboardInterrupt would unwind into a step still running
+            print(f"{self.name}: second SIGINT, stopping at once", file=sys.stderr, flush=True)
+            force_stop()
+            os._exit(128 + signum)
         self.request(signum)
 
     def request(self, signum: int) -> None:

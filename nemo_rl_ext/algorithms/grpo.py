@@ -70,13 +70,12 @@ from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.stopping import LoopStop, Stopped
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
-from nemo_rl_ext.cluster import RoutedGeneration, loads_model_folder
+from nemo_rl_ext.cluster import loads_model_folder
 from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
-from nemo_rl_ext.data.datasets import load_jsonl
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
-from nemo_rl_ext.experience.build import build_policy, build_rollouts, make_datums
+from nemo_rl_ext.experience.build import build_policy, build_rollouts, load_rollout_rows, make_datums
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, InFlightPolicy
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
@@ -95,13 +94,6 @@ def rollout_generation_config(cfg: GRPOConfig) -> GenerationConfig:
     """The sampling parameters of every rollout: `policy.generation` seeded by its own seed, else `grpo.seed`."""
     seed = cfg.policy.generation.seed if cfg.policy.generation.seed is not None else cfg.grpo.seed
     return cfg.policy.generation.model_copy(update={"seed": seed})
-
-
-def load_rows(cfg: GRPOConfig, path: Path) -> list[dict[str, Any]]:
-    """The rows of `path`: Gym rows in nemo_gym mode, else rows with the question and answer keys."""
-    if cfg.rollouts.mode == "nemo_gym":
-        return load_jsonl(path)
-    return load_jsonl(path, required=(cfg.data.question_key, cfg.data.answer_key))
 
 
 def weight_by_loss_multiplier(batch: TrainingBatch, records: Sequence[PromptGroupRecord]) -> TrainingBatch:
@@ -145,7 +137,7 @@ class GRPO:
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
         raise_problems(
-            input_problems(cfg, train=train_datums is None, val=val_datums is None, env=task_to_env is None),
+            input_problems(cfg, train=train_datums is None, val=val_datums is None),
             "the GRPO run's inputs",
         )
         checkpoint = self._checkpoint_to_resume()
@@ -175,7 +167,7 @@ class GRPO:
         )
 
         keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
-        train_rows = load_rows(cfg, cfg.data.train_path) if train_datums is None else ()
+        train_rows = load_rollout_rows(cfg.rollouts, cfg.data.train_path, **keys) if train_datums is None else ()
         datums, self.manager = build_rollouts(
             cfg.rollouts,
             self.tokenizer,
@@ -191,7 +183,8 @@ class GRPO:
         if val_datums is None:
             validates = cfg.grpo.val_period > 0 or cfg.grpo.val_at_start
             val_path = cfg.data.val_path or cfg.data.train_path
-            val_rows = load_rows(cfg, val_path)[: cfg.validation.num_prompts] if validates else []
+            val_rows = load_rollout_rows(cfg.rollouts, val_path, **keys) if validates else []
+            val_rows = val_rows[: cfg.validation.num_prompts]
             val_datums = make_datums(cfg.rollouts, self.tokenizer, val_rows, **keys)
         self.val_datums = list(val_datums)[: cfg.validation.num_prompts]
         self.manager.preflight(train)
@@ -219,7 +212,7 @@ class GRPO:
     @property
     def task_to_env(self) -> Mapping[str, EnvironmentInterface] | None:
         """The environments of native rollouts (the given ones, or the one the manager built and owns)."""
-        return getattr(self.manager.impl, "task_to_env", None)
+        return self.manager.task_to_env
 
     # ---- set-up helpers -------------------------------------------------------------------------
 
@@ -320,9 +313,7 @@ class GRPO:
             metrics["train/optimizer_steps"] = 0.0
 
     def _cluster_metrics(self, metrics: dict[str, float]) -> None:
-        if isinstance(self.generation.inner, RoutedGeneration):  # a Ray pool: per-replica counters
-            metrics.update(self.generation.inner.metrics())
-            metrics["cluster/weight_version"] = float(self.generation.inner.weight_version)
+        metrics.update(self.generation.metrics())  # a Ray pool: per-replica counters (cluster/...)
 
     def validate(self) -> dict[str, float]:
         """Roll out the validation prompts with the current weights; eval metrics under `val/`."""
@@ -459,7 +450,7 @@ class GRPO:
         collector = AsyncCollector(
             self.manager, self.train_data, knobs, per_step=settings.num_prompts_per_step, version=self.step,
             offset=self.step - self.generation.weight_version, salt_prefix=TRAIN_SALT,
-            dynamic=settings.dynamic_sampling, measures_tokens=self.cfg.rollouts.mode == "native",
+            dynamic=settings.dynamic_sampling, measures_tokens=self.manager.records_token_versions,
         )
         self.generation.salt = (TRAIN_SALT, self.step + 1, 0)  # requests outside a group's scope (nemo_gym)
         loop = asyncio.get_running_loop()

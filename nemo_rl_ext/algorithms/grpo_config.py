@@ -296,37 +296,28 @@ class GRPOConfig(CheckedConfig):
         return problems
 
 
-def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True, env: bool = True) -> list[str]:
+def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True) -> list[str]:
     """What a run of `cfg` would stop on once its model is loaded, found without loading it: the model folder,
-    the training (`train`) and validation (`val`) files and their agents' counts, and (`env`, native mode) the
-    environment name. Switch a check off when the run is given that input directly."""
-    from nemo_rl_ext.environments import available_environments
-    from nemo_rl_ext.experience.input_checks import dataset_problems
+    the Gym configs it launches, the training (`train`) and validation (`val`) files and their agents' counts.
+    Switch a file's check off when the run is given its datums directly. (An unknown environment name is a
+    config error already: `experience.config` validates it.)"""
+    from nemo_rl_ext.experience.input_checks import dataset_problems, rollouts_problems
 
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
-    native = cfg.rollouts.mode == "native"
-    env_name = cfg.rollouts.env.resolved_name
-    if env and native and env_name not in available_environments():
-        known = ", ".join(available_environments())
-        problems.append(f"{cfg.key_as_written('rollouts.env.name')}: unknown environment {env_name!r}; known: {known}")
-    common = dict(
-        gym_rows=not native,
-        gym_agent_name=cfg.rollouts.gym.agent_name if cfg.rollouts.gym is not None else None,
-        task_name=env_name,
-        required=(cfg.data.question_key, cfg.data.answer_key),
-    )
+    problems += rollouts_problems(cfg.rollouts)
+    keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
     if train:
         problems += dataset_problems(
-            "data.train_path", cfg.data.train_path, counts=cfg.rollouts.num_generations_per_prompt,
-            counts_key=cfg.key_as_written("rollouts.num_generations_per_prompt"), **common,
+            "data.train_path", cfg.data.train_path, cfg.rollouts, counts=cfg.rollouts.num_generations_per_prompt,
+            counts_key=cfg.key_as_written("rollouts.num_generations_per_prompt"), **keys,
         )
     if val and (cfg.grpo.val_period > 0 or cfg.grpo.val_at_start) and cfg.data.val_path is not None:
         val_counts = cfg.validation.num_generations_per_prompt
         problems += dataset_problems(
-            "data.val_path", cfg.data.val_path, limit=cfg.validation.num_prompts,
+            "data.val_path", cfg.data.val_path, cfg.rollouts, limit=cfg.validation.num_prompts,
             counts=val_counts if val_counts is not None else cfg.rollouts.num_generations_per_prompt,
             counts_key="validation.num_generations_per_prompt" if val_counts is not None
             else cfg.key_as_written("rollouts.num_generations_per_prompt"),
-            **common,
+            **keys,
         )
     return problems

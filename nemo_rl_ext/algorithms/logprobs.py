@@ -52,19 +52,12 @@ def _states(module: torch.nn.Module, **inputs: Any) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
 
 
-def _score(
-    states: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    input_ids: torch.Tensor,
-    scored: torch.Tensor,
-    temperature: float,
+def _picked(
+    rows: torch.Tensor, targets: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], temperature: float
 ) -> torch.Tensor:
-    """[B, T] logprobs of `input_ids[:, 1:][scored]` from the states before them, 0 elsewhere (see token_logprobs)."""
-    batch, width = input_ids.shape
-    out = torch.zeros(batch, width, dtype=torch.float32, device=input_ids.device)
-    rows = states[:, :-1][scored]  # [N, D]: the states whose next token is scored
-    targets = input_ids[:, 1:][scored]
-    vocab = int(getattr(head, "out_features", states.shape[-1]))
+    """[N] float32 logprob of `targets[i]` under `log_softmax(head(rows[i]) / temperature)`: the head and the
+    log-softmax run in chunks of `LOGSOFTMAX_CHUNK_ELEMENTS` logits."""
+    vocab = int(getattr(head, "out_features", rows.shape[-1]))
     step = max(1, LOGSOFTMAX_CHUNK_ELEMENTS // vocab)
     picked = []
     for lo in range(0, rows.shape[0], step):
@@ -72,8 +65,7 @@ def _score(
         if temperature != 1.0:  # x / 1.0 == x exactly: skip a pass over the logits
             logits = logits / temperature
         picked.append(torch.log_softmax(logits, dim=-1).gather(-1, targets[lo : lo + step, None])[:, 0])
-    values = torch.cat(picked)
-    return torch.cat([out[:, :1], out[:, 1:].masked_scatter(scored, values)], dim=1)
+    return torch.cat(picked)
 
 
 def token_logprobs(
@@ -101,59 +93,58 @@ def token_logprobs(
         return torch.zeros(batch, width, dtype=torch.float32, device=input_ids.device)
     module, head = _decoder_and_head(model)
     states = _states(module, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return _score(states, head, input_ids, scored, temperature)
+    values = _picked(states[:, :-1][scored], input_ids[:, 1:][scored], head, temperature)  # the states before
+    out = torch.zeros(batch, width, dtype=torch.float32, device=input_ids.device)
+    return torch.cat([out[:, :1], out[:, 1:].masked_scatter(scored, values)], dim=1)
 
 
 def shared_prefix_logprobs(
     model: PreTrainedModel,
-    sequences: Sequence[torch.Tensor],
-    score_masks: Sequence[torch.Tensor],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
     temperature: float = 1.0,
-    pad_token_id: int = 0,
+    score_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """`token_logprobs` of the right-padded `sequences` ([B, T], 0 outside the scored tokens), computing each
-    distinct unscored prefix once; None when no two sequences share one (nothing to save).
+    """`token_logprobs` of right-padded sequences ([B, T], 0 outside the scored tokens), computing each distinct
+    unscored prefix once; None when no two sequences share one (nothing to save).
 
     A sequence's prefix is every token before its first scored one. The decoder runs over the distinct
     prefixes (right-padded), the KV cache is copied to each sequence of a prefix, and the rest of every
     sequence runs on top of its copy with its own positions; padding between a short prefix and its rest
-    is masked out. A sequence with nothing to score is not run (its row is 0). The values equal
-    `token_logprobs` over the full sequences up to float rounding (different matmul shapes), and so do
-    the gradients, which flow through the cache copies into the shared prefix pass.
+    is masked out. The head scores a sequence's first scored token from its prefix's last state, the others
+    from the rest's states. A sequence with nothing to score is not run (its row is 0). The values equal
+    `token_logprobs` up to float rounding (different matmul shapes), and so do the gradients, which flow
+    through the cache copies into the shared prefix pass. `attention_mask` must be 1 on a prefix of each row
+    (right padding); `score_mask` None scores every position from 1 on (then nothing is shared).
     """
-    if len(sequences) != len(score_masks):
-        raise ValueError(f"{len(sequences)} sequences but {len(score_masks)} score masks")
     temperature = temperature if temperature > 0 else 1.0
-    device = next(model.parameters()).device
-    width = max(int(s.numel()) for s in sequences)
-    starts: list[int | None] = []
-    for mask in score_masks:
-        hits = torch.nonzero(mask[1:] != 0)
-        starts.append(int(hits[0, 0]) + 1 if hits.numel() else None)  # the first scored token's index
+    batch, width = input_ids.shape
+    if score_mask is None or width < 2:
+        return None
+    lengths = attention_mask.sum(dim=1).tolist()
+    scored_rows = score_mask[:, 1:] != 0
+    hits = scored_rows.any(dim=1).tolist()
+    starts = (scored_rows.int().argmax(dim=1) + 1).tolist()  # each row's first scored token
     prefixes: dict[tuple[int, ...], int] = {}
-    active: list[int] = []
-    group_of: list[int] = []
-    for b, start in enumerate(starts):
-        if start is None:
-            continue
-        key = tuple(sequences[b][:start].tolist())
-        group_of.append(prefixes.setdefault(key, len(prefixes)))
-        active.append(b)
+    active = [b for b in range(batch) if hits[b]]
+    group_of = [prefixes.setdefault(tuple(input_ids[b, : starts[b]].tolist()), len(prefixes)) for b in active]
     if len(prefixes) == len(active):
         return None
+    device = input_ids.device
     module, head = _decoder_and_head(model)
-    lengths = [len(k) for k in prefixes]
-    prefix_ids = _right_pad([torch.tensor(k, dtype=torch.int64) for k in prefixes], pad_token_id).to(device)
-    prefix_mask = _right_pad([torch.ones(n, dtype=torch.int64) for n in lengths], 0).to(device)
+    prefix_lengths = [len(k) for k in prefixes]
+    prefix_ids = right_pad([torch.tensor(k, dtype=torch.int64, device=device) for k in prefixes], 0)
+    prefix_mask = right_pad([torch.ones(n, dtype=torch.int64, device=device) for n in prefix_lengths], 0)
     cache, cache_kwarg = DynamicCache(), _cache_kwarg(module)
     prefix_states = _states(module, input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True,
                             **{cache_kwarg: cache})
+    if cache.get_seq_length() != prefix_ids.shape[1]:  # the model kept no cache (e.g. gradient checkpointing)
+        return None
     index = torch.tensor(group_of, dtype=torch.int64, device=device)
     cache.batch_select_indices(index)  # each sequence continues from its own (autograd-linked) copy
-    rests = [sequences[b][starts[b] :].to(torch.int64) for b in active]
-    rest_ids = _right_pad(rests, pad_token_id).to(device)
-    rest_mask = _right_pad([torch.ones(r.numel(), dtype=torch.int64) for r in rests], 0).to(device)
-    offsets = torch.tensor([lengths[g] for g in group_of], dtype=torch.int64, device=device)
+    rest_ids = right_pad([input_ids[b, starts[b] : lengths[b]] for b in active], 0)  # padding: masked out below
+    rest_mask = right_pad([attention_mask[b, starts[b] : lengths[b]] for b in active], 0)
+    offsets = torch.tensor([prefix_lengths[g] for g in group_of], dtype=torch.int64, device=device)
     rest_states = _states(
         module,
         input_ids=rest_ids,
@@ -162,14 +153,19 @@ def shared_prefix_logprobs(
         use_cache=True,
         **{cache_kwarg: cache},
     )
-    rows = [prefix_states.new_zeros(width, prefix_states.shape[-1]) for _ in sequences]
+    rows, targets, where_b, where_t = [], [], [], []
     for a, b in enumerate(active):
-        start, n = starts[b], int(sequences[b].numel())
-        row = torch.cat([prefix_states[group_of[a], :start], rest_states[a, : n - start]])
-        rows[b] = torch.nn.functional.pad(row, (0, 0, 0, width - n))
-    ids = _right_pad([s.to(torch.int64) for s in sequences], pad_token_id).to(device)
-    scored = _right_pad([m != 0 for m in score_masks], False).to(device)[:, 1:]
-    return _score(torch.stack(rows), head, ids, scored, temperature)
+        start, n = starts[b], lengths[b]
+        keep = scored_rows[b, start - 1 : n - 1]  # tokens start .. n-1
+        before = torch.cat([prefix_states[group_of[a], start - 1 : start], rest_states[a, : n - start - 1]])
+        rows.append(before[keep])
+        targets.append(input_ids[b, start:n][keep])
+        t = torch.arange(start, n, device=device)[keep]
+        where_t.append(t)
+        where_b.append(torch.full_like(t, b))
+    values = _picked(torch.cat(rows), torch.cat(targets), head, temperature)
+    out = torch.zeros(batch, width, dtype=torch.float32, device=device)
+    return out.index_put((torch.cat(where_b), torch.cat(where_t)), values)
 
 
 def _cache_kwarg(module: torch.nn.Module) -> str:
@@ -177,10 +173,11 @@ def _cache_kwarg(module: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-def _right_pad(rows: Sequence[torch.Tensor], value: Any) -> torch.Tensor:
-    """[len(rows), longest] with each row at the left, `value` after it."""
+def right_pad(rows: Sequence[torch.Tensor], value: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[len(rows), longest] with each 1-D row at the left and `value` after it, on the rows' device (`dtype`:
+    the rows' by default)."""
     width = max(int(r.numel()) for r in rows)
-    out = torch.full((len(rows), width), value, dtype=rows[0].dtype)
+    out = torch.full((len(rows), width), value, dtype=dtype or rows[0].dtype, device=rows[0].device)
     for b, r in enumerate(rows):
         out[b, : r.numel()] = r
     return out

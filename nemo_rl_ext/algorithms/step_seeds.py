@@ -86,6 +86,9 @@ class SaltedGeneration(GenerationInterface):
     def weight_version(self) -> int:
         return self.inner.weight_version
 
+    def metrics(self) -> dict[str, float]:
+        return self.inner.metrics()
+
     def shutdown(self) -> None:
         self.inner.shutdown()
 

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
-from nemo_rl_ext.algorithms.logprobs import shared_prefix_logprobs, token_logprobs
+from nemo_rl_ext.algorithms.logprobs import right_pad, shared_prefix_logprobs, token_logprobs
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
 
 _MEAN_METRICS = (
@@ -35,14 +35,6 @@ _MEAN_METRICS = (
 )
 _MAX_METRICS = ("policy_ratio/max", "importance_ratio/max")
 _SUM_METRICS = ("loss", "loss/pg", "loss/kl", "num_tokens", "num_sequences")
-
-
-def _pad(rows: Sequence[torch.Tensor], value: float | int, dtype: torch.dtype) -> torch.Tensor:
-    width = max(int(r.numel()) for r in rows)
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for b, r in enumerate(rows):
-        out[b, : r.numel()] = r
-    return out
 
 
 class _MetricSums:
@@ -109,10 +101,10 @@ class PolicyTrainer:
 
     def _batch(self, items: Sequence[CompletionTensors]) -> tuple[torch.Tensor, ...]:
         """(input ids, attention mask, loss mask, generation logprobs), right-padded, on the device."""
-        ids = _pad([x.token_ids for x in items], self.pad_token_id, torch.int64)
-        attention = _pad([torch.ones_like(x.token_ids) for x in items], 0, torch.int64)
-        mask = _pad([x.loss_mask for x in items], 0.0, torch.float32)
-        gen = _pad([x.generation_logprobs for x in items], 0.0, torch.float32)
+        ids = right_pad([x.token_ids for x in items], self.pad_token_id, torch.int64)
+        attention = right_pad([torch.ones_like(x.token_ids) for x in items], 0, torch.int64)
+        mask = right_pad([x.loss_mask for x in items], 0.0, torch.float32)
+        gen = right_pad([x.generation_logprobs for x in items], 0.0, torch.float32)
         return tuple(t.to(self.device) for t in (ids, attention, mask, gen))
 
     @torch.no_grad()
@@ -129,7 +121,7 @@ class PolicyTrainer:
             for start in range(0, len(items), self.settings.micro_batch_size):
                 chunk = items[start : start + self.settings.micro_batch_size]
                 ids, attention, mask, _ = self._batch(chunk)
-                lp = self._token_logprobs(model, chunk, ids, attention, mask).cpu()
+                lp = self._token_logprobs(model, ids, attention, mask).cpu()
                 out.extend(lp[b, : x.token_ids.numel()] for b, x in enumerate(chunk))
         model.train(was_training)
         return out
@@ -190,9 +182,9 @@ class PolicyTrainer:
         for start in range(indices.start, indices.stop, size):
             chunk = list(range(start, min(start + size, indices.stop)))
             ids, attention, mask, gen = self._batch([items[i] for i in chunk])
-            logprobs = self._token_logprobs(self.model, [items[i] for i in chunk], ids, attention, mask)
-            old_lp = _pad([old[i] for i in chunk], 0.0, torch.float32).to(self.device) if old else logprobs.detach()
-            ref_lp = _pad([ref[i] for i in chunk], 0.0, torch.float32).to(self.device) if ref else None
+            logprobs = self._token_logprobs(self.model, ids, attention, mask)
+            old_lp = right_pad([old[i] for i in chunk], 0.0, torch.float32).to(self.device) if old else logprobs.detach()
+            ref_lp = right_pad([ref[i] for i in chunk], 0.0, torch.float32).to(self.device) if ref else None
             loss, metrics = clipped_pg_loss(
                 logprobs,
                 old_lp,
@@ -219,20 +211,12 @@ class PolicyTrainer:
         return norm
 
     def _token_logprobs(
-        self,
-        model: PreTrainedModel,
-        items: Sequence[CompletionTensors],
-        ids: torch.Tensor,
-        attention: torch.Tensor,
-        mask: torch.Tensor,
+        self, model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """[B, T] logprobs of a micro-batch on its loss mask (`_batch`'s padded tensors of `items`): each
-        shared prompt computed once with `optimizer.share_prompt_prefix`, else a forward over every token."""
+        """[B, T] logprobs of a micro-batch on its loss mask (`_batch`'s right-padded tensors): each shared
+        prompt computed once with `optimizer.share_prompt_prefix`, else a forward over every token."""
         if self.settings.share_prompt_prefix:
-            shared = shared_prefix_logprobs(
-                model, [x.token_ids for x in items], [x.loss_mask for x in items], self.temperature,
-                self.pad_token_id,
-            )
+            shared = shared_prefix_logprobs(model, ids, attention, self.temperature, score_mask=mask)
             if shared is not None:
                 return shared
         return token_logprobs(model, ids, attention, self.temperature, score_mask=mask)

@@ -361,7 +361,8 @@ class RoutedGeneration(GenerationInterface):
     # ---- metrics ------------------------------------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
-        """Flat per-replica counters (`cluster/replica/<i>/...`) and the pool's totals (`cluster/...`)."""
+        """Flat per-replica counters (`cluster/replica/<i>/...`), the pool's totals (`cluster/...`) and the
+        version every replica serves (`cluster/weight_version`)."""
         out: dict[str, float] = {}
         with self._lock:
             for r in self._replicas:
@@ -379,6 +380,7 @@ class RoutedGeneration(GenerationInterface):
                 out[f"cluster/{name}"] = float(sum(getattr(r, name) for r in self._replicas))
             out["cluster/replicas_live"] = float(sum(not r.removed for r in self._replicas))
             out["cluster/in_flight_spread/max"] = float(self._spread_max)
+        out["cluster/weight_version"] = float(self.weight_version)
         return out
 
     def session_replica(self, session: Hashable) -> int | None:

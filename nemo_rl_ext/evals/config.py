@@ -343,25 +343,17 @@ def _gym_worker_problems(data: Mapping[str, Any], workers: int) -> list[RuleProb
 def input_problems(cfg: EvalConfig) -> list[str]:
     """What a run of `cfg` would stop on once its model is loaded, found without loading it: a missing model
     folder, a missing or unreadable dataset, rows whose agent has no count in `num_generations_per_prompt`."""
-    from nemo_rl_ext.experience.input_checks import dataset_problems
+    from nemo_rl_ext.experience.input_checks import dataset_problems, rollouts_problems
 
-    ro = cfg.rollouts
-    gym = ro.gym if ro.mode == "nemo_gym" else None
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
-    if gym is not None and gym.launch is not None:
-        from nemo_rl_ext.gym.launcher import missing_config_paths
-
-        problems += missing_config_paths(gym.launch)
+    problems += rollouts_problems(cfg.rollouts)
     problems += dataset_problems(
         "eval.dataset_path",
         dataset_file(cfg),
-        gym_rows=ro.mode == "nemo_gym",
-        task_name=ro.env.resolved_name,
-        required=("question", "answer"),
-        counts=ro.num_generations_per_prompt,
+        cfg.rollouts,
+        counts=cfg.rollouts.num_generations_per_prompt,
         counts_key=cfg.key_as_written("rollouts.num_generations_per_prompt"),
         limit=cfg.eval.num_prompts,
-        gym_agent_name=gym.agent_name if gym is not None else None,
     )
     return problems
 

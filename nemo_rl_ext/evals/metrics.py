@@ -268,7 +268,7 @@ BUILTIN_METRICS: tuple[MetricDef, ...] = (
 
 _RESERVED = frozenset({"num_prompts", "num_samples", "num_errors", "num_prompts_short", "error_rate",
                        "truncation_rate", "mean_turns", "generated_tokens", "latency_s", "difficulty",
-                       "num_prompts_unscored"})
+                       "num_prompts_unscored", "metrics"})
 """Count keys that aggregation writes itself, and the reward profile's own keys (profile.py `TaskProfile`): no
 metric may take their names."""
 

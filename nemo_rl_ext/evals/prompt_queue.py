@@ -68,6 +68,8 @@ class PromptQueue:
         self._add_skips(skips or {})
         self._stale: set[str] = set()
         """Workers `expire` has reported (until they are released)."""
+        self._items = frozenset(items)
+        """Every item queued: what `complete` may count (a store holds older prompts, done before this queue)."""
         self._pending: deque[Item] = deque(items)
         self._leases: dict[str, dict[Item, float]] = {}
         """worker -> {item: when it was leased}."""
@@ -98,9 +100,12 @@ class PromptQueue:
         return taken
 
     def complete(self, worker: str, items: Iterable[Item]) -> None:
-        """`worker` has every line of `items` in its store: they are done (whoever holds them now)."""
+        """`worker` has every line of `items` in its store: they are done (whoever holds them now). Items this
+        queue never held are ignored: they were done before it started."""
         for item in items:
             item = (int(item[0]), int(item[1]))
+            if item not in self._items:
+                continue
             self._done.add(item)
             for held in self._leases.values():
                 held.pop(item, None)

@@ -56,7 +56,8 @@ from nemo_rl_ext.evals.prompt_queue import Item, PromptQueue
 from nemo_rl_ext.evals.ray_stores import plan_queue, settle_dead_worker, worker_store
 from nemo_rl_ext.evals.runs import WorkerStats, append_line
 from nemo_rl_ext.evals.shards import ShardRecord, group_root
-from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, check_resumable, dumps
+from nemo_rl_ext.evals.store import CompletionStore, EvalPaths
+from nemo_rl_ext.evals.store_setup import check_store_config
 from nemo_rl_ext.models.config import ClusterConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
@@ -284,11 +285,7 @@ def run_ray_eval(
     num_rows = len(load_rows(cfg))
     for seed, gcfg in groups:  # a changed config is a user error: found before any worker starts
         for root in sorted((group_root(save_path, seed) / "shards").glob("worker-*")):
-            paths = EvalPaths(root)
-            if paths.completions.exists() and paths.completions.stat().st_size > 0:
-                check_resumable(paths.config, gcfg.model_dump(mode="json"),
-                                lambda saved: EvalConfig.model_validate(saved).model_dump(mode="json"),
-                                gcfg.key_as_written)
+            check_store_config(gcfg, EvalPaths(root))
     plan = plan_queue(save_path, groups, num_rows)  # and every store's shard.json lists what it holds
     items, skipped, retried = plan.items, plan.skipped, plan.retried
     skips = dict(plan.skips)  # the queue's skip sets, kept here too (a dead store is read against them)
@@ -303,8 +300,7 @@ def run_ray_eval(
     events = save_path / "ray_workers.jsonl"
 
     def event(**fields: Any) -> None:
-        with open(events, "ab") as f:
-            f.write(dumps({"time": time.time(), "run": run_id, **fields}) + b"\n")
+        append_line(events, {"time": time.time(), "run": run_id, **fields})
 
     queue = ray.remote(PromptQueue).options(num_cpus=0, max_restarts=0).remote(
         items, cfg.eval.ray_lease_timeout_s, skips=skips

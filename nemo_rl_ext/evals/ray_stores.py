@@ -68,13 +68,14 @@ class StoreLines:
         return cls(samples, {p: frozenset(v) for p, v in lines.items()},
                    {p: frozenset(v) for p, v in results.items()})
 
-    def complete(self, elsewhere: Results | None = None) -> dict[int, int]:
-        """prompt -> samples, for every prompt whose every sample has a line here or a result in `elsewhere`
-        (the results of the group's stores)."""
+    def complete(self, elsewhere: Results | None = None, *, results_only: bool = False) -> dict[int, int]:
+        """prompt -> samples, for every prompt whose every sample has a line here (with `results_only`: a result)
+        or a result in `elsewhere` (the results of the group's stores)."""
         elsewhere = elsewhere or {}
+        here = self.results if results_only else self.lines
         return {
             p: n for p, n in self.samples.items()
-            if all(s in self.lines[p] or s in elsewhere.get(p, ()) for s in range(n))
+            if all(s in here.get(p, ()) or s in elsewhere.get(p, ()) for s in range(n))
         }
 
 
@@ -148,7 +149,7 @@ class DeadWorker:
     """What a dead worker's stores hold, for the queue's `release`."""
 
     done: list[Item]
-    """The items whose every sample has a line in its store (or a result elsewhere): done, never rolled out again."""
+    """The items whose every sample has a result in its store (or elsewhere): done, never rolled out again."""
     recovered: list[Item]
     """Those of `done` that its shard.json did not list yet (written, but not reported before it died)."""
     skips: dict[Item, frozenset[int]]
@@ -166,7 +167,10 @@ def settle_dead_worker(save_path: Path, groups: Sequence[tuple[int | None, EvalC
     for g, (seed, gcfg) in enumerate(groups):
         root = worker_store(save_path, seed, k)
         lines = StoreLines.read(root, gcfg)
-        complete = lines.complete({p: s for (h, p), s in skips.items() if h == g})
+        # results only: an error line may be one an earlier run left for this run to retry (the prompt is
+        # queued, perhaps leased by another worker); a prompt with an error stays queued, and its retry appends
+        # only the samples without a result (the merge prefers a result to an error)
+        complete = lines.complete({p: s for (h, p), s in skips.items() if h == g}, results_only=True)
         recovered += [(g, p) for p in settle(root, gcfg, num_rows, complete)]
         done += [(g, p) for p in sorted(complete)]
         partial.update({(g, p): s for p, s in lines.results.items() if p not in complete})

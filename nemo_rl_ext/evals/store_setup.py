@@ -19,23 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_ext.config import dump_config
-from nemo_rl_ext.data.datasets import load_jsonl
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.evals.config import EvalConfig, dataset_file
 from nemo_rl_ext.evals.gym_eval import prepare_rows
 from nemo_rl_ext.evals.shards import ShardSpec
 from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, check_dataset, check_resumable, row_digests
-from nemo_rl_ext.experience.build import build_rollouts
+from nemo_rl_ext.experience.build import build_rollouts, load_rollout_rows
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
 
 def load_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
     """The dataset rows the eval evaluates: the first `eval.num_prompts` rows of `eval.dataset_path`."""
-    # a Gym row's agent may come from gym.agent_name: gym_datums names the rows that have none
-    gym = cfg.rollouts.mode == "nemo_gym"
-    required = ("responses_create_params",) if gym else ("question", "answer")
-    return load_jsonl(dataset_file(cfg), required=required)[: cfg.eval.num_prompts]
+    return load_rollout_rows(cfg.rollouts, dataset_file(cfg))[: cfg.eval.num_prompts]
 
 
 def build_rollout_setup(
@@ -71,14 +67,9 @@ class CheckedStore:
     """The selected dataset rows."""
 
 
-def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
-    """Open (or resume) the store `root` for `cfg`: cut a torn last line; when it holds completions, refuse a
-    config that changed a key that changes completions, or dataset rows that changed (ConfigError); then
-    record config.yaml and the dataset fingerprint."""
-    paths = EvalPaths(root)
-    store = CompletionStore(paths.completions)  # ConfigError on a garbage line
-    if store.torn_bytes:
-        print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
+def check_store_config(cfg: EvalConfig, paths: EvalPaths) -> bool:
+    """Whether the store `paths` holds completions; if so, refuse (ConfigError) a `cfg` that changed a key that
+    changes completions against its config.yaml."""
     resuming = paths.completions.exists() and paths.completions.stat().st_size > 0
     if resuming:
         check_resumable(
@@ -87,6 +78,18 @@ def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
             lambda saved: EvalConfig.model_validate(saved).model_dump(mode="json"),
             cfg.key_as_written,
         )
+    return resuming
+
+
+def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
+    """Open (or resume) the store `root` for `cfg`: cut a torn last line; when it holds completions, refuse a
+    config that changed a key that changes completions, or dataset rows that changed (ConfigError); then
+    record config.yaml and the dataset fingerprint."""
+    paths = EvalPaths(root)
+    store = CompletionStore(paths.completions)  # ConfigError on a garbage line
+    if store.torn_bytes:
+        print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
+    resuming = check_store_config(cfg, paths)
     rows = load_rows(cfg)
     paths.root.mkdir(parents=True, exist_ok=True)  # then at once its two files (a store without them is refused)
     check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)

@@ -11,9 +11,10 @@ rollout mode.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from nemo_rl_ext.data.datasets import gym_datums, qa_datums
+from nemo_rl_ext.data.datasets import gym_datums, load_jsonl, qa_datums, qa_row
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.config import RolloutsConfig
@@ -33,6 +34,29 @@ def build_policy(
 
     generation = build_policy_generation(policy, model, tokenizer)
     return generation.tokenizer, generation
+
+
+def load_rollout_rows(
+    cfg: RolloutsConfig, path: str | Path, *, question_key: str = "question", answer_key: str = "answer"
+) -> list[dict[str, Any]]:
+    """The rows of the JSONL file `path` for `cfg`'s mode, every unreadable line and every missing key named
+    at once (file and line): a Gym row needs `responses_create_params`; a native row the question and answer
+    keys when the environment reads rows with the default adapter (a registered adapter names the rows it
+    can't use itself, in `make_datums`)."""
+    if cfg.mode == "nemo_gym":
+        return load_jsonl(path, required=("responses_create_params",))
+    from nemo_rl_ext.environments import environment_entry
+
+    default_rows = environment_entry(cfg.env.resolved_name).row_adapter is qa_row
+    return load_jsonl(path, required=(question_key, answer_key) if default_rows else ())
+
+
+def row_agents(cfg: RolloutsConfig, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The agent of each row (`DatumSpec.agent`, what its sample count is looked up by), without a tokenizer:
+    a Gym row's `agent_ref.name` (else `gym.agent_name`), a native row's `agent_name` (else the environment)."""
+    if cfg.mode == "nemo_gym":
+        return [d.agent for d in make_datums(cfg, None, rows)]
+    return [str(row.get("agent_name") or cfg.env.resolved_name) for row in rows]
 
 
 def make_datums(

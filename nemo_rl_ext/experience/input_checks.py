@@ -1,49 +1,53 @@
-"""A dataset checked before any model loads: the file exists, its rows parse, every row's agent has a count.
+"""A run's inputs checked before any model loads: the Gym configs it launches, the dataset file, its rows, and
+a count for every row's agent.
 
-A run calls these from its config's `input_problems` so that a missing file or a missing `_default` is one
-message naming the config key and the file, seconds after start, not a traceback after the model loaded.
+GRPO and the eval call these from their config's `input_problems`, so that a missing file or a missing
+`_default` is one message naming the config key and the file, seconds after start, not a traceback after the
+model loaded. Rows are read as `build.load_rollout_rows` reads them for the run itself.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 from nemo_rl_ext.data.generation_counts import GenerationCountError, GenerationCounts
+from nemo_rl_ext.experience.config import RolloutsConfig
+
+
+def rollouts_problems(rollouts: RolloutsConfig) -> list[str]:
+    """What `rollouts` needs on disk: in nemo_gym mode with `gym.launch`, every Gym config file it names."""
+    gym = rollouts.gym if rollouts.mode == "nemo_gym" else None
+    if gym is None or gym.launch is None:
+        return []
+    from nemo_rl_ext.gym.launcher import missing_config_paths
+
+    return missing_config_paths(gym.launch)
 
 
 def dataset_problems(
     key: str,
     path: str | Path,
+    rollouts: RolloutsConfig,
     *,
-    gym_rows: bool,
-    task_name: str | None,
-    required: Sequence[str],
     counts: int | Mapping[str, int],
     counts_key: str,
     limit: int | None = None,
-    gym_agent_name: str | None = None,
+    question_key: str = "question",
+    answer_key: str = "answer",
 ) -> list[str]:
-    """Every problem of the dataset at `path` (config key `key`) for a run with these sample `counts`.
-
-    `gym_rows`: NeMo Gym rows (agent from `agent_ref.name`); else question/answer rows with the `required`
-    keys, whose agent is their `agent_name`, else `task_name` (as `DatumSpec.agent`). `limit`: only the
-    first rows are rolled out, so only they need a count. `gym_agent_name`: the agent of Gym rows without
-    `agent_ref` (`gym.agent_name`).
-    """
-    from nemo_rl_ext.data.datasets import gym_datums, load_jsonl
+    """Every problem of the dataset at `path` (config key `key`) for `rollouts` with these sample `counts`:
+    the file, its lines and rows (`build.load_rollout_rows`), and a count for each row's agent
+    (`build.row_agents`). `limit`: only the first rows are rolled out, so only they need a count."""
+    from nemo_rl_ext.experience.build import load_rollout_rows, row_agents
 
     path = Path(path)
     if not path.is_file():
         return [f"{key}: file not found: {path}"]
     try:
-        if gym_rows:
-            rows = load_jsonl(path, required=("responses_create_params",))[:limit]
-            agents = [d.agent for d in gym_datums(rows, agent_name=gym_agent_name)]
-        else:
-            rows = load_jsonl(path, required=required)[:limit]
-            agents = [str(row.get("agent_name") or task_name) for row in rows]
+        rows = load_rollout_rows(rollouts, path, question_key=question_key, answer_key=answer_key)[:limit]
+        agents = row_agents(rollouts, rows)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         message = str(exc)
         return [f"{key}: {message if str(path) in message else f'{path}: {message}'}"]

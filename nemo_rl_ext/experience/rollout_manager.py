@@ -102,6 +102,18 @@ class RolloutManager:
         """The per-agent sample counts (the constructor's `num_generations_per_prompt`, parsed)."""
         return self.impl.counts
 
+    @property
+    def task_to_env(self) -> Mapping[str, EnvironmentInterface] | None:
+        """The environments native rollouts step (given, or built and owned by `build_rollouts`); None with
+        NeMo Gym, whose agents score their own rollouts."""
+        return None if self.use_nemo_gym else self.impl.task_to_env
+
+    @property
+    def records_token_versions(self) -> bool:
+        """True when every generated token of a record carries the engine's `weight_version` (native rollouts);
+        False with NeMo Gym, whose results carry none (a caller then judges a group by when it started)."""
+        return not self.use_nemo_gym
+
     async def shutdown(self) -> None:
         """Stop servers the implementation started (the NeMo Gym path starts a policy server and Gym) and the
         environments this manager owns (a remote one's actor, and a Ray only it started)."""

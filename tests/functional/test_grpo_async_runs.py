@@ -253,14 +253,7 @@ def _start(config_file: Path, output_dir: Path, *overrides: str) -> subprocess.P
 
 
 def _wait_for(proc: subprocess.Popen, marker: Path, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not marker.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"run_grpo.py exited early:\n{proc.stdout.read().decode()[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"no {marker} after {timeout_s} s")
-        time.sleep(0.02)
+    _wait_until(proc, marker.exists, str(marker), timeout_s)
 
 
 def _logged_steps(output_dir: Path) -> int:

@@ -21,7 +21,6 @@ import numpy as np
 import orjson
 import pytest
 from test_eval_records import BEFORE, record
-from test_gym_rollouts import FakeAgents, UnusedPolicy
 
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.data.records import DatumSpec
@@ -35,7 +34,7 @@ from nemo_rl_ext.evals.report import markdown_report, write_report
 from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, dumps
 from nemo_rl_ext.evals.summary import EvalSummary, summarize
 from nemo_rl_ext.evals.timings import TIMINGS_FILE, append_timings, read_timings
-from nemo_rl_ext.testing import RolloutStep, ScriptedEnvironment, ScriptedGeneration
+from nemo_rl_ext.testing import RolloutStep, ScriptedEnvironment, ScriptedGeneration, UnusedPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 THRESHOLD = 0.5
@@ -443,14 +442,6 @@ async def test_retried_errors_get_a_timing_per_written_line(tiny_model_and_token
     assert read_timings(out) == {key: timings[i]["latency_s"] for key, i in results.items()}
 
 
-@pytest.fixture
-def agents():
-    fake = FakeAgents()
-    with fake.server:
-        fake.url = fake.server.url
-        yield fake
-
-
 async def test_nemo_gym_eval_records_each_rows_run_time(tiny_model_and_tokenizer, agents, tmp_path) -> None:
     _, tok = tiny_model_and_tokenizer
     data = tmp_path / "rows.jsonl"
@@ -461,11 +452,9 @@ async def test_nemo_gym_eval_records_each_rows_run_time(tiny_model_and_tokenizer
         "eval": {"rollout_mode": "nemo_gym", "dataset_path": str(data), "save_path": str(tmp_path / "out"),
                  "num_tests_per_prompt": {"agent_alpha": 2, "agent_beta": 1}},
         "policy": {"generation": {"top_k": None, "temperature": 1.0, "seed": 5, "max_new_tokens": 9}},
-        "gym": {"agent_urls": {a: f"{agents.url}/{a}" for a in ("agent_alpha", "agent_beta")},
-                "serve_policy": False},
+        "gym": {"agent_urls": agents.agent_urls(), "serve_policy": False},
     })
-    policy = UnusedPolicy()
-    policy.tokenizer = tok
+    policy = UnusedPolicy(tok)
     result = await run_eval_async(cfg, generation=policy, progress=False)
     assert result.complete
     lines = [json.loads(x) for x in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]

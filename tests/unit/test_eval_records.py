@@ -128,7 +128,7 @@ def test_the_registry_refuses_bad_names_and_keeps_built_ins() -> None:
         return 0.5
 
     assert [m.name for m in metric_defs()[: len(BUILTIN_METRICS)]] == ["mean_reward", "pass", "maj", "mean"]
-    for name in ("pass", "num_prompts", "pass@k", "a/b", ""):
+    for name in ("pass", "num_prompts", "metrics", "latency_s", "pass@k", "a/b", ""):  # profile fields too
         with pytest.raises(ValueError, match="taken|identifier"):
             register_metric(MetricDef(name, constant))
     with pytest.raises(ValueError, match="not a registered"):
@@ -153,3 +153,14 @@ def test_a_failing_metric_says_which_metric_and_agent() -> None:
         assert "while computing metric broken@1 for a prompt of agent 'alpha'" in info.value.__notes__
     finally:
         unregister_metric("broken")
+
+
+def test_no_metric_can_take_the_name_of_a_profile_field() -> None:
+    """A registered scalar metric `<name>` lands in each task's profile under its name; a name equal to one of
+    `TaskProfile`'s own fields would be read back as that field and the metric lost."""
+    import dataclasses
+
+    from nemo_rl_ext.evals import metrics
+    from nemo_rl_ext.evals.profile import TaskProfile
+
+    assert {f.name for f in dataclasses.fields(TaskProfile)} <= metrics._RESERVED

@@ -70,3 +70,22 @@ def test_the_registries_name_what_is_known(doc_namespace) -> None:
         load_config(None, ["backend=nope"], PolicyConfig)
     PolicyConfig(backend="canned")  # a registered backend validates
     assert doc_namespace["KeywordEnvironment"] is registry.environment_entry("keyword").cls
+
+
+def test_rows_of_a_registered_adapter_need_no_question_or_answer_keys(doc_namespace, tmp_path) -> None:
+    """The eval and GRPO read a dataset with `load_rollout_rows`: the default adapter's keys are required (named
+    by file and line before any model loads); rows for an environment with its own adapter are left to it."""
+    from nemo_rl_ext.experience.build import load_rollout_rows
+    from nemo_rl_ext.experience.config import RolloutsConfig
+    from nemo_rl_ext.experience.input_checks import dataset_problems
+
+    data = tmp_path / "topics.jsonl"
+    data.write_text('{"topic": "France", "keyword": "paris"}\n{"topic": "Japan", "keyword": "tokyo"}\n')
+    keyword = RolloutsConfig(env={"name": "keyword"})
+    assert [r["topic"] for r in load_rollout_rows(keyword, data)] == ["France", "Japan"]
+    assert dataset_problems("eval.dataset_path", data, keyword, counts=2, counts_key="n") == []
+    with pytest.raises(ValueError, match=r"topics.jsonl: 2 bad row\(s\):[\s\S]*line 1: missing key\(s\) \['question', 'answer'\]"):
+        load_rollout_rows(RolloutsConfig(env={"name": "math"}), data)
+    (problem,) = dataset_problems("eval.dataset_path", data, RolloutsConfig(env={"name": "math"}), counts=2,
+                                  counts_key="n")
+    assert problem.startswith("eval.dataset_path: ") and "line 2: missing key(s) ['question', 'answer']" in problem

@@ -263,9 +263,8 @@ async def test_string_match_environment_scores_the_last_answer():
 def test_gym_rows_without_agent_ref_take_the_gym_agent_name_in_grpo(tmp_path, tiny_model_dir):
     """GRPO reads Gym rows as the eval does: `rollouts.gym.agent_name` is the agent of rows without
     agent_ref (checked before the model loads, and in the datums), and the overrides reach every row."""
-    from nemo_rl_ext.algorithms.grpo import load_rows
     from nemo_rl_ext.algorithms.grpo_config import input_problems
-    from nemo_rl_ext.experience.build import make_datums
+    from nemo_rl_ext.experience.build import load_rollout_rows, make_datums
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text(
@@ -282,6 +281,6 @@ def test_gym_rows_without_agent_ref_take_the_gym_agent_name_in_grpo(tmp_path, ti
     cfg = load_config(None, [*base, "rollouts.gym.agent_name=a",
                              "rollouts.gym.responses_create_params={parallel_tool_calls: false}"], GRPOConfig)
     assert input_problems(cfg, val=False) == []
-    datums = make_datums(cfg.rollouts, None, load_rows(cfg, rows))
+    datums = make_datums(cfg.rollouts, None, load_rollout_rows(cfg.rollouts, rows))
     assert [d.agent for d in datums] == ["a", "b"]
     assert all(d.extra_env_info["responses_create_params"]["parallel_tool_calls"] is False for d in datums)

@@ -232,6 +232,33 @@ def test_a_dead_workers_complete_prompts_are_listed_and_done_the_rest_requeued_w
     assert listed(early) == []  # an empty store, not one the merge calls unstarted
 
 
+def test_a_resumed_runs_dead_worker_neither_ends_the_queue_early_nor_drops_a_retry(tmp_path: Path) -> None:
+    """A resumed run queues only prompts 2 (an error sample to retry) and 3. The worker that dies holds prompts 0
+    and 1, complete in its store from the earlier run, and prompt 2's error line: none of them may count as done
+    (0 and 1 were never queued; 2 still has no result), or the queue would end before 3 is done, or never end."""
+    cfg = load_config(None, [*BASE, f"eval.save_path={tmp_path}", "eval.ray_workers=2", "eval.num_tests_per_prompt=2"],
+                      EvalConfig)
+    groups = group_configs(cfg)
+    dead = worker_store(tmp_path, None, 1)
+    dead.mkdir(parents=True)
+    CompletionStore(dead / "completions.jsonl").append(
+        [line(0, 0), line(0, 1), line(1, 0), line(1, 1), line(2, 0), line(2, 1, error=True)])
+    ShardRecord(None, None, 4, {0: 2, 1: 2, 2: 2}, True).write(dead)
+    plan = plan_queue(tmp_path, groups, 4)
+    assert plan.items == items(2, 3) and plan.skips == {(0, 2): frozenset({0})} and plan.retried == 1
+    queue = PromptQueue(plan.items, skips=plan.skips)
+    assert queue.lease("worker-0", 1) == items(2)  # the live worker retries prompt 2's error sample
+    assert queue.lease("worker-1", 1) == items(3)
+    settled = settle_dead_worker(tmp_path, groups, 1, 4, plan.skips)
+    assert settled.done == items(0, 1)  # complete with results; prompt 2's error line does not make it done
+    assert queue.release("worker-1", settled.done, settled.skips) == items(3)
+    status = queue.status()
+    assert (status.done, status.total, status.pending) == (0, 2, 1)  # 0 and 1 were never this queue's
+    assert queue.lease("worker-0", 2) == items(3)
+    queue.complete("worker-0", items(2, 3))
+    assert queue.status().finished and queue.lease("worker-0") is None
+
+
 class Local:
     """A PromptQueue called the way a Ray actor's handle is (`await queue.lease.remote(...)`), in this process."""
 

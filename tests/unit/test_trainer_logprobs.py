@@ -282,11 +282,12 @@ def test_shared_prompts_give_the_full_forwards_logprobs_and_gradients(tiny_model
     model = (copy.deepcopy(base) if arch == "qwen2" else tiny_llama(len(tokenizer))).train()
     items = grouped_items(len(tokenizer))
     ids, attention, mask = padded(items, left=False)
-    tokens = DecoderTokens(model)
+    tokens, head = DecoderTokens(model), HeadRows(model)
     try:
-        shared = shared_prefix_logprobs(model, [x.token_ids for x in items], [x.loss_mask for x in items], temperature)
+        shared = shared_prefix_logprobs(model, ids, attention, temperature, score_mask=mask)
     finally:
         tokens.close()
+        head.close()
     shared_grads = grads_of(model, shared, mask)
     full = token_logprobs(model, ids, attention, temperature, score_mask=mask)
     full_grads = grads_of(model, full, mask)
@@ -303,13 +304,16 @@ def test_shared_prompts_give_the_full_forwards_logprobs_and_gradients(tiny_model
     # the decoder ran over the 4 distinct prompts once (padded to 13), then over each trained sample's rest
     # (padded to the longest rest, 3 + 4 + 4 = 11 tokens); the failed rollout did not run
     assert tokens.count == 4 * 13 + 10 * 11 < ids.numel()
+    assert head.rows == int(scored.sum())  # the head sees only the scored positions
 
 
 def test_nothing_shared_means_nothing_to_save(tiny_model_and_tokenizer):
     model, tokenizer = tiny_model_and_tokenizer
     items = items_of(len(tokenizer))  # three different prompts
     with torch.no_grad():
-        assert shared_prefix_logprobs(model, [x.token_ids for x in items], [x.loss_mask for x in items]) is None
+        ids, attention, mask = padded(items, left=False)
+        assert shared_prefix_logprobs(model, ids, attention, score_mask=mask) is None
+        assert shared_prefix_logprobs(model, ids, attention) is None  # no score mask: every position, no prefix
 
 
 def test_a_train_step_on_groups_shares_their_prompts_with_the_same_update(tiny_model_and_tokenizer):

@@ -157,6 +157,11 @@ class GenerationInterface(abc.ABC):
         """
         return 0
 
+    def metrics(self) -> dict[str, float]:
+        """The backend's own counters as flat metrics with slash namespaces (a Ray pool's `cluster/...`), which a
+        trainer logs with each step; the default has none."""
+        return {}
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Release the engine's resources; idempotent. Later `generate_async` / `update_weights` calls raise
