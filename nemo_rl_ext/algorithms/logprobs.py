@@ -14,12 +14,13 @@ the trainer's are directly comparable.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from nemo_rl_ext.models.loading import cache_kwarg
 
 LOGSOFTMAX_CHUNK_ELEMENTS = 2**24
 """Logits per chunk of the log-softmax (rows x vocabulary, 64 MiB in fp32): bounds the peak memory of the
@@ -135,9 +136,9 @@ def shared_prefix_logprobs(
     prefix_lengths = [len(k) for k in prefixes]
     prefix_ids = right_pad([torch.tensor(k, dtype=torch.int64, device=device) for k in prefixes], 0)
     prefix_mask = right_pad([torch.ones(n, dtype=torch.int64, device=device) for n in prefix_lengths], 0)
-    cache, cache_kwarg = DynamicCache(), _cache_kwarg(module)
+    cache, keyword = DynamicCache(), cache_kwarg(module)
     prefix_states = _states(module, input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True,
-                            **{cache_kwarg: cache})
+                            **{keyword: cache})
     if cache.get_seq_length() != prefix_ids.shape[1]:  # the model kept no cache (e.g. gradient checkpointing)
         return None
     index = torch.tensor(group_of, dtype=torch.int64, device=device)
@@ -151,7 +152,7 @@ def shared_prefix_logprobs(
         attention_mask=torch.cat([prefix_mask[index], rest_mask], dim=1),
         position_ids=offsets[:, None] + torch.arange(rest_ids.shape[1], device=device),
         use_cache=True,
-        **{cache_kwarg: cache},
+        **{keyword: cache},
     )
     rows, targets, where_b, where_t = [], [], [], []
     for a, b in enumerate(active):
@@ -166,11 +167,6 @@ def shared_prefix_logprobs(
     values = _picked(torch.cat(rows), torch.cat(targets), head, temperature)
     out = torch.zeros(batch, width, dtype=torch.float32, device=device)
     return out.index_put((torch.cat(where_b), torch.cat(where_t)), values)
-
-
-def _cache_kwarg(module: torch.nn.Module) -> str:
-    """The name `module.forward` takes its KV cache under: `cache` (transformers >= 5.24), else `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 def right_pad(rows: Sequence[torch.Tensor], value: Any, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -22,3 +23,9 @@ def load_model_and_tokenizer(
     """Load a causal LM folder (tiny or SmolLM2) in eval mode, with its `load_tokenizer` tokenizer."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return model, load_tokenizer(path)
+
+
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """The keyword `module.forward` takes its KV cache under: `cache` from transformers 5.24 on (which deprecates
+    `past_key_values` and drops it in 5.40), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"

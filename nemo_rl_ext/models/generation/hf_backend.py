@@ -46,6 +46,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     check_state_dict,
 )
 from nemo_rl_ext.models.generation.sampling import select_tokens
+from nemo_rl_ext.models.loading import cache_kwarg
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class HfGeneration(GenerationInterface):
         if problems:
             raise ValueError("HfGeneration: " + "; ".join(problems))
         self.model = model.eval()
+        self._cache_kwarg = cache_kwarg(self.model)  # the KV cache keyword of this transformers version
         self._tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -451,9 +453,9 @@ class HfGeneration(GenerationInterface):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_kwarg: cache},
         )
         return out.logits[:, -1, :]
 
