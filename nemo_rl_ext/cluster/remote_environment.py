@@ -4,7 +4,9 @@ An environment that can hang or crash (a grader, a sandbox) runs in its own acto
 in-process (the caller chooses per environment). A step past `step_timeout_s` kills the actor (the hung
 call cannot be interrupted from inside) and starts a fresh one, then raises TimeoutError: the rollout's
 fault policy decides what the failed step does. A dead actor is restarted the same way, up to
-`max_restarts` times in a row.
+`max_restarts` times in a row. A new actor's start (its process, its imports, the environment's constructor)
+is bounded by `ready_timeout_s`, not by the step deadline: the next call waits for it, then its step gets the
+whole `step_timeout_s`.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class RemoteEnvironment(EnvironmentInterface):
         """Calls that passed `step_timeout_s`."""
         self._failures_in_a_row = 0
         self._owns_ray = owns_ray
+        self.ready_timeout_s = ready_timeout_s
+        self._starting: Any = None
+        """The `ready` call of an actor `_replace` started, until it has answered."""
         self._actor = self._actor_class.remote(factory)
         try:
             ray.get(self._actor.ready.remote(), timeout=ready_timeout_s)
@@ -111,6 +116,7 @@ class RemoteEnvironment(EnvironmentInterface):
         if self._closed:
             raise RuntimeError("RemoteEnvironment was shut down")
         actor = self._actor
+        await self._until_ready(actor)
         ref = getattr(actor, method).remote(*args)
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.step_timeout_s)
@@ -129,6 +135,24 @@ class RemoteEnvironment(EnvironmentInterface):
         self._failures_in_a_row = 0
         return result
 
+    async def _until_ready(self, actor: Any) -> None:
+        """Wait (up to `ready_timeout_s`) for `actor` to finish starting, if `_replace` started it."""
+        starting = self._starting
+        if starting is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(starting.future()), self.ready_timeout_s)
+        except TimeoutError:
+            self._replace(actor, f"its new actor did not start within {self.ready_timeout_s:g}s")
+            raise RuntimeError(f"environment actor did not start within {self.ready_timeout_s:g}s; "
+                               "it was restarted") from None
+        except (self._ray.exceptions.RayActorError, self._ray.exceptions.ActorUnavailableError) as exc:
+            self._replace(actor, f"its new actor died while starting ({type(exc).__name__})")
+            raise RuntimeError("environment actor died while starting; it was restarted") from exc
+        with self._lock:
+            if self._starting is starting:
+                self._starting = None
+
     def _replace(self, actor: Any, why: str) -> None:
         """Kill `actor` (if still the current one) and start a fresh one, up to `max_restarts` in a row."""
         with self._lock:
@@ -143,6 +167,7 @@ class RemoteEnvironment(EnvironmentInterface):
             self.restarts += 1
             logger.warning("remote environment: %s; killed its actor and started a new one", why)
             self._actor = self._actor_class.remote(self._factory)
+            self._starting = self._actor.ready.remote()
 
     def shutdown(self) -> None:
         with self._lock:

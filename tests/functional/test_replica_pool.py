@@ -255,9 +255,12 @@ def test_a_replica_that_keeps_failing_is_taken_out(ray_env, tmp_path, caplog):
 
 class HangingEnvironment(ScriptedEnvironment):
     """Answers with its process id; a rollout whose metadata says "hang" blocks the actor for good (a hang no
-    asyncio timeout inside the actor could interrupt)."""
+    asyncio timeout inside the actor could interrupt). With `slow_start` set to a file that exists, the
+    constructor takes 3 s (an actor that starts slowly: imports, a sandbox, a loaded machine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slow_start: str | None = None) -> None:
+        if slow_start is not None and os.path.exists(slow_start):
+            time.sleep(3.0)
         super().__init__(reward=1.0, observation=Observation("user", "ok"), metadata=lambda s: {"pid": os.getpid()},
                          fault=lambda s: Fault.BLOCK if s.metadata.get("hang") else None)
 
@@ -270,13 +273,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_a_hung_environment_step_is_killed_and_restarted_within_the_timeout(ray_env):
-    env = RemoteEnvironment(HangingEnvironment, step_timeout_s=2.0)
+def test_a_hung_environment_step_is_killed_and_restarted_within_the_timeout(ray_env, tmp_path):
+    """The replacement actor starts slowly (3 s, longer than the 2 s step deadline): its start is waited for
+    under `ready_timeout_s`, and its first step still gets the whole step deadline."""
+    slow = tmp_path / "slow-start"
+    env = RemoteEnvironment(functools.partial(HangingEnvironment, str(slow)), step_timeout_s=2.0)
     log = [Message("user", "hi", (1, 2))]
     try:
         first = asyncio.run(env.step([log], [None]))
         pid = first.metadata[0]["pid"]
         assert first.rewards == [1.0]
+        slow.write_text("")  # every actor started from now on takes 3 s to start
         start = time.monotonic()
         with pytest.raises(TimeoutError, match="killed and restarted"):
             asyncio.run(env.step([log], [{"hang": True}]))
