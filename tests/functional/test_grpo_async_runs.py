@@ -96,7 +96,7 @@ def one_torch_thread():
 def test_max_lag_0_gives_the_synchronous_weights_and_metrics_to_the_bit(
     config_file: Path, tmp_path: Path, one_torch_thread: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # the static scheduler: a step's requests share one batch whatever the timing (see test_grpo.py's resume test)
+    # the static scheduler: batches of equal-length prompts, so no row's logprobs depend on its batch mates
     common = ("grpo.max_num_steps=4", "policy.hf.scheduler=static")
     sync, sync_weights = run(config_file, f"output_dir={tmp_path / 'sync'}", *common)
     with caplog.at_level(logging.WARNING, logger="nemo_rl_ext.algorithms.grpo"):
