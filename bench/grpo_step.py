@@ -18,7 +18,7 @@ Contenders, each round each in its own fresh process (the order rotates every ro
   through the decoder): what sharing the prompt saves.
 - `ours-full-vocab`: the trainer as before issue 19: no prompt sharing, and the LM head and a
   full-vocabulary log-softmax at every position, prompt included.
-- `ours-async`: `grpo.async` with `max_lag: 1` (`in_flight: finish`) on the same workload: generation (the
+- `ours-async`: `grpo.async` with `max_lag: 1` (`in_flight: abort`, the default) on the same workload: generation (the
   engine thread) overlaps the previous step's training (the trainer thread), so this process may use two
   cores where the others use one; its steps/s is the asynchronous figure, its CPU s/step the whole
   process's CPU time over its timed steps.
