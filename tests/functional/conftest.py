@@ -37,6 +37,20 @@ def local_ray():
         ray.shutdown()
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread on this process's main thread while a test runs (restored after): whatever the tests
+    before it in the same pytest-xdist worker left, runs compared to the bit train with the same thread count,
+    and with two threads on a loaded 2-core machine the trainer's float32 reductions are not always repeatable
+    (step 1's train/loss one ulp apart in 1 of 8 runs; a subprocess's train/grad_norm one ulp apart in CI)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def generation(tiny_model_and_tokenizer):
     """The hf backend over the session's tiny model (max_model_len 512), one per test module."""

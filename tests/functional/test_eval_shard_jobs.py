@@ -5,7 +5,6 @@ refuses what is missing or unfinished, naming it."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_env import one_thread_env
 
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.evals.config import EvalConfig
@@ -85,7 +85,7 @@ def start(tiny_model_dir: Path, save_path: Path, *extra: str) -> subprocess.Pope
         [*CLI, "--config", "examples/configs/evals/eval.yaml", *overrides(tiny_model_dir, save_path, *extra),
          "--no-progress"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        env=one_thread_env(),
     )
 
 

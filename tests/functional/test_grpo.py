@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from child_env import one_thread_env
 
 from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
 from nemo_rl_ext.algorithms.grpo import GRPO
@@ -33,6 +33,8 @@ from nemo_rl_ext.algorithms.metrics_logger import read_metrics
 from nemo_rl_ext.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
+# the resume tests compare runs trained here with runs trained partly in subprocesses (started with one thread too)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 WORDS = ("apple", "river", "blue", "seven", "cat", "hello", "tree", "water")
 
 
@@ -73,25 +75,6 @@ def config_file(soft_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
     return path
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One torch thread in this process and OMP_NUM_THREADS=1 in the subprocesses: the resume tests compare a run
-    trained here with one trained partly in a subprocess, so both train with the same thread count whatever the
-    tests before this module (in the same pytest-xdist worker) left. With two threads the trainer's float32
-    reductions are not always repeatable on a loaded machine (see `assert_same_step`, and the same fixture in
-    test_grpo_async_runs.py)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def subprocess_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-
-
 def run(config_file: Path, *overrides: str) -> list[dict]:
     cfg = load_config(config_file, list(overrides), GRPOConfig)
     with GRPO(cfg) as grpo:
@@ -107,9 +90,9 @@ def assert_same_step(got: dict, expected: dict) -> None:
     The train/ keys are float32 reductions over the trainer's and the engine's logprobs. Once in CI (2 pytest
     workers on 2 loaded cores) the subprocess's step 2 had train/grad_norm one ulp from this process's and step 3
     a near-cancelling train/loss (-0.00243) 1.6e-5 apart (relative), with every token-decided key equal: the
-    trainer then ran 2 torch threads in the subprocess (see `one_torch_thread`); splitting a step's 64 rows
-    over two static batches changed no logprob bit (measured). 1e-4 relative, or 1e-6 absolute, holds float
-    noise of that size and nothing coarser."""
+    trainer then ran 2 torch threads in the subprocess (now one: `one_torch_thread`, `one_thread_env`);
+    splitting a step's 64 rows over two static batches changed no logprob bit (measured). 1e-4 relative, or
+    1e-6 absolute, holds float noise of that size and nothing coarser."""
     keys = [key for key in expected if not key.startswith("timing/") and "wall_time" not in key]
     assert set(keys) <= set(got), sorted(set(keys) - set(got))
     exact = [key for key in keys if not key.startswith("train/") and got[key] != expected[key]]
@@ -151,7 +134,7 @@ def _kill_after_checkpoint(
         f"output_dir={output_dir}", *overrides, "grpo.max_num_steps=100", "keep_last_checkpoints=null",
     ]
     marker = output_dir / "checkpoints" / f"step_{step:08d}" / "state.json"
-    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout_s
         while not marker.exists():
@@ -206,7 +189,7 @@ def test_sigterm_without_periodic_checkpoints_leaves_the_last_step_resumable(con
     stopped = tmp_path / "b"
     cmd = [sys.executable, str(REPO / "examples" / "run_grpo.py"), "--config", str(config_file),
            f"output_dir={stopped}", *short, "grpo.max_num_steps=100"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     metrics_file = stopped / "metrics.jsonl"
     try:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from child_env import one_thread_env
 
 from nemo_rl_ext.algorithms.async_collector import CollectorError
 from nemo_rl_ext.algorithms.checkpoint import latest_checkpoint, load_checkpoint
@@ -80,16 +81,6 @@ def run(config_file: Path, *overrides: str, **kwargs) -> tuple[list[dict], dict[
 
 def lag_max(metrics: list[dict]) -> list[float]:
     return [m["async/lag/max"] for m in metrics if "async/lag/max" in m]
-
-
-@pytest.fixture
-def one_torch_thread():
-    """One torch thread while the test runs: with two, step 1's train/loss differed by one ulp in 1 of 8 runs on a
-    loaded 2-core machine (cause not pinned down; one thread takes the thread count out of the kernels)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.timeout(120)
@@ -248,8 +239,7 @@ def test_a_group_that_never_finishes_does_not_stop_the_steps(config_file: Path, 
 def _start(config_file: Path, output_dir: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "examples" / "run_grpo.py"), "--config", str(config_file),
            f"output_dir={output_dir}", *overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _wait_for(proc: subprocess.Popen, marker: Path, timeout_s: float = 90.0) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from child_env import one_thread_env
 from gym_processes import descendants, gone, gym_servers_under, port_closed, wait_until_gone
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,9 +27,8 @@ COUNTS = {"agent_alpha": 2, "_default": 1}
 
 
 def start(script: str, args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
-        return subprocess.Popen([sys.executable, str(REPO / "examples" / script), *args], cwd=REPO, env=env,
+        return subprocess.Popen([sys.executable, str(REPO / "examples" / script), *args], cwd=REPO, env=one_thread_env(),
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=interruptible)
 
