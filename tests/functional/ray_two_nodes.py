@@ -58,7 +58,20 @@ def main(temp_dir: str) -> None:
         for prompt, out in zip(prompts, outs, strict=True):  # every request answered, each by its own prompt
             assert len(out.output_ids) == 30 and out.output_ids[1] == (prompt[0] + 1) % 1000
         after_loss = pool.metrics()
-        restarted = ray.get(pool._replicas[victim_index].actor.ready.remote(), timeout=120)
+        restarted, replaced_on_lost_node = None, 0
+        while restarted is None:
+            replica = pool._replicas[victim_index]
+            incarnation = replica.incarnation
+            try:
+                restarted = ray.get(replica.actor.ready.remote(), timeout=120)
+            except ray.exceptions.ActorDiedError as exc:
+                # The pool restarts a replica the moment a request fails, before Ray has declared the lost
+                # node dead (missed heartbeats, seconds later), so Ray may still place the replacement there
+                # (seen once, in a full suite on a loaded machine). It dies unstarted; a request failing on it
+                # restarts it again, as this does. Only that case is let through, once.
+                assert victim_node.node_id in str(exc) and not replaced_on_lost_node, str(exc)
+                replaced_on_lost_node += 1
+                pool._replica_failed(replica, incarnation, exc)
 
         async def serve_again():
             calls = (pool.generate_async([i], GenerationConfig(max_new_tokens=2)) for i in range(8))
@@ -74,6 +87,8 @@ def main(temp_dir: str) -> None:
             "answers": len(outs),
             "retries": after_loss["cluster/retries"],
             "restarts": after_loss["cluster/restarts"],
+            "replaced_on_lost_node": replaced_on_lost_node,
+            "restarts_in_all": final["cluster/restarts"],
             "restarted_on_survivor": restarted["node_id"] == survivor.node_id,
             "served_after_recovery": [final[f"cluster/replica/{i}/requests"]
                                       - after_loss[f"cluster/replica/{i}/requests"] for i in (0, 1)],

@@ -50,6 +50,8 @@ def test_a_pool_spread_over_two_nodes_survives_losing_one(tmp_path):
         assert all(n > 0 for n in result["in_flight_at_loss"])
         assert result["answers"] == 40  # nothing lost
         assert result["retries"] >= 1 and result["restarts"] == 1
+        # plus one if the replacement landed on the lost node before Ray declared it dead (ray_two_nodes.py)
+        assert result["restarts_in_all"] == 1 + result["replaced_on_lost_node"]
         assert result["restarted_on_survivor"]
         assert result["replicas_live"] == 2
         assert min(result["served_after_recovery"]) >= 1 and result["tags_after_recovery"] == 2
