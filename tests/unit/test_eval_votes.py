@@ -112,9 +112,9 @@ def test_cons_at_k_hand_cases() -> None:
 
 def test_cons_at_k_equals_nemo_rl_s_enumeration_on_random_cases() -> None:
     rng = random.Random(25)
-    for _ in range(400):
-        n = rng.randint(1, 9)
-        pool = [None, "a", "b", "c", "d"][: rng.randint(1, 5)]
+    for case in range(500):
+        n = rng.randint(1, 9) if case < 400 else rng.randint(10, 12)
+        pool = [None, "a", "b", "c", "d", "e", "f", "g"][: rng.randint(1, 5 if case < 400 else 8)]
         answers = [rng.choice(pool) for _ in range(n)]
         truth = rng.choice(pool)
         if rng.random() < 0.7:
