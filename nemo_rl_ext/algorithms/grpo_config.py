@@ -359,6 +359,19 @@ class GRPOConfig(CheckedConfig):
         return problems
 
 
+def saved_config_settings(saved: Any) -> Any:
+    """A checkpoint's saved config with the settings it trained with where it predates a key: a config without
+    `loss.kl_gradient` and with a KL term trained with the pathwise KL gradient (the default before NeMo-RL's),
+    so resuming it under today's default is listed as a changed key instead of switching silently."""
+    if not isinstance(saved, Mapping):
+        return saved
+    out = dict(saved)
+    loss = out.get("loss")
+    if isinstance(loss, Mapping) and "kl_gradient" not in loss and loss.get("kl_coef", 0.0) not in (0, 0.0, None):
+        out["loss"] = {**loss, "kl_gradient": "pathwise"}
+    return out
+
+
 def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True) -> list[str]:
     """What a run of `cfg` would stop on once its model is loaded, found without loading it: the model folder,
     the Gym configs it launches, the training (`train`) and validation (`val`) files and their agents' counts.

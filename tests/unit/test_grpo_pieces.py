@@ -327,3 +327,21 @@ def test_gym_rows_without_agent_ref_take_the_gym_agent_name_in_grpo(tmp_path, ti
     datums = make_datums(cfg.rollouts, None, load_rollout_rows(cfg.rollouts, rows))
     assert [d.agent for d in datums] == ["a", "b"]
     assert all(d.extra_env_info["responses_create_params"]["parallel_tool_calls"] is False for d in datums)
+
+
+def test_a_checkpoint_saved_before_kl_gradient_existed_resumes_with_the_gradient_it_trained_with():
+    from nemo_rl_ext.algorithms.grpo_config import saved_config_settings
+    from nemo_rl_ext.config import config_changes
+
+    old = GRPOConfig.model_validate({"data": {"train_path": "x.jsonl"}, "loss": {"kl_coef": 0.05}}).model_dump(
+        mode="json")
+    del old["loss"]["kl_gradient"], old["loss"]["on_policy_kl_approximation"]  # as a checkpoint of then saved it
+    resumed = GRPOConfig.model_validate(saved_config_settings(old))
+    assert resumed.loss.kl_gradient == "pathwise" and resumed.loss.on_policy_kl_approximation is False
+    today = GRPOConfig.model_validate({"data": {"train_path": "x.jsonl"}, "loss": {"kl_coef": 0.05}})
+    assert config_changes(resumed.model_dump(mode="json"), today.model_dump(mode="json"), ()) == [
+        "loss.kl_gradient: 'pathwise' -> 'score_function'"]
+    # without a KL term the gradient choice changes nothing, so such a checkpoint takes today's default
+    no_kl = {**old, "loss": {**old["loss"], "kl_coef": 0.0}}
+    assert GRPOConfig.model_validate(saved_config_settings(no_kl)).loss.kl_gradient == "score_function"
+    assert saved_config_settings(["not", "a", "config"]) == ["not", "a", "config"]
