@@ -15,6 +15,9 @@ cores, without logprobs; so this backend runs its own decode loop, on one engine
   call (a client that went away, a rollout past its deadline) leaves at the next decode step.
 - **Weights**: `update_weights` runs between decode steps; rows in flight finish first (`in_flight="finish"`)
   or stop with `FinishReason.ABORTED` (`"abort"`); every output carries the `weight_version` it ran under.
+- **Load and timing**: `engine_load()` says how many rows decode and how many requests wait (the policy
+  server's `/metrics`); each output carries `time_to_first_token_s`, from its `generate_async` call to its
+  first sampled token.
 - torch runs `num_threads` intra-op threads on the engine thread (default 1: on a shared 2-core machine
   two threads ran 10-16x slower, FACTS.md); None leaves torch's setting alone.
 """
