@@ -42,12 +42,28 @@ def backend(tiny_model_and_tokenizer) -> Iterator[HfGeneration]:
     gen.shutdown()
 
 
+class SlowStepHfGeneration(HfGeneration):
+    """The hf backend with every forward pass slowed by `step_s`: a long generation outlasts the test's waits
+    whatever the machine's load."""
+
+    step_s = 0.02
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.step_s)
+        return super()._forward(*args, **kwargs)
+
+
 def long_running(tiny_model_and_tokenizer, **kwargs: Any) -> HfGeneration:
-    """An hf engine whose generations end only by their budget or by cancellation (EOS never matches)."""
+    """A slowed hf engine whose generations end only by their budget or by cancellation (EOS never matches)."""
     model, tokenizer = tiny_model_and_tokenizer
-    gen = HfGeneration(model, tokenizer, max_model_len=4096, **kwargs)
+    gen = SlowStepHfGeneration(model, tokenizer, max_model_len=4096, **kwargs)
     gen._eos_ids = frozenset({-1})
     return gen
+
+
+def cancel_lines(caplog) -> list[str]:
+    """The messages the policy server logged about cancelled requests."""
+    return [r.getMessage() for r in caplog.records if r.name == "nemo_rl_ext.serving.server_metrics"]
 
 
 def scrape(server: PolicyServer, headers: dict[str, str] | None = None) -> dict[tuple[str, frozenset], float]:
@@ -151,8 +167,7 @@ def test_thirty_abandoned_requests_are_counted_and_logged(tiny_model_and_tokeniz
                                       reason="client_disconnect")
             wait_until(lambda: cancelled() == n, 60, "every abandoned request to be counted")
             wait_until(lambda: gen.engine_load() == EngineLoad(0, 0), 30, "the engine to drop every row")
-            wait_until(lambda: "since the server started" in caplog.records[-1].getMessage()
-                       and caplog.records[-1].getMessage().startswith("20 more"), 10, "the summary line")
+            wait_until(lambda: cancel_lines(caplog)[-1].startswith("20 more"), 10, "the summary line")
             samples = scrape(server)
     finally:
         gen.shutdown()
@@ -163,7 +178,7 @@ def test_thirty_abandoned_requests_are_counted_and_logged(tiny_model_and_tokeniz
     assert (value(samples, "num_requests_running"), value(samples, "num_requests_waiting")) == (0, 0)
     assert value(samples, "requests_in_progress") == 0
     assert gen.num_cancelled == n
-    lines = [r.getMessage() for r in caplog.records if r.name == "nemo_rl_ext.serving.server_metrics"]
+    lines = cancel_lines(caplog)
     print("\n".join(lines[-3:]))
     singles = [line for line in lines if line.startswith(f"{CHAT} cancelled after")]
     assert len(singles) == 10 and all("the client went away" in line for line in singles), lines
@@ -175,21 +190,10 @@ def test_thirty_abandoned_requests_are_counted_and_logged(tiny_model_and_tokeniz
     assert len(lines) == 11, lines
 
 
-class SlowStepHfGeneration(HfGeneration):
-    """The hf backend with every forward pass slowed by `step_s`, so a generation outlasts a deadline."""
-
-    step_s = 0.02
-
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        time.sleep(self.step_s)
-        return super()._forward(*args, **kwargs)
-
-
 def test_a_request_past_its_deadline_is_counted_as_cancelled(tiny_model_and_tokenizer, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="nemo_rl_ext.serving.server_metrics")
-    model, tokenizer = tiny_model_and_tokenizer
-    slow = SlowStepHfGeneration(model, tokenizer, max_model_len=4096)
-    slow._eos_ids = frozenset({-1})
+    _, tokenizer = tiny_model_and_tokenizer
+    slow = long_running(tiny_model_and_tokenizer)
     try:
         with PolicyServer(slow, tokenizer, request_timeout_s=0.5) as server:
             answer = post(server, CHAT, {"messages": QUESTION, "max_tokens": 3000})
@@ -201,7 +205,7 @@ def test_a_request_past_its_deadline_is_counted_as_cancelled(tiny_model_and_toke
     assert value(samples, "requests_total", route=CHAT, status="504") == 1
     assert value(samples, "request_errors_total", route=CHAT, type="TimeoutError") == 1
     assert value(samples, "e2e_request_latency_seconds_count") == 0
-    lines = [r.getMessage() for r in caplog.records if r.name == "nemo_rl_ext.serving.server_metrics"]
+    lines = cancel_lines(caplog)
     assert len(lines) == 1 and "(request_timeout_s passed); 1 requests cancelled" in lines[0], lines
 
 
