@@ -177,7 +177,7 @@ class CancelLog:
         if self._lines < self.burst:
             self._lines += 1
             why = "the client went away" if reason == "client_disconnect" else "request_timeout_s passed"
-            logger.warning("%s cancelled after %.2f s (%s); %d requests cancelled since the server started",
+            logger.warning("%s cancelled after %.2f s (%s); %d cancelled since the server started",
                            route, elapsed_s, why, self.total)
             return
         self._held[reason] += 1
@@ -191,5 +191,5 @@ class CancelLog:
         held, self._held = self._held, Tally()
         if held:
             parts = ", ".join(f"{reason}: {n}" for reason, n in sorted(held.items()))
-            logger.warning("%d more requests cancelled in the last %.0f s (%s); %d requests cancelled since the "
+            logger.warning("%d more requests cancelled in the last %.0f s (%s); %d cancelled since the "
                            "server started", sum(held.values()), self.window_s, parts, self.total)
