@@ -126,8 +126,12 @@ def _read(options: Any, name: str, fields: Mapping[str, Any]) -> dict[str, Any]:
     get = options.get if isinstance(options, Mapping) else lambda k, d: getattr(options, k, d)
     values = {k: get(k, default) for k, default in fields.items()}
     missing = [k for k, v in values.items() if v is ...]
-    if missing:
-        raise ValueError(f"{name}: missing {', '.join(missing)} (got {options!r})")
+    problems = [f"missing {', '.join(missing)}"] if missing else []
+    unknown = sorted(set(options) - set(fields)) if isinstance(options, Mapping) else []
+    if unknown:
+        problems.append(f"unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(fields)})")
+    if problems:
+        raise ValueError(f"{name}: " + "; ".join(problems) + f" (got {options!r})")
     return values
 
 

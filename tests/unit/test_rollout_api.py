@@ -98,6 +98,7 @@ SIGNATURES = [
          ("generation_config", None), ("use_nemo_gym", False)],
     ),
     (RolloutManager, "run_rollout", [("input_sample", EMPTY)]),
+    (RolloutManager, "set_weight_version", [("version", EMPTY)]),
     (AsyncRolloutImpl, "run_rollout", [("input_sample", EMPTY)]),
     (AsyncNemoGymRolloutImpl, "run_rollout", [("input_sample", EMPTY)]),
     (AsyncRolloutImpl, "_run_single_rollout", [("input_sample", EMPTY), ("traj_idx", EMPTY)]),

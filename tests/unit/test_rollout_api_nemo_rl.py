@@ -300,6 +300,8 @@ def test_retry_budgets_we_do_not_have_are_named_in_one_not_implemented_error(tin
                                                "max_gym_row_attempts": 1})
     with pytest.raises(ValueError, match="retry_policy: missing max_gym_row_attempts"):
         native_manager_with(tok, retry_policy={"max_infra_attempts": 1, "max_data_attempts": 1})
+    with pytest.raises(ValueError, match=r"timeouts: unknown key\(s\) env_timeout \(known: rollout_s, generation_s, env_s\)"):
+        native_manager_with(tok, timeouts={"env_timeout": 5.0})
 
 
 # ---- mask_env_flagged_samples ------------------------------------------------------------------------
