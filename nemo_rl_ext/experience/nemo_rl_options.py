@@ -107,7 +107,7 @@ def apply_nemo_rl_options(
     if retry_policy is not None:
         fields = {"max_infra_attempts": ..., "max_data_attempts": ..., "max_gym_row_attempts": ..., **_RETRY_DEFAULTS}
         r = _read(retry_policy, "retry_policy", fields)
-        RolloutRetryPolicy(**r)  # its checks: attempt budgets >= 1
+        RolloutRetryPolicy(**r)  # its checks: budgets >= 1, delays and drop counts >= 0
         unsupported += _unsupported_retries(r)
         policy["generation_retries"] = (r["max_infra_attempts"] - 1, "retry_policy.max_infra_attempts - 1")
         policy["retry_backoff_s"] = (r["backoff_base_s"], "retry_policy.backoff_base_s")
@@ -115,7 +115,7 @@ def apply_nemo_rl_options(
             gym["max_attempts"] = (r["max_gym_row_attempts"], "retry_policy.max_gym_row_attempts")
     if mask_env_flagged_samples and use_nemo_gym:
         unsupported.append("mask_env_flagged_samples=True (Gym results flagged instance_config.mask_sample leave "
-                           "the loss): ours never reads the flag, as with False")
+                           "the loss): ours never reads the flag; pass False for that")
     if unsupported:
         raise NotImplementedError("RolloutManager: not implemented here: " + "; ".join(unsupported))
     return _with(fault_policy, policy, "fault_policy"), _gym_with(gym_config, gym)
