@@ -203,7 +203,7 @@ class GradingPool:
             if self._start_error is not None:
                 failed_at, error = self._start_error
                 if time.monotonic() - failed_at < RETRY_START_AFTER_S:
-                    raise error
+                    raise GradingUnavailableError(str(error)) from error.__cause__
             pool = ProcessPool(
                 max_workers=self.workers, initializer=_init_worker, initargs=(os.getpid(),), context=_GradingContext()
             )
@@ -242,6 +242,8 @@ class GradingPool:
 
     async def run(self, function: Callable[..., T], args: Sequence[Any], timeout_s: float) -> T:
         """`function(*args)` in a worker; TimeoutError after `timeout_s` of running (the worker is killed).
+
+        `function` must be importable by its module's name (workers never import `__main__`).
 
         GradingUnavailableError when the call could not run to its end for another reason (no worker could
         start, its worker died, the pool broke or stopped making progress). Cancelling the awaiting task
