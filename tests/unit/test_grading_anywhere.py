@@ -10,8 +10,10 @@ ones side by side, in a child process under a hard time limit, with a script tha
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +23,7 @@ import pytest
 
 from nemo_rl_ext.data.datasets import datum_from_messages
 from nemo_rl_ext.data.records import Message, StopReason
-from nemo_rl_ext.environments.grading_pool import GradingUnavailableError
+from nemo_rl_ext.environments.grading_pool import GradingPool, GradingUnavailableError
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
 from nemo_rl_ext.testing import KilledGradingMathEnvironment, ScriptedGeneration
@@ -96,7 +98,7 @@ CANNOT_START = """
 import multiprocessing, sys, time
 multiprocessing.set_executable("/bin/false")  # no process can be started: the forkserver exits at once
 from nemo_rl_ext.environments import MathEnvironment
-from nemo_rl_ext.environments.grading_pool import GradingUnavailableError
+from nemo_rl_ext.environments.grading_pool import GradingPool, GradingUnavailableError
 for attempt in range(2):
     start = time.monotonic()
     try:
@@ -165,3 +167,27 @@ async def test_a_worker_killed_mid_grade_makes_an_error_completion(tiny_model_an
     flag.unlink()  # the fault is gone: the same rollouts now score
     record = await manager.run_rollout(datum)
     assert [(c.stop_reason, c.reward, c.error) for c in record.completions] == [(StopReason.NATURAL, 1.0, None)] * 2
+
+
+@pytest.mark.timeout(120)
+async def test_grades_sent_to_a_pool_whose_workers_all_died_end_and_are_never_a_silent_zero() -> None:
+    """Every worker killed while idle breaks pebble's pool, and tasks still queued in it were never settled
+    (the 35-answer hang): now each grade ends within a deadline, right or with GradingUnavailableError."""
+    pool = GradingPool(workers=2)
+    try:
+        assert (await pool.grade(["\\boxed{1}"], ["1"], 30.0))[0].reward == 1.0
+        for pid in list(pool._pool._pool_manager.worker_manager.workers):  # pebble's own record of its workers
+            os.kill(pid, signal.SIGKILL)
+        answers, truths = [f"\\boxed{{{i}}}" for i in range(35)], [str(i) for i in range(35)]
+        start = time.monotonic()
+        try:
+            grades = await asyncio.wait_for(pool.grade(answers, truths, 30.0), 60.0)
+        except GradingUnavailableError as err:  # the pool broke under these grades: an error, not a 0
+            assert "grading pool broke" in str(err) or "worker died" in str(err), err
+        else:  # the pool was replaced before they were sent
+            assert [g.reward for g in grades] == [1.0] * 35
+        assert time.monotonic() - start < 30.0
+        grades = await asyncio.wait_for(pool.grade(answers, truths, 30.0), 60.0)
+        assert [g.reward for g in grades] == [1.0] * 35  # and the next grades are right
+    finally:
+        pool.shutdown()
