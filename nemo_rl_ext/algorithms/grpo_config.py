@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
+from nemo_rl_ext.algorithms.trainer_config import TrainerSettings, trainer_rule_problems
 from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, move_key, raw_field
 from nemo_rl_ext.experience.config import RolloutsConfig, rollouts_rule_problems
 from nemo_rl_ext.models.config import PolicyConfig
@@ -264,6 +265,7 @@ class GRPOConfig(CheckedConfig):
     grpo: GRPOSettings = Field(default_factory=GRPOSettings)
     loss: LossSettings = Field(default_factory=LossSettings)
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     data: DataSettings
     rollouts: GRPORollouts = Field(default_factory=GRPORollouts)
@@ -356,6 +358,8 @@ class GRPOConfig(CheckedConfig):
                     correction,
                 )
             )
+        device = raw_field(PolicyConfig, policy, "device") if isinstance(policy, Mapping) or policy is None else "cpu"
+        problems += trainer_rule_problems(data, "cpu" if device is INVALID else device)
         return problems
 
 
