@@ -113,7 +113,7 @@ def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch):
         rewards = [c.reward for c in record.completions]
         assert len(set(rewards)) > 1, rewards  # a group with signal
         got = batch.advantages[start : start + len(rewards)].tolist()
-        assert got == pytest.approx(nemo_rl_advantages(rewards), abs=1e-5), rewards
+        assert got == pytest.approx(nemo_rl_advantages(rewards), rel=1e-5, abs=1e-5), rewards
         for c, item in zip(record.completions, batch.items[start : start + len(rewards)], strict=True):
             # 1 exactly on the tokens the engine generated (assistant turns with logprobs), 0 on the rest
             expected_mask, expected_lp = [], []
@@ -125,5 +125,5 @@ def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch):
             assert sum(expected_mask) > 0 and expected_mask[0] == 0.0
             assert item.token_ids.tolist() == [t for m in c.message_log for t in m.token_ids]
             assert item.loss_mask.tolist() == expected_mask
-            assert item.generation_logprobs.tolist() == pytest.approx(expected_lp, abs=1e-6)
+            assert item.generation_logprobs.tolist() == pytest.approx(expected_lp, rel=1e-6, abs=1e-6)
         start += len(rewards)
