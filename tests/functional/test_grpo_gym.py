@@ -95,7 +95,7 @@ def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch):
         engine = grpo.generation.inner.model.state_dict()  # the hf engine's own copy of the weights
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert changed, "the GRPO step left every weight unchanged"
-    assert all(torch.equal(engine[k], after[k]) for k in changed)  # the engine got the new weights
+    assert all(torch.equal(engine[k], after[k]) for k in changed)  # the engine got the new weights (a copy: bit-exact)
     (step,) = read_metrics(Path(cfg.output_dir) / "metrics.jsonl")
     # the first two rows alternate agents: 4 + 3 completions, scored by Gym (dense, so they differ)
     assert step["rollout/num_samples"] == 7

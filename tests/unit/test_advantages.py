@@ -194,6 +194,7 @@ def test_failed_rollouts_do_not_pull_siblings_down() -> None:
     rewards, valid = [1.0, 1.0, 0.0, 0.0], [True, True, True, False]
     (with_mask,) = compute_group_advantages([rewards], valid_per_group=[valid], dtype=torch.float64)
     (without_error,) = compute_group_advantages([rewards[:3]], dtype=torch.float64)
+    # bit-exact: 0/1 rewards make every sum exact, so the masked (4-wide) and the 3-wide reductions cannot differ
     assert with_mask[:3].tolist() == without_error.tolist() and with_mask[3].item() == 0.0
     assert with_mask.tolist() == pytest.approx(nemo_rl_advantages(rewards, valid), rel=1e-9, abs=1e-9)
     # counted as a 0 (the old behaviour), it moves every sibling's advantage: 1 -> 1.1547, 0 -> -0.8660
