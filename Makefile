@@ -16,7 +16,7 @@ help:
 	@echo "make demo   - set up .venv, run the SmolLM2 demo and a SmolLM2 eval (pass@k table) on shipped arithmetic"
 	@echo "make grpo-demo - set up .venv and run a short GRPO on SmolLM2 (shipped arithmetic), reward per step"
 	@echo "make test   - set up .venv, run ruff, the whole test suite and the numerics check"
-	@echo "make numerics - the float-comparing unit tests again under other CPU kernels (25-55 s)"
+	@echo "make numerics - the float-comparing unit tests again under other CPU kernels (15-50 s)"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,10 +63,11 @@ unit: setup
 # checkpoints run again, one torch thread, under other kernels than this machine's own: ATen's AVX2 kernels
 # (ATEN_CPU_CAPABILITY) and MKL's generic GEMM code path (MKL_CBWR=COMPATIBLE; ignored where torch has no MKL).
 # If that fails, the same files run under ATEN_CPU_CAPABILITY=default with 2 torch threads, to say whether the
-# failure is specific to those kernels. 25 s on an idle 2-core machine, 45-55 s when it is busy.
+# failure is specific to those kernels. 15-20 s on 2 cores, about 50 s when they are busy (load average 8).
 NUMERICS_TESTS := tests/unit/test_trainer_logprobs.py tests/unit/test_grpo_trainer.py tests/unit/test_loss.py \
-	tests/unit/test_advantages.py tests/unit/test_grpo_checkpoint.py tests/unit/test_hf_backend_weights.py \
-	tests/unit/test_hf_backend_faults.py tests/unit/test_hf_backend_continuous.py tests/unit/test_generation_contract.py
+	tests/unit/test_kl_gradient.py tests/unit/test_advantages.py tests/unit/test_grpo_checkpoint.py \
+	tests/unit/test_hf_backend_weights.py tests/unit/test_hf_backend_faults.py tests/unit/test_hf_backend_continuous.py \
+	tests/unit/test_generation_contract.py
 numerics: setup
 	@echo "numerics check: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
 	@if ( export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1; \
