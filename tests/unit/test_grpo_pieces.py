@@ -158,7 +158,7 @@ def test_training_batch_defaults_are_nemo_rl_and_errors_are_left_out():
         0.0,
         0.0, 0.0,
     ]
-    assert batch.advantages.tolist() == pytest.approx(expected, abs=1e-6)
+    assert batch.advantages.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
     assert batch.group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 3, 3]
     assert batch.valid.tolist() == [True, True, True, False, True, True, True, True, True, False]
     # failed rollouts get no loss and count in no normalization: their loss mask is all zero
