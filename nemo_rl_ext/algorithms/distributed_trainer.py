@@ -239,7 +239,9 @@ class _CheckpointModel:
     def save_pretrained(self, path: str | Path) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        layout = self._trainer._layout
         state = self._trainer.state_dict()
+        state = {name: state[name] for name, _, tied in layout if tied is None}  # a tied alias is not saved twice
         config = AutoConfig.from_pretrained(self._trainer.spec.model_path)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self._trainer.spec.dtype))

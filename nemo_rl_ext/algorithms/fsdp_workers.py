@@ -237,10 +237,13 @@ class TrainerRank:
 
     def tensor_sizes(self) -> list[tuple[str, int, str | None]]:
         """The policy's state-dict entries in order: (name, bytes, the earlier name it is tied to, or None)."""
-        seen: dict[int, str] = {}
+        first: dict[int, str] = {}
+        alias = {}  # tied parameters (an LM head sharing the embedding): the state dict holds two DTensor views
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            alias[name] = first.setdefault(id(param), name)
         out = []
         for name, tensor in self.model.state_dict().items():
-            tied = seen.setdefault(id(tensor), name)
+            tied = alias.get(name, name)
             out.append((name, tensor.numel() * tensor.element_size(), None if tied == name else tied))
         return out
 
