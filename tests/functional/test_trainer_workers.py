@@ -115,7 +115,7 @@ def test_two_fsdp2_ranks_train_as_one_process_does(config_file: Path, tmp_path: 
                 continue
             # weights up to 0.23; measured at most 1.2e-6 apart (elsewhere much less): 1e-5 relative, plus
             # 2e-6 absolute for the weights near 0 (lr is 3e-3: a wrong update would be ~1e-3 off)
-            torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=2e-6, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=2e-6, msg=lambda m, step=step: f"step {step}: {m}")
 
 
 @pytest.mark.timeout(300)
