@@ -86,6 +86,7 @@ class DistributedTrainer:
             self._call([(r.setup, (master["ip"], master["port"], spec)) for r in self._ranks],
                        timeout_s=START_TIMEOUT_S)
             self._layout = self._call([(self._ranks[0].tensor_sizes, ())])[0]
+            self._param_names = self._call([(self._ranks[0].trained_names, ())])[0]
         except BaseException:
             self.close()
             raise
@@ -252,23 +253,35 @@ class _CheckpointModel:
 
 
 class _CheckpointOptimizer:
-    """`trainer.optimizer` for checkpoints: the full AdamW state keyed by parameter name."""
+    """`trainer.optimizer` for checkpoints: the full AdamW state in torch's own layout, parameters numbered in
+    `named_parameters()` order, as the in-process trainer's optimizer saves it; so a checkpoint resumes onto any
+    worker count."""
 
     def __init__(self, trainer: DistributedTrainer) -> None:
         self._trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
         t = self._trainer
-        return t._call([(rank.optimizer_state, ()) for rank in t._ranks])[0]
+        full = t._call([(rank.optimizer_state, ()) for rank in t._ranks])[0]
+        names = t._param_names
+        (hyper,) = full["param_groups"]
+        return {
+            "state": {i: full["state"][name] for i, name in enumerate(names) if name in full["state"]},
+            "param_groups": [{**hyper, "params": list(range(len(names)))}],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         import ray
 
         t = self._trainer
-        if any(isinstance(k, int) for k in state.get("state", {})):
-            raise ConfigError("this checkpoint's optimizer state was written by one in-process trainer "
-                              "(trainer.workers: 1); resume it with trainer.workers: 1")
-        ref = ray.put(dict(state))
+        names = t._param_names
+        (group,) = state["param_groups"]
+        if len(group["params"]) != len(names):
+            raise ConfigError(f"the checkpoint's optimizer state has {len(group['params'])} parameters, "
+                              f"the model {len(names)}")
+        full = {"state": {names[int(i)]: value for i, value in state["state"].items()},
+                "param_groups": [{k: v for k, v in group.items() if k != "params"}]}
+        ref = ray.put(full)
         t._call([(rank.load_optimizer_state, (ref,)) for rank in t._ranks])
 
 

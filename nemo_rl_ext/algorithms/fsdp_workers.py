@@ -247,6 +247,10 @@ class TrainerRank:
             out.append((name, tensor.numel() * tensor.element_size(), None if tied == name else tied))
         return out
 
+    def trained_names(self) -> list[str]:
+        """The names of the trained parameters, in the order an optimizer over `model.parameters()` numbers them."""
+        return [name for name, param in self.model.named_parameters() if param.requires_grad]
+
     def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor] | None:
         """The full tensors of `names` (one all-gather each): on rank 0, on the CPU; None on the others."""
         from torch.distributed.tensor import DTensor

@@ -39,6 +39,8 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "policy.max_batch_size",
     "policy.hf",
     "policy.cluster",
+    "trainer.workers",
+    "trainer.worker",
     "rollouts.gym.head_server_url",
     "rollouts.gym.agent_urls",
     "rollouts.gym.policy_host",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -82,10 +83,19 @@ def _run(config_file: Path, out: Path, workers: int) -> tuple[list[dict], int]:
     return read_metrics(out / "metrics.jsonl"), models
 
 
+@pytest.fixture(scope="module")
+def runs(config_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, list[dict], int]]:
+    """3 steps with 1 worker and with 2: {workers: (output_dir, step metrics, causal LMs in this process)}."""
+    out = {}
+    for workers in (1, 2):
+        folder = tmp_path_factory.mktemp(f"workers_{workers}")
+        out[workers] = (folder, *_run(config_file, folder, workers))
+    return out
+
+
 @pytest.mark.timeout(600)
-def test_two_fsdp2_ranks_train_as_one_process_does(config_file: Path, tmp_path: Path) -> None:
-    one, models_one = _run(config_file, tmp_path / "one", 1)
-    two, models_two = _run(config_file, tmp_path / "two", 2)
+def test_two_fsdp2_ranks_train_as_one_process_does(runs: dict, tmp_path: Path) -> None:
+    (dir_one, one, models_one), (dir_two, two, models_two) = runs[1], runs[2]
     # the driver of 2 ranks holds the engine's model only; the in-process run holds policy, reference and engine
     assert (models_one, models_two) == (3, 1)
     assert len(one) == len(two) == 3
@@ -100,10 +110,11 @@ def test_two_fsdp2_ranks_train_as_one_process_does(config_file: Path, tmp_path: 
         assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
         assert b["refit/bytes"] > 0 and b["refit/seconds"] > 0 and "refit/bytes" not in a
     for step in (1, 2, 3):
-        w1 = load_file(tmp_path / "one" / "checkpoints" / f"step_{step:08d}" / "policy" / "model.safetensors")
-        w2 = load_file(tmp_path / "two" / "checkpoints" / f"step_{step:08d}" / "policy" / "model.safetensors")
+        w1 = load_file(dir_one / "checkpoints" / f"step_{step:08d}" / "policy" / "model.safetensors")
+        w2 = load_file(dir_two / "checkpoints" / f"step_{step:08d}" / "policy" / "model.safetensors")
         assert w1.keys() == w2.keys()
-        initial = load_file(Path(load_config(config_file, [], GRPOConfig).policy.model_name) / "model.safetensors")
+        initial = load_file(Path(load_config(dir_one / "config.yaml", [], GRPOConfig).policy.model_name)
+                            / "model.safetensors")
         moved = [k for k in w1 if not torch.equal(w1[k], initial[k])]
         assert len(moved) > len(w1) // 2  # trained: the comparison below compares updates
         for name in w1:
@@ -116,6 +127,31 @@ def test_two_fsdp2_ranks_train_as_one_process_does(config_file: Path, tmp_path: 
             # weights up to 0.23; measured at most 1.2e-6 apart (elsewhere much less): 1e-5 relative, plus
             # 2e-6 absolute for the weights near 0 (lr is 3e-3: a wrong update would be ~1e-3 off)
             torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=2e-6, msg=lambda m, step=step: f"step {step}: {m}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_onto_another_worker_count(runs: dict, saved_by: int, resumed_by: int,
+                                                        tmp_path: Path) -> None:
+    """Step 2's checkpoint of one run, resumed with the other worker count: its step 3 is the uninterrupted
+    runs' step 3 (the same rollouts; train/ metrics as close as 1 and 2 workers always are)."""
+    source, _, _ = runs[saved_by]
+    out = tmp_path / "resumed"
+    shutil.copytree(source, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    cfg = load_config(out / "config.yaml", [f"output_dir={out}", "resume=true", f"trainer.workers={resumed_by}"],
+                      GRPOConfig)
+    with GRPO(cfg) as grpo:
+        assert grpo.step == 2
+        grpo.run()
+    (resumed,) = [m for m in read_metrics(out / "metrics.jsonl") if m["step"] == 3]
+    for workers in (1, 2):
+        (expected,) = [m for m in runs[workers][1] if m["step"] == 3]
+        for key, value in expected.items():
+            if key.startswith("train/"):
+                assert resumed[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (workers, key)
+            elif key.startswith("rollout/") and "time_s" not in key:  # what the sampled tokens decide
+                assert resumed[key] == value, (workers, key)
 
 
 @pytest.mark.timeout(300)
@@ -200,7 +236,13 @@ def test_uneven_micro_batches_logprobs_and_optimizer_state_match_the_in_process_
         assert gathered.keys() == weights.keys()
         assert gathered["lm_head.weight"] is gathered["model.embed_tokens.weight"]  # tied: gathered once
         state = ranks.optimizer.state_dict()
-        assert set(state["state"]) == {n for n, p in model.named_parameters()}
+        local_state = local.optimizer.state_dict()  # torch's layout: the same on one process and on ranks
+        assert state["state"].keys() == local_state["state"].keys()
+        assert state["param_groups"] == local_state["param_groups"]
+        for i, entry in state["state"].items():
+            assert entry.keys() == local_state["state"][i].keys()
+            assert torch.equal(entry["step"], local_state["state"][i]["step"])
+        local.optimizer.load_state_dict(state)  # what a resume from 2 workers onto 1 does
         ranks.train_step(items, advantages)  # moves the optimizer state on; loading puts it back
         ranks.optimizer.load_state_dict(state)
         again = ranks.optimizer.state_dict()
