@@ -42,16 +42,22 @@ class TrainerWorkerError(RuntimeError):
     """A trainer rank died or failed; the message names it, its process and its node."""
 
 
-def check_trainer_resources(settings: TrainerSettings, resources: Mapping[str, float]) -> None:
-    """ConfigError when the cluster (`ray.cluster_resources()`) can never hold `settings.workers` ranks."""
+def check_trainer_resources(
+    settings: TrainerSettings, resources: Mapping[str, float], pool: ClusterConfig | None = None
+) -> None:
+    """ConfigError when the cluster (`ray.cluster_resources()`) can never hold `settings.workers` ranks, next to
+    the generation pool's replicas when `pool` (`policy.cluster`) puts them on the same Ray."""
     problems = []
     for key, per_rank in (("CPU", settings.worker.num_cpus), ("GPU", settings.worker.num_gpus)):
+        field = f"num_{key.lower()}s"
         need, have = settings.workers * per_rank, float(resources.get(key, 0.0))
+        what = f"trainer.workers={settings.workers} x trainer.worker.{field}={per_rank:g}"
+        per_replica = getattr(pool.replica, field) if pool is not None else 0.0
+        if per_replica:
+            need += pool.num_replicas * per_replica
+            what += f" + policy.cluster.num_replicas={pool.num_replicas} x policy.cluster.replica.{field}={per_replica:g}"
         if need > have:
-            problems.append(
-                f"trainer.workers={settings.workers} x trainer.worker.num_{key.lower()}s={per_rank:g} needs {need:g} "
-                f"{key}s, the Ray cluster has {have:g}"
-            )
+            problems.append(f"{what} needs {need:g} {key}s, the Ray cluster has {have:g}")
     if problems:
         raise ConfigError("the trainer's ranks can't be placed:\n  - " + "\n  - ".join(problems))
 
@@ -63,7 +69,7 @@ class DistributedTrainer:
         import ray
 
         self._owns_ray = init_ray(cluster)
-        check_trainer_resources(settings, ray.cluster_resources())
+        check_trainer_resources(settings, ray.cluster_resources(), cluster)
         self.spec = spec
         self.settings = spec.optimizer
         self.loss_config = spec.loss

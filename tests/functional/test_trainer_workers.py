@@ -10,6 +10,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from child_env import one_thread_env
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
@@ -26,6 +29,7 @@ from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.algorithms.metrics_logger import read_metrics
 from nemo_rl_ext.config import ConfigError, load_config
 
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "local_ray")
 WORDS = ("apple", "river", "blue", "seven", "cat", "hello", "tree", "water")
 
@@ -251,3 +255,45 @@ def test_uneven_micro_batches_logprobs_and_optimizer_state_match_the_in_process_
                 assert torch.equal(again["state"][name][key], value), (name, key)
     finally:
         ranks.close()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_checkpoints_and_leaves_no_trainer_rank_behind(config_file: Path, tmp_path: Path) -> None:
+    """examples/run_grpo.py with 2 ranks on its own local Ray (2 cores here): SIGTERM after step 1 exits 143 with a resumable
+    checkpoint, and every rank process (and the rest of that Ray) is gone."""
+    import psutil
+    from gym_processes import descendants, wait_until_gone
+
+    from nemo_rl_ext.algorithms.checkpoint import latest_checkpoint, load_checkpoint
+
+    cmd = [sys.executable, str(REPO / "examples" / "run_grpo.py"), "--config", str(config_file),
+           f"output_dir={tmp_path}", "trainer.workers=2",  # policy.cluster null: a local Ray of every core
+           "grpo.max_num_steps=100", "grpo.save_period=0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics_file = tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not any(m.get("step", 0) >= 1 for m in read_metrics(metrics_file)):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no step 1 after 180 s"
+            time.sleep(0.05)
+        ranks = [pid for pid in descendants(proc.pid) if "TrainerRank" in " ".join(_cmdline(psutil, pid))]
+        everything = descendants(proc.pid)
+        assert len(ranks) == 2, [(pid, _cmdline(psutil, pid)) for pid in everything]
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert wait_until_gone(ranks, [], within_s=10) < 10, [pid for pid in ranks if psutil.pid_exists(pid)]
+    assert wait_until_gone(everything, [], within_s=20) < 20
+    assert load_checkpoint(latest_checkpoint(tmp_path / "checkpoints")).step >= 1
+
+
+def _cmdline(psutil, pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []

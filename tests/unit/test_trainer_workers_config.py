@@ -36,3 +36,14 @@ def test_more_ranks_than_the_cluster_holds_is_one_error_naming_every_short_resou
 def test_ranks_that_fit_pass_the_resource_check():
     check_trainer_resources(TrainerSettings(workers=4, worker={"num_cpus": 0.5}), {"CPU": 2.0})
     check_trainer_resources(TrainerSettings(workers=2, worker={"num_cpus": 1, "num_gpus": 1}), {"CPU": 8, "GPU": 2})
+
+
+def test_the_generation_pool_on_the_same_ray_counts_too():
+    from nemo_rl_ext.cluster import ClusterConfig
+
+    pool = ClusterConfig(num_replicas=2, replica={"num_cpus": 1})
+    with pytest.raises(ConfigError, match=r"trainer.workers=2 x trainer.worker.num_cpus=1 \+ policy.cluster."
+                                          r"num_replicas=2 x policy.cluster.replica.num_cpus=1 needs 4 CPUs, the Ray "
+                                          r"cluster has 3"):
+        check_trainer_resources(TrainerSettings(workers=2), {"CPU": 3.0}, pool)
+    check_trainer_resources(TrainerSettings(workers=2), {"CPU": 4.0}, pool)
