@@ -159,6 +159,24 @@ def test_a_checkpoint_resumes_onto_another_worker_count(runs: dict, saved_by: in
 
 
 @pytest.mark.timeout(300)
+def test_async_grpo_on_two_ranks_trains_as_one_process_does(config_file: Path, tmp_path: Path) -> None:
+    """`grpo.async` (max_lag 1): the trainer thread drives the ranks; the steps match one worker's."""
+    history = {}
+    for workers in (1, 2):
+        cfg = load_config(config_file, [f"output_dir={tmp_path / str(workers)}", f"trainer.workers={workers}",
+                                        "grpo.async.enabled=true", "grpo.async.max_lag=1", "grpo.save_period=0"],
+                          GRPOConfig)
+        with GRPO(cfg) as grpo:
+            history[workers] = grpo.run()
+    assert [m["step"] for m in history[2]] == [1, 2, 3]
+    for a, b in zip(history[1], history[2], strict=True):
+        assert b["train/optimizer_steps"] == 2 and b["refit/bytes"] > 0
+        assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
+        off = {k: (a[k], b[k]) for k in a if k.startswith("train/") and b[k] != pytest.approx(a[k], rel=1e-4, abs=1e-7)}
+        assert not off, off
+
+
+@pytest.mark.timeout(300)
 def test_a_rank_killed_mid_step_stops_the_run_naming_it(config_file: Path, tmp_path: Path) -> None:
     cfg = load_config(config_file, [f"output_dir={tmp_path}", "trainer.workers=2", "grpo.max_num_steps=20"],
                       GRPOConfig)
