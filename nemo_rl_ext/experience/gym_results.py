@@ -9,6 +9,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.data.records import Completion, Message, StopReason
+from nemo_rl_ext.experience.prompt_length import too_long_extras
 
 TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 GENERATED_TYPES = frozenset({"function_call", "reasoning"})
@@ -31,7 +32,9 @@ def result_to_completion(
 
     A model call the policy server refused for context length comes back from Gym as an empty assistant
     message without token ids and the response `incomplete`: the rollout is a truncated completion (with
-    the calls before it, possibly none, and Gym's reward), not an error.
+    the calls before it, possibly none, and Gym's reward), not an error. Refused at the first call (nothing
+    generated), the prompt alone was too long: the completion carries `records.PROMPT_TOO_LONG` (the prompt's
+    length unknown here: Gym does not pass the refusal on).
     """
     response = result.get("response") or {}
     messages: list[Message] = []
@@ -79,6 +82,9 @@ def result_to_completion(
     else:
         reason, error = (StopReason.TRUNCATED if incomplete else StopReason.NATURAL), None
     last_text = next((m.content for m in reversed(messages) if m.role == "assistant"), None)
+    extras: dict[str, Any] = {"answer": _final_answer(last_text), "gym_result": dict(result)}
+    if refused_for_length and turns == 0 and error is None:  # the first call refused: the prompt alone is too long
+        extras.update(too_long_extras(None, None))
     return Completion(
         message_log=tuple(messages),
         reward=0.0 if error else float(result.get("reward") or 0.0),
@@ -86,7 +92,7 @@ def result_to_completion(
         stop_reason=reason,
         num_turns=turns,
         agent_name=agent_name,
-        env_extras={"answer": _final_answer(last_text), "gym_result": dict(result)},
+        env_extras=extras,
         error=error,
     )
 
