@@ -253,8 +253,9 @@ class GymClient:
             return await post
         return await self._post_watched(post, agent, label)
 
-    async def _post_watched(self, call: Any, agent: str, label: str) -> httpx.Response:
-        """Await the request `call` unless a server the agent needs is found down first (GymServerDownError)."""
+    async def _post_watched(self, call: Any, agent: str, label: str, outcome: str = "not retried") -> httpx.Response:
+        """Await the request `call` unless a server the agent needs is found down first (GymServerDownError
+        ending in `outcome`)."""
         assert self.health is not None
         post = asyncio.ensure_future(call)
         watch = asyncio.ensure_future(self.health.wait_down(self.health.closure(agent)))
@@ -265,7 +266,7 @@ class GymClient:
                 task.cancel()
         if post.done() and not post.cancelled():
             return post.result()
-        raise GymServerDownError(f"{label} (agent {agent!r}): {watch.result()}; not retried")
+        raise GymServerDownError(f"{label} (agent {agent!r}): {watch.result()}; {outcome}")
 
     async def run(self, row: Mapping[str, Any], label: str = "row") -> dict[str, Any]:
         """POST one row to its agent's `/run` and return the result, retrying failures."""
@@ -325,7 +326,7 @@ class GymClient:
             else:
                 async with self.health.watching():
                     post = asyncio.wait_for(call, self.aggregate_timeout_s)
-                    response = await self._post_watched(post, agent, label)
+                    response = await self._post_watched(post, agent, label, "abandoned")
         except (TimeoutError, httpx.TimeoutException):
             raise GymError(f"{url} did not answer within gym.aggregate_timeout_s={self.aggregate_timeout_s:g}") from None
         if response.status_code != 200:
