@@ -42,10 +42,11 @@ def result_to_completion(
     last_call: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     previous_type = None
     last_generated_has_ids: bool | None = None  # None: no generated item at all
+    last_generated: Mapping[str, Any] = {}
     for n, item in enumerate(response.get("output") or []):
         has_ids = all(item.get(k) is not None for k in TOKEN_KEYS)
         if _is_generated(item):
-            last_generated_has_ids = has_ids
+            last_generated_has_ids, last_generated = has_ids, item
         else:  # what came in between calls (a tool output, a user message) names the ids in between
             previous_type = item.get("type", previous_type)
         if not has_ids:
@@ -83,7 +84,8 @@ def result_to_completion(
         reason, error = (StopReason.TRUNCATED if incomplete else StopReason.NATURAL), None
     last_text = next((m.content for m in reversed(messages) if m.role == "assistant"), None)
     extras: dict[str, Any] = {"answer": _final_answer(last_text), "gym_result": dict(result)}
-    if refused_for_length and turns == 0 and error is None:  # the first call refused: the prompt alone is too long
+    if refused_for_length and turns == 0 and error is None and _is_placeholder(last_generated):
+        # the first call refused (Gym's empty stand-in, not a reply without ids): the prompt alone is too long
         extras.update(too_long_extras(None, None))
     return Completion(
         message_log=tuple(messages),
@@ -94,6 +96,18 @@ def result_to_completion(
         agent_name=agent_name,
         env_extras=extras,
         error=error,
+    )
+
+
+def _is_placeholder(item: Mapping[str, Any]) -> bool:
+    """True for the assistant message Gym puts in place of a refused model call: no text at all."""
+    if item.get("type") != "message":
+        return False
+    content = item.get("content")
+    if content is None or content == "":
+        return True
+    return isinstance(content, list) and not any(
+        isinstance(part, Mapping) and part.get("text") for part in content
     )
 
 

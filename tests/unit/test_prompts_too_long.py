@@ -124,3 +124,15 @@ async def test_the_policy_server_records_the_prompts_it_refuses_for_context_leng
     assert short["object"] == "chat.completion"  # a prompt with room is served as before
     assert min(lengths) >= MAX_MODEL_LEN
     assert (service.refused_prompts.count, service.refused_prompts.longest) == (2, max(lengths))
+
+
+def test_a_reply_without_token_ids_is_not_taken_for_a_refused_prompt(tiny_model_and_tokenizer):
+    """A model server that returns no token ids (return_token_id_information off) and hit max_output_tokens
+    also leaves an incomplete result without ids; only Gym's empty stand-in for a refused call counts."""
+    _, tok = tiny_model_and_tokenizer
+    result = refused_result()
+    result["response"]["output"][0]["content"] = [{"type": "output_text", "text": "The answer is", "annotations": []}]
+    assert PROMPT_TOO_LONG not in result_to_completion(result, "a", tok).env_extras
+    null = refused_result()
+    null["response"]["output"][0]["content"] = None  # Gym sends content null too
+    assert PROMPT_TOO_LONG in result_to_completion(null, "a", tok).env_extras
