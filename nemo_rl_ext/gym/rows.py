@@ -38,6 +38,11 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 """Known `responses_create_params` fields other than `input` -> (JSON types, what to say). null is allowed."""
 
+CONTENT_PART_TYPES = ("input_text", "input_image", "input_file", "input_audio", "output_text", "refusal")
+"""The `type` of a message's content part (the Responses API's)."""
+TEXT_PARTS = ("input_text", "output_text")
+"""Content parts whose `text` must be a string."""
+
 ITEM_STRING_FIELDS: dict[str, tuple[str, ...]] = {
     "function_call": ("name", "arguments", "call_id"),
     "function_call_output": ("call_id",),
@@ -65,9 +70,11 @@ def _item_problem(i: int, item: Any) -> str | None:
             return f"{where}.role must be one of {list(ROLES)}, got {_shown(item.get('role'))}"
         content = item.get("content")
         if isinstance(content, list):
-            bad = [j for j, part in enumerate(content) if not (isinstance(part, dict) and isinstance(part.get("type"), str))]
-            if bad:
-                return f"{where}.content[{bad[0]}] must be an object with a string 'type', got {_shown(content[bad[0]])}"
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") in CONTENT_PART_TYPES):
+                    return f"{where}.content[{j}] must be an object with a 'type' in {list(CONTENT_PART_TYPES)}, got {_shown(part)}"
+                if part["type"] in TEXT_PARTS and not isinstance(part.get("text"), str):
+                    return f"{where}.content[{j}].text must be a string, got {_shown(part.get('text'))}"
         elif not isinstance(content, str):
             return f"{where}.content must be a string or a list of content parts, got {_shown(content)}"
         return None

@@ -81,6 +81,11 @@ def test_the_row_check_knows_the_responses_api_shapes():
         "bad role": ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role must be one of"),
         "bad content": ({"input": [{"role": "user", "content": 7}]}, "input[0].content must be a string or a list"),
         "untyped part": ({"input": [{"role": "user", "content": ["x"]}]}, "input[0].content[0] must be an object"),
+        # real Gym 0.7.0 answered this one 422 (seen through the eval CLI: a data error, exit 2)
+        "unknown part": ({"input": [{"role": "user", "content": [{"type": "bogus_part"}]}]},
+                         "input[0].content[0] must be an object with a 'type' in ['input_text'"),
+        "part text": ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]},
+                      "input[0].content[0].text must be a string, got 3"),
         "no role or type": ({"input": [{"text": "x"}]}, "input[0] needs a 'role'"),
         "call arguments": ({"input": [{"type": "function_call", "name": "f", "arguments": {}, "call_id": "c"}]},
                            "input[0].arguments of a function_call item must be a string"),
