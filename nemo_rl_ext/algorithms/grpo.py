@@ -64,6 +64,7 @@ from nemo_rl_ext.algorithms.grpo_config import (
     GRPOConfig,
     async_wedge_warning,
     input_problems,
+    saved_config_settings,
 )
 from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
@@ -235,7 +236,7 @@ class GRPO:
         saved = checkpoint.extra.get("config")
         if saved:  # a config saved in an older spelling compares by its settings
             try:
-                saved = GRPOConfig.model_validate(saved).model_dump(mode="json")
+                saved = GRPOConfig.model_validate(saved_config_settings(saved)).model_dump(mode="json")
             except ValueError:
                 pass
         changes = (

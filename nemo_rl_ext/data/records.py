@@ -144,6 +144,11 @@ class DatumSpec:
     """Agent the row belongs to; None means the task name is the agent."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     """Anything else the row carried."""
+    stop_strings: tuple[str, ...] | None = None
+    """Stop strings of every model turn the environment names none for (NeMo-RL's `stop_strings`); None: the
+    generation config's."""
+    loss_multiplier: float = 1.0
+    """Weight of the row's tokens in the training loss (NeMo-RL's): its record carries it; 0 leaves it out."""
 
     @property
     def agent(self) -> str:

@@ -1,7 +1,8 @@
 """The eval report: a metric table (printed and in Markdown), a PNG of pass@k against k per agent, the reward
 profile per task (a Markdown table and `reward_profile.png`) and the per-prompt difficulty file.
 
-The table has a row per key of every metric in `metric_defs()` (the list aggregation iterates too), and the
+The table has a row per key of every metric in `metric_defs()` (the list aggregation iterates too) that is
+`in_report`, or of those `eval.metrics` lists (`EvalSummary.report_metrics`), and the
 reward-profile table a row per metric the profile carries (its `in_profile` ones), so a registered metric shows
 up in both without editing this module.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nemo_rl_ext.evals.metrics import metric_defs
+from nemo_rl_ext.evals.metrics import MetricDef, metric_defs
 from nemo_rl_ext.evals.profile import (
     DIFFICULTY_BINS,
     DIFFICULTY_FILE,
@@ -32,9 +33,18 @@ def _columns(summary: EvalSummary) -> list[tuple[str, str]]:
     return [("all", "")] + [(a, f"agent/{a}/") for a in agents]
 
 
+def shown_metrics(summary: EvalSummary) -> list[MetricDef]:
+    """The metrics of the table: `summary.report_metrics` (`eval.metrics`) in its order, else every `in_report`
+    one (a name no longer registered is left out)."""
+    if summary.report_metrics is None:
+        return [m for m in metric_defs() if m.in_report]
+    defs = {m.name: m for m in metric_defs()}
+    return [defs[name] for name in summary.report_metrics if name in defs]
+
+
 def _metric_keys(summary: EvalSummary) -> list[tuple[str, str]]:
-    """(key, format spec) of each table row: every reported metric, each k of a per-k one."""
-    return [(key, m.report_format) for m in metric_defs() if m.in_report for key in m.keys(summary.ks)]
+    """(key, format spec) of each table row: every shown metric, each k of a per-k one."""
+    return [(key, m.report_format) for m in shown_metrics(summary) for key in m.keys(summary.ks)]
 
 
 def _cell(metrics: Mapping[str, float], key: str, spec: str) -> str:
@@ -349,8 +359,15 @@ def plot_reward_profile(summary: EvalSummary, path: Any) -> None:
         plt.close(fig)
 
 
+def definition_lines(summary: EvalSummary) -> list[str]:
+    """One line per metric of the table that has a description: its key and what it measures."""
+    return [f"- `{m.name}@k`: {m.description}" if m.per_k else f"- `{m.name}`: {m.description}"
+            for m in shown_metrics(summary) if m.description]
+
+
 def markdown_report(summary: EvalSummary, plot_name: str) -> str:
-    """A short Markdown summary: what was run, the metric table and the plot, the reward profile."""
+    """A short Markdown summary: what was run, the metric table and what each metric is, the plot, the reward
+    profile."""
     table = _markdown_table(*metric_rows(summary))
     stops = ", ".join(f"{k}: {v}" for k, v in summary.stop_reasons.items())
     note = error_note(summary, max_listed=20)
@@ -369,6 +386,8 @@ def markdown_report(summary: EvalSummary, plot_name: str) -> str:
             *(["", f"**{prompt_length_note(summary)}**"] if summary.num_prompts_too_long else []),
             "",
             *table,
+            "",
+            *definition_lines(summary),
             "",
             f"![pass@k against k]({plot_name})",
             *profile_lines(summary),

@@ -39,7 +39,7 @@ from nemo_rl_ext.evals.lines import CompletionLine
 
 RESUME_MAY_CHANGE = frozenset(
     {"eval.num_prompts", "eval.max_concurrent_prompts", "eval.max_error_rate", "policy.max_batch_size", "policy.hf",
-     "policy.cluster", "rollouts.env.remote", "eval.ray_workers", "eval.ray_lease_timeout_s"}
+     "policy.cluster", "rollouts.env.remote", "eval.ray_workers", "eval.ray_lease_timeout_s", "eval.metrics"}
 )
 """Config keys that may differ between a run and its resumption (they change no completion)."""
 

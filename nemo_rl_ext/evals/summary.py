@@ -118,6 +118,9 @@ class EvalSummary(JsonView):
     """nemo_gym mode: agent -> Gym's own `/aggregate_metrics` answer (or its error); None otherwise."""
     profile: RewardProfile | None = None
     """The per-task reward profile (profile.py); None for a summary written before it existed."""
+    report_metrics: tuple[str, ...] | None = None
+    """The metrics the table shows, in order (`eval.metrics`); None: the default (every metric with `in_report`).
+    `metrics` has every metric either way."""
     num_data_errors: int = 0
     """Of `num_errors`, the pairs whose row was refused as malformed (Gym's HTTP 4xx): not infrastructure,
     not retried by a resume, and not judged against `max_error_rate` (the CLI exits 2 naming the rows)."""
@@ -131,7 +134,7 @@ class EvalSummary(JsonView):
 
     def to_json(self) -> dict[str, Any]:
         """The summary.json object (the older keys in their order, then the data-error and prompt-length counts;
-        `gym_metrics`, then `profile`, when set)."""
+        `gym_metrics`, `profile`, `report_metrics`, when set)."""
         out: dict[str, Any] = {
             "rollout_mode": self.rollout_mode,
             "model": self.model,
@@ -159,6 +162,8 @@ class EvalSummary(JsonView):
             out["gym_metrics"] = {agent: m.to_json() for agent, m in self.gym_metrics.items()}
         if self.profile is not None:
             out["profile"] = self.profile.to_json()
+        if self.report_metrics is not None:
+            out["report_metrics"] = list(self.report_metrics)
         return out
 
     @classmethod
@@ -173,6 +178,7 @@ class EvalSummary(JsonView):
                 "error_samples": tuple(ErrorSample(**e) for e in obj["error_samples"]),
                 "data_error_rows": tuple(obj.get("data_error_rows", ())),
                 "profile": None if obj.get("profile") is None else RewardProfile.from_json(obj["profile"]),
+                "report_metrics": None if obj.get("report_metrics") is None else tuple(obj["report_metrics"]),
                 "gym_metrics": None if obj.get("gym_metrics") is None else {
                     agent: GymAgentMetrics.from_json(entry) for agent, entry in obj["gym_metrics"].items()
                 },
@@ -257,4 +263,5 @@ def summarize(
             groups, ks, cfg.eval.reward_threshold, metrics,
             read_timings(store.path.parent) if timings is None else timings,
         ),
+        report_metrics=cfg.eval.metrics,
     )

@@ -248,6 +248,9 @@ class AsyncNemoGymRolloutImpl:
 
     async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
         """Send the prompt's N rows (N from the per-agent counts) to its Gym agent as one batch; one record."""
+        if input_sample.stop_strings:
+            raise ValueError(f"row {input_sample.idx}: stop_strings must be empty with NeMo Gym (agents own the "
+                             f"turns), got {list(input_sample.stop_strings)}")
         inputs = self._build_inputs(input_sample)
         agent = agent_name_of(inputs[0])
         known = await (await self.client()).agent_urls()
@@ -263,6 +266,7 @@ class AsyncNemoGymRolloutImpl:
             metadata=input_sample.metadata,
             completions=tuple(completions),
             rollout_metrics=metrics,
+            loss_multiplier=input_sample.loss_multiplier,
             agent_name=agent,
         )
 

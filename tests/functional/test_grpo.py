@@ -68,6 +68,8 @@ def config_file(soft_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
             "seed": 42,
         },
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
+        # the loss these runs were measured with (before the defaults became NeMo-RL's: KL 0.01, IS off)
+        "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
         "logger": {"progress": False, "tensorboard": False, "print_steps": False},
     }
     path = folder / "grpo_tiny.yaml"

@@ -55,6 +55,8 @@ def gym_grpo_config(policy: dict, gym_venv: Path, tmp_path: Path, *, steps: int)
                 "seed": 3,
             },
             "optimizer": {"lr": 1.0e-3, "micro_batch_size": 8},
+            # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
+            "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
             "rollouts": {
                 "mode": "nemo_gym",
                 "gym": {

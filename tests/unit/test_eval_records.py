@@ -128,7 +128,8 @@ def test_the_registry_refuses_bad_names_and_keeps_built_ins() -> None:
     def constant(p: PromptSamples, correct: tuple[bool, ...], k: int | None) -> float:
         return 0.5
 
-    assert [m.name for m in metric_defs()[: len(BUILTIN_METRICS)]] == ["mean_reward", "pass", "maj", "mean"]
+    assert [m.name for m in metric_defs()[: len(BUILTIN_METRICS)]] == ["mean_reward", "pass", "maj", "mean",
+                                                                       "majority", "cons"]
     for name in ("pass", "num_prompts", "metrics", "latency_s", "pass@k", "a/b", ""):  # profile fields too
         with pytest.raises(ValueError, match="taken|identifier"):
             register_metric(MetricDef(name, constant))

@@ -14,7 +14,7 @@ from nemo_rl_ext.algorithms.trainer import PolicyTrainer, token_logprobs
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 
-NO_IS = ClippedPGLossConfig(importance_sampling_correction=False)
+NO_IS = ClippedPGLossConfig(kl_coef=0.0)  # the policy-gradient term alone (the IS correction is off by default)
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
@@ -121,7 +121,7 @@ def test_failed_rollouts_are_not_in_the_loss_denominator(tiny_model_and_tokenize
     model, tokenizer = tiny_model_and_tokenizer
     items = sample(model, tokenizer, 1.0, n=4)
     failed = CompletionTensors(items[2].token_ids, torch.zeros_like(items[2].loss_mask), items[2].generation_logprobs)
-    loss = ClippedPGLossConfig(importance_sampling_correction=False, normalization=normalization)
+    loss = ClippedPGLossConfig(kl_coef=0.0, normalization=normalization)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     updates, metrics = [], []
     for batch, adv in (([items[0], items[1], failed, items[3]], [1.0, -1.0, 0.0, 0.5]),
@@ -175,7 +175,7 @@ def test_nothing_to_train_takes_no_step(tiny_model_and_tokenizer):
 
 def test_kl_needs_a_reference_and_is_reported(tiny_model_and_tokenizer):
     model, tokenizer = tiny_model_and_tokenizer
-    kl = ClippedPGLossConfig(importance_sampling_correction=False, kl_coef=0.1)
+    kl = ClippedPGLossConfig(kl_coef=0.1)
     with pytest.raises(ValueError, match="reference_model"):
         make_trainer(copy.deepcopy(model), loss=kl)
     items = sample(model, tokenizer, 1.0, n=4)

@@ -212,7 +212,7 @@ def test_train_step_equals_the_full_vocabulary_trainer(tiny_model_and_tokenizer,
     failed = CompletionTensors(items[0].token_ids, torch.zeros_like(items[0].loss_mask), items[0].generation_logprobs)
     items = [*items, failed]  # a rollout without trained tokens: its micro-batch runs no model
     advantages = torch.tensor([1.0, -0.5, 2.0, 0.0])
-    loss = ClippedPGLossConfig(kl_coef=kl_coef)  # with the importance-sampling correction
+    loss = ClippedPGLossConfig(kl_coef=kl_coef, importance_sampling_correction=True, importance_sampling_cap=2.0)
     runs = []
     for logprobs_fn in (token_logprobs, full_vocab_logprobs):
         monkeypatch.setattr(trainer_module, "token_logprobs", logprobs_fn)
@@ -320,7 +320,7 @@ def test_a_train_step_on_groups_shares_their_prompts_with_the_same_update(tiny_m
     base, tokenizer = tiny_model_and_tokenizer
     items = grouped_items(len(tokenizer), seed=3)
     advantages = torch.linspace(-1.0, 1.5, len(items))
-    loss = ClippedPGLossConfig(kl_coef=0.1)
+    loss = ClippedPGLossConfig(kl_coef=0.1, importance_sampling_correction=True, importance_sampling_cap=2.0)
     runs = [
         _update(copy.deepcopy(base), items, advantages, loss, copy.deepcopy(base), micro=6, minibatches=1, share=share)
         for share in (True, False)
@@ -344,7 +344,7 @@ def test_the_no_grad_passes_share_prompts_too(tiny_model_and_tokenizer):
     passes = []
     for share in (True, False):
         trainer = PolicyTrainer(copy.deepcopy(model), optimizer=OptimizerSettings(micro_batch_size=6,
-                                share_prompt_prefix=share), loss=ClippedPGLossConfig(), temperature=0.8)
+                                share_prompt_prefix=share), loss=ClippedPGLossConfig(kl_coef=0.0), temperature=0.8)
         tokens = DecoderTokens(trainer.model)
         try:
             passes.append((trainer.logprobs(items), tokens.count))
