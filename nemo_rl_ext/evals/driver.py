@@ -197,9 +197,10 @@ async def run_store_async(
         if gym_metrics is not None:  # group_level_metrics (per task) stay in gym_aggregate_metrics.json
             summary = dataclasses.replace(summary, gym_metrics=gym_metrics)
         paths.summary.write_bytes(dumps(summary.to_json(), indent=True) + b"\n")
-        from nemo_rl_ext.evals.report import write_report
+        from nemo_rl_ext.evals.report import warn_prompt_length, write_report
 
         write_report(summary, paths)
+        warn_prompt_length(summary)
     return EvalResult(
         paths, complete, summary, len(records), written, skipped, wall, metrics, errors_written, retried
     )
