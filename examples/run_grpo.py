@@ -21,10 +21,6 @@ import logging
 import sys
 import time
 
-import transformers
-
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.lifecycle import stop_on_signals
 
@@ -60,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config (see examples/configs/grpo_*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = parser.parse_intermixed_args(argv)  # overrides may come before and after the flags
+    import transformers  # here, not at the top: `export` does without transformers and the trainer
+
+    from nemo_rl_ext.algorithms.grpo import GRPO
+    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     transformers.utils.logging.disable_progress_bar()  # per-load weight bars would bury the step lines

@@ -120,7 +120,7 @@ def export_checkpoint(
         raise ExportError(f"{checkpoint.path} holds LoRA adapters: exporting them (merged, or --adapter-only) "
                           "is not built yet")
     out = Path(out) if out is not None else default_out(run_dir, checkpoint.step)
-    _check_out(out, force)
+    _check_out(out, force, Path(run_dir))
     names = _full_model_files(checkpoint)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}.tmp*"):  # left by an export that was killed
@@ -140,8 +140,13 @@ def export_checkpoint(
     return ExportResult(out=out, checkpoint=checkpoint.path, step=checkpoint.step, files=names, total_bytes=total)
 
 
-def _check_out(out: Path, force: bool) -> None:
-    """Refuse an `--out` that is a file, or a non-empty folder without `force`."""
+def _check_out(out: Path, force: bool, run_dir: Path) -> None:
+    """Refuse an `--out` that is a file, that holds the run's checkpoints or lies among them (`--force` would
+    delete them), or that is a non-empty folder without `force`."""
+    checkpoints, target = (run_dir / CHECKPOINTS).resolve(), out.resolve()
+    if checkpoints.is_relative_to(target) or target.is_relative_to(checkpoints):
+        raise ExportError(f"--out {out} would overwrite the run's checkpoints ({run_dir / CHECKPOINTS}); "
+                          "pick a folder outside them")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; pass a folder")
     if out.is_dir() and any(out.iterdir()) and not force:

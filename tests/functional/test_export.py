@@ -159,10 +159,10 @@ def test_run_eval_evaluates_the_exported_folder(run: dict[str, Any], tmp_path: P
     assert summary, summary
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_export_user_errors_are_one_message(run: dict[str, Any], tmp_path: Path) -> None:
+    # through the CLI: one `error:` line, exit 2, no traceback
     assert_one_message(export_cli(tmp_path / "nowhere"), f"{tmp_path / 'nowhere'} is not a folder")
-    assert_one_message(export_cli(tmp_path), "holds no complete checkpoint", str(tmp_path / "checkpoints"))
     assert_one_message(export_cli(run["dir"], "--step", "7"), "no checkpoint of step 7", "complete checkpoints: [1, 2]")
     assert_one_message(export_cli(run["dir"], "--step", "1", "--adapter-only", "--out", tmp_path / "a"),
                        "this run has no adapters")
@@ -172,12 +172,21 @@ def test_export_user_errors_are_one_message(run: dict[str, Any], tmp_path: Path)
     (busy / "keep.txt").write_text("mine")
     assert_one_message(export_cli(run["dir"], "--out", busy), f"--out {busy} already exists", "--force")
     assert (busy / "keep.txt").read_text() == "mine"
-    proc = export_cli(run["dir"], "--step", "1", "--out", busy, "--force")  # replaced as a whole
-    assert proc.returncode == 0, proc.stderr
+    # the other cases in-process (the same ExportError the CLI prints)
+    with pytest.raises(ExportError, match="holds no complete checkpoint"):
+        export_checkpoint(tmp_path)
+    for inside in (run["dir"], run["dir"] / "checkpoints" / "step_00000002" / "hf"):  # --force would delete them
+        with pytest.raises(ExportError, match="would overwrite the run's checkpoints"):
+            export_checkpoint(run["dir"], out=inside, force=True)
+    assert (checkpoint_dir(run["dir"] / "checkpoints", 2) / "complete.json").is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExportError, match="is a file"):
+        export_checkpoint(run["dir"], out=tmp_path / "file", force=True)
+    export_checkpoint(run["dir"], step=1, out=busy, force=True)  # replaced as a whole
     assert not (busy / "keep.txt").exists() and (busy / "model.safetensors").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert export_cli(run["dir"], "--out", empty).returncode == 0  # an empty folder is not in the way
+    export_checkpoint(run["dir"], out=empty)  # an empty folder is not in the way
     assert (empty / "config.json").is_file()
 
 
