@@ -39,6 +39,7 @@ def test_gpu_check_runs_on_the_cpu_and_reports_every_check(tmp_path: Path) -> No
     rows = _rows(report)
     assert len(rows) == 7, rows
     assert "- blocked (absent on the GPU image): ray, vllm" in report
+    assert "INCOMPLETE" not in report  # rewritten after each check, final once all ran
     assert f"- nemo_rl_ext: {REPO / 'nemo_rl_ext'}" in report  # this checkout's code, not an installed copy
     engine = next(v for k, v in rows.items() if k.startswith("engine"))
     assert engine[0] == "PASS", report
