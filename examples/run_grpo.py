@@ -10,8 +10,8 @@ grpo.max_num_steps) and skips a damaged checkpoint for the previous whole one. U
 files, resume) print one message and exit 2.
 
 `export` writes a checkpoint of the run in RUN_DIR (its output_dir; default: the newest whole checkpoint) as a
-Hugging Face folder that transformers, vLLM and `run_eval.py policy.model_name=DIR` load (default --out:
-RUN_DIR/export/step_N); see nemo_rl_ext/algorithms/export.py.
+Hugging Face folder that transformers and `run_eval.py policy.model_name=DIR` load (default --out:
+RUN_DIR/export/step_N; --adapter-only is for LoRA runs); see nemo_rl_ext/algorithms/export.py and docs/training.md.
 """
 
 from __future__ import annotations

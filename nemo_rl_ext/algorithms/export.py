@@ -1,4 +1,4 @@
-"""Export a GRPO run's checkpoint as a Hugging Face model folder that `transformers`, vLLM and `run_eval.py` load.
+"""Export a GRPO run's checkpoint as a Hugging Face model folder that `transformers` and `run_eval.py` load.
 
     python examples/run_grpo.py export RUN_DIR [--step N] [--out DIR] [--force] [--adapter-only]
 
