@@ -2,11 +2,14 @@
 
     python examples/run_grpo.py --config examples/configs/grpo_smollm2.yaml [grpo.max_num_steps=5 ...]
     python examples/run_grpo.py --config ... resume=true        # continue from the latest checkpoint
+    python examples/run_grpo.py --config ... resume=restart     # start over, deleting output_dir's checkpoints
 
 Prints one line per step (reward, loss, grad norm, timings); metrics go to <output_dir>/metrics.jsonl.
 A resume refuses a changed config (except the keys of grpo_config.RESUME_MAY_CHANGE, e.g.
-grpo.max_num_steps) and skips a damaged checkpoint for the previous whole one. User errors (config, input
-files, resume) print one message and exit 2.
+grpo.max_num_steps) and skips a damaged checkpoint for the previous whole one; it never overwrites an earlier
+run it cannot continue (step folders without a complete checkpoint: refused unless resume=restart). User errors
+(config, input files, resume) and Gym servers that do not start (their name and log file) print one message
+and exit 2. NeMo Gym servers the run launches log to <output_dir>/gym/.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import transformers
 from nemo_rl_ext.algorithms.grpo import GRPO
 from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.config import ConfigError, load_config
+from nemo_rl_ext.gym.launcher import GymLaunchError
 from nemo_rl_ext.lifecycle import stop_on_signals
 
 
@@ -39,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
             first_step = grpo.step
             history = grpo.run()
     except ConfigError as exc:  # a user error (config, inputs, resume): its message alone, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except GymLaunchError as exc:  # a Gym server that did not start: its name, error and log file, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rewards = [h["rollout/reward/mean"] for h in history]

@@ -118,9 +118,13 @@ class EvalSummary(JsonView):
     """nemo_gym mode: agent -> Gym's own `/aggregate_metrics` answer (or its error); None otherwise."""
     profile: RewardProfile | None = None
     """The per-task reward profile (profile.py); None for a summary written before it existed."""
+    gym_logs: str | None = None
+    """nemo_gym mode with `rollouts.gym.launch`: the folder of the Gym servers' logs (relative to the eval
+    folder when inside it); None otherwise."""
 
     def to_json(self) -> dict[str, Any]:
-        """The summary.json object (the older keys in their order; `gym_metrics`, then `profile`, when set)."""
+        """The summary.json object (the older keys in their order; `gym_metrics`, `profile`, `gym_logs`, when
+        set)."""
         out: dict[str, Any] = {
             "rollout_mode": self.rollout_mode,
             "model": self.model,
@@ -144,6 +148,8 @@ class EvalSummary(JsonView):
             out["gym_metrics"] = {agent: m.to_json() for agent, m in self.gym_metrics.items()}
         if self.profile is not None:
             out["profile"] = self.profile.to_json()
+        if self.gym_logs is not None:
+            out["gym_logs"] = self.gym_logs
         return out
 
     @classmethod
