@@ -266,6 +266,14 @@ def test_grpo_resume_never_overwrites_step_folders_it_cannot_resume(files: dict[
     assert sorted(p.name for p in (torn / "checkpoints").iterdir()) == ["step_00000001"]
     assert list_checkpoints(torn / "checkpoints") == [checkpoint_dir(torn / "checkpoints", 1)]
 
+    # step metrics but no checkpoint at all (e.g. save_period 0): refused as well, naming them
+    metrics_only = tmp_path / "metrics_only"
+    metrics_only.mkdir()
+    shutil.copy(run / "metrics.jsonl", metrics_only / "metrics.jsonl")
+    with pytest.raises(ConfigError, match=r"holds no complete checkpoint to continue from, only 2 step record\(s\)"):
+        GRPO(load_config(files["grpo"], config(metrics_only, "resume=true"), GRPOConfig))
+    assert (metrics_only / "metrics.jsonl").read_bytes() == (run / "metrics.jsonl").read_bytes()
+
     # some complete, some not: today's fallback, from the newest complete checkpoint
     (checkpoint_dir(mixed / "checkpoints", 2) / MARKER_FILE).unlink()
     history = run_grpo(load_config(files["grpo"], config(mixed, "resume=true", "grpo.max_num_steps=2"), GRPOConfig))
