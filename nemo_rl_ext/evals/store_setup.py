@@ -117,8 +117,9 @@ def record_store(checked: CheckedStore) -> None:
     if store.torn_bytes:
         store.cut_torn_line()
         print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
-    write_dataset_record(paths.dataset, checked.dataset_record)  # at once its two files (a store without
-    paths.config.write_text(dump_config(checked.cfg))  # them is refused by the merge)
+    # its two files at once (the merge refuses a store without them)
+    write_dataset_record(paths.dataset, checked.dataset_record)
+    paths.config.write_text(dump_config(checked.cfg))
 
 
 @dataclass(frozen=True)
