@@ -10,12 +10,13 @@ STAMP := $(VENV)/.installed
 # pip prints one warning per package for this machine's empty local indexes; keep the log readable.
 PIPQ := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help setup demo grpo-demo test unit functional lint clean
+.PHONY: help setup demo grpo-demo test unit functional numerics lint clean
 
 help:
 	@echo "make demo   - set up .venv, run the SmolLM2 demo and a SmolLM2 eval (pass@k table) on shipped arithmetic"
 	@echo "make grpo-demo - set up .venv and run a short GRPO on SmolLM2 (shipped arithmetic), reward per step"
-	@echo "make test   - set up .venv, run ruff and the whole test suite"
+	@echo "make test   - set up .venv, run ruff, the whole test suite and the numerics check"
+	@echo "make numerics - the float-comparing unit tests again under other CPU kernels (15-50 s)"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +57,27 @@ endef
 unit: setup
 	@$(call run_pytest,tests/unit)
 
+# The numerics check. float32 results differ in their last bits from one processor to another (the matmul and
+# vector kernels sum in another order), so a float comparison whose tolerance holds only on this machine fails on
+# the next one (tests/tolerances.py). The unit tests that compare logprobs, losses, advantages, gradients and
+# checkpoints run again, one torch thread, under other kernels than this machine's own: ATen's AVX2 kernels
+# (ATEN_CPU_CAPABILITY) and MKL's generic GEMM code path (MKL_CBWR=COMPATIBLE; ignored where torch has no MKL).
+# If that fails, the same files run under ATEN_CPU_CAPABILITY=default with 2 torch threads, to say whether the
+# failure is specific to those kernels. 15-20 s on 2 cores, about 50 s when they are busy (load average 8).
+NUMERICS_TESTS := tests/unit/test_trainer_logprobs.py tests/unit/test_grpo_trainer.py tests/unit/test_loss.py \
+	tests/unit/test_kl_gradient.py tests/unit/test_advantages.py tests/unit/test_grpo_checkpoint.py \
+	tests/unit/test_hf_backend_weights.py tests/unit/test_hf_backend_faults.py tests/unit/test_hf_backend_continuous.py \
+	tests/unit/test_generation_contract.py
+numerics: setup
+	@echo "numerics check: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
+	@if ( export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1; \
+	      $(call run_pytest,$(NUMERICS_TESTS) -q -p no:cacheprovider) ); then exit 0; fi; \
+	echo "numerics check failed under avx2 + MKL_CBWR=COMPATIBLE; again under ATEN_CPU_CAPABILITY=default, 2 threads" >&2; \
+	if ( export ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=2; \
+	     $(call run_pytest,$(NUMERICS_TESTS) -q -p no:cacheprovider) ); then \
+	  echo "numerics: fails under avx2 + MKL_CBWR=COMPATIBLE only (passes under default, 2 threads)" >&2; \
+	else echo "numerics: fails under avx2 + MKL_CBWR=COMPATIBLE and under default, 2 threads" >&2; fi; exit 1
+
 functional: setup
 	@$(call run_pytest,tests/functional)
 
@@ -68,6 +90,7 @@ TEST_WORKERS ?= 2
 test: lint
 	@bash scripts/setup_nemo_gym.sh > $(VENV)/nemo-gym-setup.log 2>&1 &
 	@$(call run_pytest,tests/unit tests/functional --durations=15 -n $(TEST_WORKERS) --dist loadfile)
+	@$(MAKE) --no-print-directory numerics
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -20,9 +20,9 @@ uninterrupted run.
 
 Exit status: 0 done (a job of a sharded / seeded run: its slice is done, the merge waits for the others);
 1 stopped before every sample was rolled out (re-run to resume); 2 a user error (config, dataset, output folder,
-a Gym server that did not start; for `merge`: a missing or unfinished shard, differing configs or rows,
-non-identical duplicates; a refused resume leaves the folder as it was); 3 done, but
-more samples ended as errors than eval.max_error_rate allows (re-run to retry them).
+a Gym server that did not start; dataset rows that NeMo Gym refused as malformed, named; for `merge`: a missing
+or unfinished shard, differing configs or rows, non-identical duplicates; a refused resume leaves the folder as
+it was); 3 done, but more samples ended as errors than eval.max_error_rate allows (re-run to retry them).
 """
 
 from __future__ import annotations
@@ -52,10 +52,7 @@ def merge_main(argv: list[str]) -> int:
     print(f"merged {len(result.stores)} store(s) of {result.root}\n\n{format_metric_table(result.summary)}\n")
     print(f"outputs in {result.root}/: summary.json, report.md, pass_at_k.png" + (
         ", seeds/<seed>/completions.jsonl" if result.seed_summaries else ", completions.jsonl"))
-    if result.summary.status == "errors_left":
-        print(f"error: {result.summary.num_errors} error sample(s) left; re-run their shards", file=sys.stderr)
-        return 3
-    return 0
+    return exit_status(result.summary, "re-run their shards")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,8 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     if result.summary.gym_logs is not None:
         print(f"NeMo Gym server logs in {result.paths.root / result.summary.gym_logs}/")
-    if result.errors_left:
-        print(f"error: {result.summary['num_errors']} error sample(s) left; see above", file=sys.stderr)
+    return exit_status(result.summary, "see above")
+
+
+def exit_status(summary, retry: str) -> int:
+    """2 when rows were refused as malformed (data errors: fix the rows), else 3 when more samples ended as
+    infrastructure errors than eval.max_error_rate allows (`retry` says how to retry them), else 0."""
+    from nemo_rl_ext.evals.report import data_error_note
+
+    if summary.num_data_errors:
+        print(f"error: {data_error_note(summary)}", file=sys.stderr)
+        return 2
+    if summary.status == "errors_left":
+        print(f"error: {summary.num_errors} error sample(s) left; {retry}", file=sys.stderr)
         return 3
     return 0
 

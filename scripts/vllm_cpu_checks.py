@@ -364,6 +364,8 @@ def run_grpo(args) -> None:
             "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
         },
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
+        # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
+        "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
         "logger": {"progress": False, "tensorboard": False, "print_steps": True},
         "output_dir": str(work / "run"),
     }

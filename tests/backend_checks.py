@@ -62,7 +62,8 @@ def policy_section(backend: str, model_dir, max_model_len: int, **extra) -> dict
 
 
 GREEDY_LOGIT_SLACK = 1e-4
-"""How far below the best logit a greedy token's logit may be (ties, and kernels that sum in another order)."""
+"""How far below the best logit a greedy token's logit may be (ties, and kernels that sum in another order), as a
+fraction of the best logit's size (at least 1): rounding errors scale with the logits."""
 
 
 def not_greedy(model, context: list[int], generated: list[int] | tuple[int, ...]) -> list[int]:
@@ -72,7 +73,9 @@ def not_greedy(model, context: list[int], generated: list[int] | tuple[int, ...]
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(context) - 1 : -1].float()
     chosen = logits.gather(-1, torch.tensor(list(generated))[:, None])[:, 0]
-    return [i for i, gap in enumerate((logits.max(-1).values - chosen).tolist()) if gap > GREEDY_LOGIT_SLACK]
+    best = logits.max(-1).values
+    slack = GREEDY_LOGIT_SLACK * best.abs().clamp_min(1.0)
+    return [i for i, over in enumerate((best - chosen > slack).tolist()) if over]
 
 
 def gate_forward(backend, at_pass: int) -> tuple[threading.Event, threading.Event]:

@@ -68,6 +68,7 @@ from nemo_rl_ext.algorithms.grpo_config import (
     GRPOConfig,
     async_wedge_warning,
     input_problems,
+    saved_config_settings,
 )
 from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
@@ -80,6 +81,7 @@ from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
 from nemo_rl_ext.experience.build import build_policy, build_rollouts, load_rollout_rows, make_datums
+from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, count_prompts_too_long
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, InFlightPolicy
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
@@ -198,6 +200,7 @@ class GRPO:
 
         self.step = 0
         self.logger = MetricsLogger(self.output_dir, tensorboard=cfg.logger.tensorboard)
+        self._prompt_length_warning = PromptLengthWarning()  # once per run: prompts that leave no room
         if checkpoint is not None:
             if loads_model_folder(cfg.policy):
                 self.generation.update_weights(self.trainer.state_dict())
@@ -256,7 +259,7 @@ class GRPO:
         saved = checkpoint.extra.get("config")
         if saved:  # a config saved in an older spelling compares by its settings
             try:
-                saved = GRPOConfig.model_validate(saved).model_dump(mode="json")
+                saved = GRPOConfig.model_validate(saved_config_settings(saved)).model_dump(mode="json")
             except ValueError:
                 pass
         changes = (
@@ -303,6 +306,8 @@ class GRPO:
             generated.extend(records)
             kept.extend(r for r in records if has_reward_variance(r) or not dynamic.enabled)
         metrics = batch_metrics(generated, time.perf_counter() - start)
+        too_long, longest = count_prompts_too_long(generated)
+        self._prompt_length_warning(too_long, len(generated), longest)
         if dynamic.enabled:
             metrics["dynamic_sampling/gen_batches"] = float(batches)
             metrics["dynamic_sampling/kept_groups"] = float(min(len(kept), n))
@@ -514,6 +519,8 @@ class GRPO:
                 rollout_done = time.perf_counter()
                 records = [g.record for g in taken.groups]
                 metrics = batch_metrics(taken.generated, rollout_done - start)
+                too_long, longest = count_prompts_too_long(taken.generated)
+                self._prompt_length_warning(too_long, len(taken.generated), longest)
                 metrics.update(taken.metrics)
                 # never cut: it updates the weights and the optimizer state on the trainer's thread
                 await collector.guard(loop.run_in_executor(executor, self._train_records, records, metrics))

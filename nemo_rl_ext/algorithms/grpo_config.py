@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
+from nemo_rl_ext.algorithms.trainer_config import TrainerSettings, trainer_rule_problems
 from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, move_key, raw_field
 from nemo_rl_ext.experience.config import RolloutsConfig, rollouts_rule_problems
 from nemo_rl_ext.experience.resume_keys import GRPO_RESUME_MAY_CHANGE
@@ -80,6 +81,18 @@ def async_wedge_warning(settings: AsyncSettings) -> str | None:
             "it would the synchronous loop. Set grpo.async.oversample >= 1 or grpo.async.group_deadline_s.")
 
 
+def stale_rollouts_lag(data: Mapping[str, Any]) -> int:
+    """`grpo.async.max_lag` of a raw config when asynchronous GRPO is on with max_lag > 0 (rollouts may then come
+    from weights one or more steps old), else 0; 0 too where those keys don't validate (their error says why)."""
+    grpo = data.get("grpo")
+    if not isinstance(grpo, Mapping):
+        return 0
+    settings = grpo.get("async", grpo.get("async_"))
+    enabled = raw_field(AsyncSettings, settings, "enabled")
+    max_lag = raw_field(AsyncSettings, settings, "max_lag")
+    return max_lag if enabled is True and max_lag is not INVALID and max_lag > 0 else 0
+
+
 class GRPOSettings(StrictModel):
     """The loop: how many prompts and samples per step, for how long, and when to validate and save."""
 
@@ -117,13 +130,20 @@ class GRPOSettings(StrictModel):
 
 
 class LossSettings(StrictModel):
-    """The clipped policy-gradient loss (see `ClippedPGLossConfig` for the exact formula)."""
+    """The clipped policy-gradient loss (see `ClippedPGLossConfig` for the exact formula). The defaults are
+    NeMo-RL's (`grpo_math_1B.yaml`'s `loss_fn`)."""
 
-    clip_low: float = Field(default=0.2, description="Ratio clipped below at 1 - clip_low.")
-    clip_high: float = Field(default=0.2, description="Ratio clipped above at 1 + clip_high.")
+    clip_low: float = Field(default=0.2, description="Ratio clipped below at 1 - clip_low (NeMo-RL's ratio_clip_min).")
+    clip_high: float = Field(
+        default=0.2, description="Ratio clipped above at 1 + clip_high (NeMo-RL's ratio_clip_max; DAPO's clip-higher "
+        "uses 0.28)."
+    )
     clip_c: float | None = Field(default=None, description="Dual-clip constant (> 1); None disables.")
     normalization: Literal["token", "sequence"] = Field(default="token", description="Loss reduction.")
-    kl_coef: float = Field(default=0.0, ge=0.0, description="KL penalty to the initial policy; 0 disables.")
+    kl_coef: float = Field(
+        default=0.01, ge=0.0, description="KL penalty to the initial policy (NeMo-RL's reference_policy_kl_penalty); "
+        "> 0 loads a frozen copy of the initial policy as the reference, 0 disables it and saves that copy."
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="Per-token KL estimator.")
     kl_input_clamp_value: float | None = Field(
         default=20.0, gt=0.0, description="Clamp log(ref/pi) to [-v, v] before the KL estimator; None: no."
@@ -131,10 +151,26 @@ class LossSettings(StrictModel):
     kl_output_clamp_value: float | None = Field(
         default=10.0, gt=0.0, description="Clamp the per-token KL to [-v, v]; None: no."
     )
-    importance_sampling_correction: bool = Field(
-        default=True, description="Weight tokens by min(pi_trainer / pi_engine, cap) (engine/trainer mismatch)."
+    kl_gradient: Literal["score_function", "pathwise"] = Field(
+        default="score_function",
+        description="score_function (NeMo-RL's since 2026): the KL term's gradient includes the score function of "
+        "the sampled token, so k1 and k3 give the gradient of KL(pi || ref); pathwise: d KL-estimate / d logprob "
+        "alone (NeMo-RL before June 2026; with k2 that is the gradient of KL(pi || ref), with k3 of KL(ref || pi)).",
     )
-    importance_sampling_cap: float = Field(default=2.0, gt=0.0, description="Cap of that weight.")
+    on_policy_kl_approximation: bool = Field(
+        default=False, description="Weight the per-token KL by pi / pi_engine (NeMo-RL's "
+        "use_on_policy_kl_approximation)."
+    )
+    importance_sampling_correction: bool = Field(
+        default=False,
+        description="Weight the policy-gradient term by pi_trainer / pi_engine (engine/trainer mismatch, stale "
+        "rollouts). Off by default as in NeMo-RL; on by default, and required, with grpo.async.enabled and "
+        "max_lag > 0.",
+    )
+    importance_sampling_cap: float | None = Field(
+        default=None, gt=0.0, description="Truncate that weight at this value (NeMo-RL's truncated IS `tis`); "
+        "None: no truncation (NeMo-RL's default)."
+    )
 
     def to_loss_config(self) -> ClippedPGLossConfig:
         """The loss function's own config (raises ValueError on bad values)."""
@@ -211,6 +247,7 @@ class GRPOConfig(CheckedConfig):
     grpo: GRPOSettings = Field(default_factory=GRPOSettings)
     loss: LossSettings = Field(default_factory=LossSettings)
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     data: DataSettings
     rollouts: GRPORollouts = Field(default_factory=GRPORollouts)
@@ -251,10 +288,24 @@ class GRPOConfig(CheckedConfig):
         problems += move_key(data, ("data", "system_prompt"), ("rollouts", "env", "system_prompt"), renames)
         return renames, problems
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stale_rollouts_get_importance_sampling(cls, data: Any) -> Any:
+        """With grpo.async on and max_lag > 0, loss.importance_sampling_correction defaults to true (NeMo-RL's
+        async GRPO guide requires it there); an explicit false is refused by `rule_problems`."""
+        if not isinstance(data, Mapping) or not stale_rollouts_lag(data):
+            return data
+        loss = data.get("loss")
+        loss = {} if loss is None else loss
+        if not isinstance(loss, Mapping) or "importance_sampling_correction" in loss:
+            return data
+        return {**data, "loss": {**loss, "importance_sampling_correction": True}}
+
     @classmethod
     def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:
-        """The shared rollouts rules (`rollouts_rule_problems`), sampling is never greedy, and an asynchronous
-        run's queue holds at least one step's groups."""
+        """The shared rollouts rules (`rollouts_rule_problems`), sampling is never greedy, an asynchronous
+        run's queue holds at least one step's groups, and one whose rollouts may be stale keeps the
+        importance-sampling correction."""
         policy = data.get("policy")
         generation = policy.get("generation") if isinstance(policy, Mapping) else None
         temperature = raw_field(GenerationConfig, generation, "temperature")
@@ -279,7 +330,36 @@ class GRPOConfig(CheckedConfig):
                     queue_size,
                 )
             )
+        lag, loss = stale_rollouts_lag(data), data.get("loss")
+        written = isinstance(loss, Mapping) and "importance_sampling_correction" in loss  # absent: true (above)
+        correction = raw_field(LossSettings, loss, "importance_sampling_correction") if written else None
+        if lag and correction is False:
+            problems.append(
+                (
+                    ("loss", "importance_sampling_correction"),
+                    f"must be true when grpo.async is enabled with max_lag > 0 (here {lag}): a group may have been "
+                    "generated by weights one or more steps old, and without the correction its policy gradient "
+                    "is taken as if the current weights had sampled it (NeMo-RL's async GRPO guide: 'required for "
+                    "convergence'). Leave the key out (it defaults to true there) or set grpo.async.max_lag: 0",
+                    correction,
+                )
+            )
+        device = raw_field(PolicyConfig, policy, "device") if isinstance(policy, Mapping) or policy is None else "cpu"
+        problems += trainer_rule_problems(data, "cpu" if device is INVALID else device)
         return problems
+
+
+def saved_config_settings(saved: Any) -> Any:
+    """A checkpoint's saved config with the settings it trained with where it predates a key: a config without
+    `loss.kl_gradient` and with a KL term trained with the pathwise KL gradient (the default before NeMo-RL's),
+    so resuming it under today's default is listed as a changed key instead of switching silently."""
+    if not isinstance(saved, Mapping):
+        return saved
+    out = dict(saved)
+    loss = out.get("loss")
+    if isinstance(loss, Mapping) and "kl_gradient" not in loss and loss.get("kl_coef", 0.0) not in (0, 0.0, None):
+        out["loss"] = {**loss, "kl_gradient": "pathwise"}
+    return out
 
 
 def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True) -> list[str]:

@@ -29,18 +29,23 @@ class ClippedPGLossConfig:
     """Dual clip (> 1): for negative advantages the token loss is capped at -A * clip_c; None disables."""
     normalization: Literal["token", "sequence"] = "token"
     """token: sum over masked tokens / masked-token count; sequence: mean per sequence, then over sequences."""
-    kl_coef: float = 0.0
-    """Coefficient of the KL penalty to the reference policy (0 disables it in the loss)."""
+    kl_coef: float = 0.01
+    """Coefficient of the KL penalty to the reference policy (NeMo-RL's `reference_policy_kl_penalty`; 0 disables)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL(pi || ref) estimator of x = log ref - log pi: k1 = -x; k2 = x^2 / 2; k3 = exp(x) - x - 1."""
     kl_input_clamp_value: float | None = 20.0
     """Clamp x = log ref - log pi to [-v, v] before the estimator (NeMo-RL's name and default); None: no clamp."""
     kl_output_clamp_value: float | None = 10.0
-    """Clamp the per-token KL to [-v, v] (NeMo-RL's name and default); None: no clamp."""
-    importance_sampling_correction: bool = True
-    """Weight each token by min(exp(old - gen), cap), detached (engine vs trainer mismatch); needs gen logprobs."""
-    importance_sampling_cap: float = 2.0
-    """Truncation cap of the importance-sampling weight (> 0; math.inf for none)."""
+    """Clamp the weighted per-token KL to [-v, v] (NeMo-RL's name and default); None: no clamp."""
+    kl_gradient: Literal["score_function", "pathwise"] = "score_function"
+    """score_function (NeMo-RL since 2026): the KL term also differentiates the probability of sampling the token,
+    d/dlogp [w * kl] with w = exp(logp - sg(logp)) (value 1); pathwise: only d kl / d logp (w detached)."""
+    on_policy_kl_approximation: bool = False
+    """Weight the per-token KL by pi / pi_gen = exp(logp - gen) (NeMo-RL's `use_on_policy_kl_approximation`)."""
+    importance_sampling_correction: bool = False
+    """Weight each token's pg term by exp(old - gen), detached (engine vs trainer mismatch); needs gen logprobs."""
+    importance_sampling_cap: float | None = None
+    """Truncate that weight at this value (> 0; NeMo-RL's `tis` with this ratio); None: no truncation."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -60,8 +65,10 @@ class ClippedPGLossConfig:
                 problems.append(f"{name} must be > 0 (or None), got {value}")
         if not math.isfinite(self.kl_coef):
             problems.append(f"kl_coef must be finite, got {self.kl_coef}")
-        if not self.importance_sampling_cap > 0.0:
-            problems.append(f"importance_sampling_cap must be > 0, got {self.importance_sampling_cap}")
+        if self.kl_gradient not in ("score_function", "pathwise"):
+            problems.append(f"kl_gradient must be 'score_function' or 'pathwise', got {self.kl_gradient!r}")
+        if self.importance_sampling_cap is not None and not self.importance_sampling_cap > 0.0:
+            problems.append(f"importance_sampling_cap must be > 0 (or None), got {self.importance_sampling_cap}")
         if problems:
             raise ValueError("invalid ClippedPGLossConfig: " + "; ".join(problems))
 
@@ -72,15 +79,22 @@ def kl_penalty(
     estimator: str = "k3",
     input_clamp_value: float | None = 20.0,
     output_clamp_value: float | None = 10.0,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(pi || ref) from x = reference_logprobs - logprobs (Schulman's k1/k2/k3).
 
-    x is clamped to [-input_clamp_value, input_clamp_value] first and the estimate to
-    [-output_clamp_value, output_clamp_value] last (None skips a clamp), as NeMo-RL's `calculate_kl`.
+    x is clamped to [-input_clamp_value, input_clamp_value] first; the estimate is then multiplied by
+    `weights` (if given) and clamped to [-output_clamp_value, output_clamp_value] last (None skips a clamp), as
+    NeMo-RL's `calculate_kl`. Where the input clamp bites, the weight is detached: a clamped token passes no
+    gradient at all, through the estimate or through its weight; the output clamp, applied after the weight,
+    does the same.
     """
     x = reference_logprobs - logprobs
     if input_clamp_value is not None:
-        x = x.clamp(-input_clamp_value, input_clamp_value)
+        clamped = x.clamp(-input_clamp_value, input_clamp_value)
+        if weights is not None:
+            weights = torch.where(clamped == x, weights, weights.detach())
+        x = clamped
     if estimator == "k1":
         kl = -x
     elif estimator == "k2":
@@ -89,9 +103,26 @@ def kl_penalty(
         kl = torch.exp(x) - x - 1.0
     else:
         raise ValueError(f"KL estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+    if weights is not None:
+        kl = weights * kl
     if output_clamp_value is not None:
         kl = kl.clamp(-output_clamp_value, output_clamp_value)
     return kl
+
+
+def kl_weight(
+    logprobs: torch.Tensor, generation_logprobs: torch.Tensor | None, config: ClippedPGLossConfig
+) -> torch.Tensor:
+    """The weight of each token's KL estimate: its value is pi / pi_gen with `on_policy_kl_approximation`, else 1;
+    it carries d/dlogp (the score function of the sampled token) unless `kl_gradient` is pathwise."""
+    if config.on_policy_kl_approximation:
+        if generation_logprobs is None:
+            raise ValueError("on_policy_kl_approximation needs generation_logprobs")
+        sampled_by = generation_logprobs.detach()
+    else:
+        sampled_by = logprobs.detach()
+    weight = torch.nan_to_num(torch.exp(logprobs - sampled_by), nan=0.0, posinf=0.0, neginf=0.0)
+    return weight.detach() if config.kl_gradient == "pathwise" else weight
 
 
 def _normalize(per_token: torch.Tensor, valid: torch.Tensor, mode: str, count: float | None) -> torch.Tensor:
@@ -131,12 +162,17 @@ def clipped_pg_loss(
     Inputs (all `[B, T]` unless said): `logprobs` of the current policy (carries the gradient);
     `old_logprobs` of the trainer's policy before this update; `advantages` per sequence `[B]` (or per
     token `[B, T]`); `mask` 0/1 (or bool), 1 on tokens that are trained; `generation_logprobs` from the
-    engine (needed when `importance_sampling_correction`); `reference_logprobs` (needed when kl_coef != 0).
+    engine (needed by `importance_sampling_correction` and `on_policy_kl_approximation`); `reference_logprobs`
+    (needed when kl_coef != 0).
 
-    Per valid token, with r = exp(logprobs - old) and w = min(exp(old - gen), cap) detached:
+    Per valid token, with r = exp(logprobs - old), w = min(exp(old - gen), cap) detached (1 without the
+    correction) and u = exp(logprobs - g), g = gen with `on_policy_kl_approximation` else sg(logprobs) (so u = 1):
       pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), then for A < 0: pg = min(pg, -A * clip_c)
-      kl = clamp(k(clamp(log ref - log pi, +-kl_input_clamp_value)), +-kl_output_clamp_value)  (k: the estimator)
-      loss_token = w * pg + kl_coef * kl      (the KL term is not importance-weighted, as in NeMo-RL)
+      kl = clamp(u * k(clamp(log ref - log pi, +-kl_input_clamp_value)), +-kl_output_clamp_value)  (k: estimator)
+      loss_token = w * pg + kl_coef * kl      (w weights only the pg term, as in NeMo-RL)
+    u carries a gradient (kl_gradient "score_function", NeMo-RL's since 2026: d kl/d logp gains the term
+    u * k, the score function of the sampled token) unless kl_gradient is "pathwise" (u detached); where
+    either clamp bites the token passes no KL gradient.
     Reduction: `token` divides the masked sum by `global_normalization_count` if given (the masked-token
     count of the whole step, for gradient accumulation) else by this batch's masked-token count;
     `sequence` averages each sequence over its masked tokens, sums over sequences and divides by
@@ -144,7 +180,8 @@ def clipped_pg_loss(
     this batch's number of such sequences. Sequences without masked tokens contribute nothing.
 
     Metrics (floats over this batch's masked tokens; 0.0 when there are none): `loss`, `loss/pg`,
-    `loss/kl` (= loss - loss/pg), `kl/mean` (the clamped per-token KL before kl_coef, when a reference is given), `clip_fraction`
+    `loss/kl` (= loss - loss/pg), `kl/mean` (the per-token `kl` above before kl_coef, when a reference is given),
+    `clip_fraction`
     (+ `/low`, `/high`), `dual_clip_fraction`, `policy_ratio/mean|max` (pi / pi_old),
     `importance_ratio/mean|max` (exp(old - gen), untruncated), `is_weight/mean`,
     `is_weight/truncated_fraction`, `num_tokens`, `num_sequences`.
@@ -166,6 +203,8 @@ def clipped_pg_loss(
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [B], [B, 1] or [B, T]")
     if cfg.importance_sampling_correction and generation_logprobs is None:
         raise ValueError("importance_sampling_correction needs generation_logprobs (or disable it)")
+    if cfg.on_policy_kl_approximation and reference_logprobs is not None and generation_logprobs is None:
+        raise ValueError("on_policy_kl_approximation needs generation_logprobs (or disable it)")
     if cfg.kl_coef != 0.0 and reference_logprobs is None:
         raise ValueError("kl_coef != 0 needs reference_logprobs")
     if global_normalization_count is not None and global_normalization_count < 0:
@@ -193,24 +232,28 @@ def clipped_pg_loss(
     else:
         raw_is = torch.ones_like(logprobs)
     if cfg.importance_sampling_correction:
-        is_weight = raw_is.clamp(max=cfg.importance_sampling_cap)
+        cap = cfg.importance_sampling_cap
+        is_weight = raw_is.clamp(max=cap) if cap is not None else raw_is
     else:
         is_weight = torch.ones_like(logprobs)
 
     kl = None
     if reference_logprobs is not None:
+        current = torch.where(valid, logprobs, zero)
+        gen = torch.where(valid, generation_logprobs.to(dtype), zero) if generation_logprobs is not None else None
         kl = kl_penalty(
-            torch.where(valid, logprobs, zero),
+            current,
             torch.where(valid, reference_logprobs.to(dtype).detach(), zero),
             cfg.kl_estimator,
             cfg.kl_input_clamp_value,
             cfg.kl_output_clamp_value,
+            weights=kl_weight(current, gen, cfg),
         )
 
     mode, count = cfg.normalization, global_normalization_count
     pg_loss = _normalize(is_weight * pg, valid, mode, count)
     kl_loss = None
-    if kl is not None and cfg.kl_coef != 0.0:  # not importance-weighted: only the pg term is (as NeMo-RL)
+    if kl is not None and cfg.kl_coef != 0.0:  # the IS weight multiplies only the pg term (as NeMo-RL's)
         kl_loss = _normalize(cfg.kl_coef * kl, valid, mode, count)
     loss = pg_loss + kl_loss if kl_loss is not None else pg_loss
 

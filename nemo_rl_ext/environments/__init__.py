@@ -4,6 +4,7 @@ Importing this package registers the built-in environments: "math", "tool_calcul
 "string_match".
 """
 
+from nemo_rl_ext.environments.grading_pool import GradingUnavailableError
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.environments.math_env import MathEnvironment
 from nemo_rl_ext.environments.registry import (
@@ -20,6 +21,7 @@ __all__ = [
     "EnvironmentEntry",
     "EnvironmentInterface",
     "EnvironmentReturn",
+    "GradingUnavailableError",
     "MathEnvironment",
     "Observation",
     "StringMatchEnvironment",

@@ -29,7 +29,8 @@ class EnvironmentReturn:
     metadata: Sequence[Mapping[str, Any] | None]
     """Updated per-rollout state, passed back on the next step."""
     next_stop_strings: Sequence[tuple[str, ...] | None]
-    """Stop strings for each rollout's next generation (None: the generation config's own)."""
+    """Stop strings for each rollout's next generation (None: the row's `stop_strings`, else the generation
+    config's own)."""
     rewards: Sequence[float]
     """Reward of this step for each rollout."""
     terminateds: Sequence[bool]

@@ -40,7 +40,7 @@ MAX_RESULT_DIGITS = 100_000
 VOTE_KEY_DIGITS = 12
 """Significant digits of the vote key of an irrational number (`2\\sqrt{2}` and `\\sqrt{8}` share one)."""
 
-GradingStatus = Literal["ok", "timeout", "error"]
+GradingStatus = Literal["ok", "timeout"]
 
 _FINAL_ANSWER = re.compile(r"(?:final answer|answer is|answer:)\s*(?:is\s*)?:?\s*(.+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?")
@@ -60,7 +60,8 @@ class Grade:
     vote_key: str | None = None
     """The answer's maj@k vote key (`math_vote_key`); a correct answer gets its ground truth's key."""
     status: GradingStatus = "ok"
-    """ok; timeout: grading ran past its deadline and was killed; error: the grading worker died."""
+    """ok; timeout: grading ran past its deadline and was killed (a grade that fails for any other reason is
+    not a Grade: `grading_pool.GradingUnavailableError`, an error completion)."""
 
 
 def extract_answer(text: str) -> str | None:

@@ -14,7 +14,7 @@ key as written.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from nemo_rl_ext.config import (
     raise_problems,
     raw_field,
 )
+from nemo_rl_ext.evals.metrics import metric_defs
 from nemo_rl_ext.evals.shards import ShardSpec
 from nemo_rl_ext.experience.config import RolloutsConfig, largest_count, rollouts_rule_problems
 from nemo_rl_ext.gym.config import GymConfig, resolve_gym_path
@@ -68,6 +69,13 @@ class EvalSettings(StrictModel):
     )
     reward_threshold: float = Field(
         default=1.0, description="A sample is correct when its reward is >= this."
+    )
+    metrics: tuple[str, ...] | None = Field(
+        default=None,
+        description="The metrics the printed table and report.md show, in this order, by name (`maj` or "
+        "`maj@k`): `mean_reward`, `pass`, `maj` (ours: every k-subset, ties share, no answer casts no vote), "
+        "`mean`, `majority` (NeMo-Skills': the first k samples), `cons` (NeMo-RL's eval cons@k), and any "
+        "registered metric; null: every metric but `majority` and `cons`. summary.json always has them all.",
     )
     save_token_ids: bool = Field(default=False, description="Also write each message's token ids.")
     max_concurrent_prompts: int | None = Field(
@@ -147,6 +155,11 @@ class EvalSettings(StrictModel):
         """True when the run is split into jobs (`shard` or `seeds` set): each job writes its own store."""
         return self.shard is not None or self.seeds is not None
 
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return None if value is None else report_metric_names(value)
+
     @field_validator("ks")
     @classmethod
     def _positive_ks(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
@@ -168,6 +181,21 @@ class EvalSettings(StrictModel):
             ks.append(k)
             k *= 2
         return (*ks, max_samples)
+
+
+def report_metric_names(names: Sequence[str]) -> tuple[str, ...]:
+    """The registered metrics `names` selects, in its order, each once (`maj@k` is `maj`); ValueError naming every
+    unknown name and listing the valid ones."""
+    if not names:
+        raise ValueError("eval.metrics must list at least one metric (or be null for the default)")
+    defs = {m.name: m for m in metric_defs()}
+    per_k = {f"{m.name}@k": m.name for m in defs.values() if m.per_k}
+    chosen = [per_k.get(n, n) for n in names]
+    unknown = [n for n, c in zip(names, chosen, strict=True) if c not in defs]
+    if unknown:
+        valid = ", ".join(f"{m.name}@k" if m.per_k else m.name for m in defs.values())
+        raise ValueError(f"unknown metric(s) {unknown}; valid: {valid}")
+    return tuple(dict.fromkeys(chosen))
 
 
 class EvalConfig(CheckedConfig):

@@ -200,9 +200,10 @@ async def run_store_async(
             where = gym_logs.relative_to(paths.root) if gym_logs.is_relative_to(paths.root) else gym_logs
             summary = dataclasses.replace(summary, gym_logs=str(where))
         paths.summary.write_bytes(dumps(summary.to_json(), indent=True) + b"\n")
-        from nemo_rl_ext.evals.report import write_report
+        from nemo_rl_ext.evals.report import warn_prompt_length, write_report
 
         write_report(summary, paths)
+        warn_prompt_length(summary)
     return EvalResult(
         paths, complete, summary, len(records), written, skipped, wall, metrics, errors_written, retried
     )

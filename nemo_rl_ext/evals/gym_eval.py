@@ -99,10 +99,13 @@ async def aggregate_metrics(
     """Agent -> the manager's own aggregate of the results on disk (nemo_gym: Gym's `/aggregate_metrics`, while
     Gym is up), also written to `root/gym_aggregate_metrics.json`; None, and nothing written, for a manager
     without one (native mode). `reuse`: nothing new was rolled out, so a file already there is kept (Gym is not
-    started for it). An agent whose call fails gets `{"error": ...}` (not fatal)."""
+    started for it) unless an agent's entry is an error. An agent whose call fails gets `{"error": ...}` (not
+    fatal; a server known to be down is not called at all, see `GymClient.aggregate_metrics`)."""
     path = root / AGGREGATE_FILE
     if reuse and path.exists():
-        return orjson.loads(path.read_bytes())
+        kept = orjson.loads(path.read_bytes())
+        if not any("error" in entry for entry in kept.values()):  # one that failed is asked for again
+            return kept
     metrics = await manager.aggregate_metrics(stripped_results(datums, expected, store))
     if metrics is None:
         return None

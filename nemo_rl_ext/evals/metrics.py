@@ -1,7 +1,10 @@
 """Eval metrics over the N samples of one prompt, and their aggregation over prompts.
 
-All per-prompt metrics are exact expectations over the C(n, k) equally likely k-subsets of the prompt's
-n samples (drawn without replacement), so they use every sample and have no sampling noise of their own.
+Our per-prompt metrics are exact expectations over the C(n, k) equally likely k-subsets of the prompt's
+n samples (drawn without replacement), so they use every sample and have no sampling noise of their own. Two
+more majority votes are built in under their own projects' names (votes.py): NeMo-Skills' `majority@k` (the
+first k samples in sample order) and NeMo-RL's `cons@k` (every k-subset, voted and scored NeMo-RL's way); the
+three differ on the same samples, and docs/fidelity.md says how.
 Aggregation averages per-prompt values over prompts (macro average) and reports a standard error.
 
 Error samples (stop_reason "error": a dead server, a failed generation, an environment that raised) are
@@ -26,6 +29,7 @@ import numpy as np
 
 from nemo_rl_ext.data.records import PromptGroupRecord, StopReason
 from nemo_rl_ext.environments.interfaces import default_vote_key
+from nemo_rl_ext.evals.votes import cons_at_k, majority_at_k
 
 
 def _as_int(name: str, value: int) -> int:
@@ -179,7 +183,9 @@ class PromptSamples:
     rewards: tuple[float, ...]
     """Reward of each sample."""
     answers: tuple[str | None, ...]
-    """Vote key of each sample's answer (`vote_key`; None: no answer), used by maj@k."""
+    """Vote key of each sample's answer (`vote_key`; None: no answer), used by maj@k, majority@k and cons@k;
+    in sample order (`sample_idx`), which majority@k (the first k) and cons@k (the first sample of an answer)
+    depend on."""
     num_errors: int = 0
     """Samples that failed with an infrastructure error: not in `rewards`/`answers`, only counted."""
 
@@ -232,11 +238,12 @@ class MetricDef:
     per_k: bool = True
     """True: computed for each k, over the prompts with n >= k; False: once, over the prompts with n >= 1."""
     description: str = ""
-    """What it measures, in one line."""
+    """What it measures, in one line (report.md lists it under the table when the table shows the metric)."""
     report_format: str = ".3f"
     """The `format()` spec of its cells in the report (value and stderr)."""
     in_report: bool = True
-    """Whether the report's table has its row(s) (one per k when `per_k`)."""
+    """Whether the report's table has its row(s) (one per k when `per_k`) by default; `eval.metrics`, when set,
+    selects the rows instead."""
     in_profile: bool = True
     """Whether the reward profile (summary.json's `profile`, per task) carries it: `<name>_at_k` (k -> value) when
     `per_k`, else `<name>`; and the report's profile table its row(s)."""
@@ -259,12 +266,33 @@ BUILTIN_METRICS: tuple[MetricDef, ...] = (
         description="probability that at least one of k samples is correct (unbiased estimator)",
     ),
     MetricDef(
-        "maj", lambda p, correct, k: maj_at_k(p.answers, correct, k), description="majority vote of k samples"
+        "maj",
+        lambda p, correct, k: maj_at_k(p.answers, correct, k),
+        description="ours: the mean over all k-subsets of the samples of the majority answer's credit (its fraction "
+        "of correct samples); tied answers share it, a sample without an answer casts no vote",
     ),
     MetricDef("mean", lambda p, correct, k: mean_at_k(p.rewards, k), description="mean reward of k samples",
               in_profile=False),  # equal to mean_reward for every k: the profile has that
+    MetricDef(
+        "majority",
+        lambda p, correct, k: majority_at_k(p.answers, correct, k),
+        description="NeMo-Skills': the majority vote of the first k samples (by sample_idx); tied answers share "
+        "the credit, a sample without an answer casts no vote",
+        in_report=False,
+        in_profile=False,
+    ),
+    MetricDef(
+        "cons",
+        lambda p, correct, k: cons_at_k(p.answers, correct, k),
+        description="NeMo-RL's eval: the mean over all k-subsets of the vote's winner (a tie to the answer drawn "
+        "first; no answer is a vote too), scored by the group's first sample with that answer",
+        in_report=False,
+        in_profile=False,
+    ),
 )
-"""The metrics every eval reports, in report order."""
+"""The metrics every eval computes (summary.json has them all), in report order. `majority` and `cons` are the
+other projects' majority votes, named apart from ours (`maj`): in the report's table only when `eval.metrics`
+lists them."""
 
 _RESERVED = frozenset({"num_prompts", "num_samples", "num_errors", "num_prompts_short", "error_rate",
                        "truncation_rate", "mean_turns", "generated_tokens", "latency_s", "difficulty",
@@ -372,8 +400,8 @@ def aggregate_eval_metrics(
     `mean_reward` and `mean_reward/stderr` (over prompts with n >= 1; absent when there are none), and
     for each k: `num_prompts@k` (prompts with n >= k), `num_prompts_short@k` (prompts that errors left
     with n < k although they had k or more samples), and, when `num_prompts@k` > 0, `pass@k`, `maj@k`,
-    `mean@k` with their `/stderr`. A registered metric (`register_metric`) adds its keys the same way: per
-    k after `mean@k`, else after `mean_reward`. A k larger than a prompt's n is skipped for that prompt: each @k
+    `mean@k`, `majority@k` (NeMo-Skills'), `cons@k` (NeMo-RL's) with their `/stderr`. A registered metric
+    (`register_metric`) adds its keys the same way: per k after `cons@k`, else after `mean_reward`. A k larger than a prompt's n is skipped for that prompt: each @k
     metric is the mean over the prompts with n >= k only. stderr = sample std (ddof=1) of the per-prompt
     values / sqrt(number of those prompts), 0 for one prompt.
     """

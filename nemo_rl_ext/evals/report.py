@@ -1,7 +1,8 @@
 """The eval report: a metric table (printed and in Markdown), a PNG of pass@k against k per agent, the reward
 profile per task (a Markdown table and `reward_profile.png`) and the per-prompt difficulty file.
 
-The table has a row per key of every metric in `metric_defs()` (the list aggregation iterates too), and the
+The table has a row per key of every metric in `metric_defs()` (the list aggregation iterates too) that is
+`in_report`, or of those `eval.metrics` lists (`EvalSummary.report_metrics`), and the
 reward-profile table a row per metric the profile carries (its `in_profile` ones), so a registered metric shows
 up in both without editing this module.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nemo_rl_ext.evals.metrics import metric_defs
+from nemo_rl_ext.evals.metrics import MetricDef, metric_defs
 from nemo_rl_ext.evals.profile import (
     DIFFICULTY_BINS,
     DIFFICULTY_FILE,
@@ -20,7 +21,8 @@ from nemo_rl_ext.evals.profile import (
     write_difficulty,
 )
 from nemo_rl_ext.evals.store import EvalPaths
-from nemo_rl_ext.evals.summary import EvalSummary
+from nemo_rl_ext.evals.summary import MAX_LISTED_ERRORS, EvalSummary
+from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, prompts_too_long_message
 
 
 def _columns(summary: EvalSummary) -> list[tuple[str, str]]:
@@ -31,9 +33,18 @@ def _columns(summary: EvalSummary) -> list[tuple[str, str]]:
     return [("all", "")] + [(a, f"agent/{a}/") for a in agents]
 
 
+def shown_metrics(summary: EvalSummary) -> list[MetricDef]:
+    """The metrics of the table: `summary.report_metrics` (`eval.metrics`) in its order, else every `in_report`
+    one (a name no longer registered is left out)."""
+    if summary.report_metrics is None:
+        return [m for m in metric_defs() if m.in_report]
+    defs = {m.name: m for m in metric_defs()}
+    return [defs[name] for name in summary.report_metrics if name in defs]
+
+
 def _metric_keys(summary: EvalSummary) -> list[tuple[str, str]]:
-    """(key, format spec) of each table row: every reported metric, each k of a per-k one."""
-    return [(key, m.report_format) for m in metric_defs() if m.in_report for key in m.keys(summary.ks)]
+    """(key, format spec) of each table row: every shown metric, each k of a per-k one."""
+    return [(key, m.report_format) for m in shown_metrics(summary) for key in m.keys(summary.ks)]
 
 
 def _cell(metrics: Mapping[str, float], key: str, spec: str) -> str:
@@ -61,6 +72,8 @@ def metric_rows(summary: EvalSummary) -> tuple[list[str], list[list[str]]]:
     rows.append(
         ["errors (not scored)"] + [f"{metrics.get(prefix + 'num_errors', 0.0):.0f}" for _, prefix in columns]
     )
+    rows.append(["prompts too long (no room to generate)", str(summary.num_prompts_too_long)]
+                + ["-"] * (len(columns) - 1))
     return header, rows
 
 
@@ -88,12 +101,42 @@ def error_note(summary: EvalSummary, max_listed: int = 5) -> list[str]:
     ]
     if n > len(listed):
         listed.append(f"... and {n - len(listed)} more (completions.jsonl has every one)")
+    infra = n - summary.num_data_errors
     headline = (
-        f"{n} error sample(s) left ({summary.error_rate:.1%} of {summary.num_completions}; {verdict}). "
-        "Errors are infrastructure failures, not answers: they are not scored, and re-running with the same "
-        "eval.save_path retries them."
-    )
+        f"{infra} error sample(s) left ({infra / summary.num_completions:.1%} of {summary.num_completions}; "
+        f"{verdict}). Errors are infrastructure failures, not answers: they are not scored, and re-running with "
+        "the same eval.save_path retries them."
+    ) if infra else ""
+    headline = " ".join(x for x in (headline, data_error_note(summary)) if x)
     return [headline, *listed]
+
+
+def data_error_note(summary: EvalSummary) -> str:
+    """What the data errors mean ("" when there are none): the rows, and that a resume does not retry them."""
+    if not summary.num_data_errors:
+        return ""
+    rows = ", ".join(map(str, summary.data_error_rows))
+    more = " (the first ones)" if len(summary.data_error_rows) >= MAX_LISTED_ERRORS else ""
+    return (
+        f"{summary.num_data_errors} sample(s) are data errors: NeMo Gym refused dataset row(s) {rows}{more} of "
+        f"{summary.dataset_path} as malformed (an HTTP 4xx; completions.jsonl has its answer). They are not "
+        "scored and not retried (the same rows would be refused again): fix the rows and evaluate them into a new "
+        "eval.save_path."
+    )
+
+
+def warn_prompt_length(summary: EvalSummary) -> None:
+    """Log the run's one warning about prompts too long to generate from (nothing when there are none)."""
+    PromptLengthWarning()(summary.num_prompts_too_long, summary.num_prompts, summary.longest_prompt_too_long)
+
+
+def prompt_length_note(summary: EvalSummary) -> str:
+    """What the prompts too long mean ("" when there are none): how many, the longest, the settings to raise."""
+    n = summary.num_prompts_too_long
+    if not n:
+        return ""
+    longest = summary.longest_prompt_too_long
+    return prompts_too_long_message(n, summary.num_prompts, longest)
 
 
 def format_metric_table(summary: EvalSummary) -> str:
@@ -114,6 +157,8 @@ def format_metric_table(summary: EvalSummary) -> str:
     )
     note = error_note(summary)
     lines += note[:1] + [f"  {x}" for x in note[1:]]
+    if summary.num_prompts_too_long:
+        lines.append(prompt_length_note(summary))
     return "\n".join(lines)
 
 
@@ -314,8 +359,15 @@ def plot_reward_profile(summary: EvalSummary, path: Any) -> None:
         plt.close(fig)
 
 
+def definition_lines(summary: EvalSummary) -> list[str]:
+    """One line per metric of the table that has a description: its key and what it measures."""
+    return [f"- `{m.name}@k`: {m.description}" if m.per_k else f"- `{m.name}`: {m.description}"
+            for m in shown_metrics(summary) if m.description]
+
+
 def markdown_report(summary: EvalSummary, plot_name: str) -> str:
-    """A short Markdown summary: what was run, the metric table and the plot, the reward profile."""
+    """A short Markdown summary: what was run, the metric table and what each metric is, the plot, the reward
+    profile."""
     table = _markdown_table(*metric_rows(summary))
     stops = ", ".join(f"{k}: {v}" for k, v in summary.stop_reasons.items())
     note = error_note(summary, max_listed=20)
@@ -331,8 +383,11 @@ def markdown_report(summary: EvalSummary, plot_name: str) -> str:
             f"truncation rate: {_number(summary.truncation_rate, '.3f')}",
             f"- status: `{summary.status}`",
             *(["", f"**{note[0]}**", "", *(f"- {x}" for x in note[1:])] if note else []),
+            *(["", f"**{prompt_length_note(summary)}**"] if summary.num_prompts_too_long else []),
             "",
             *table,
+            "",
+            *definition_lines(summary),
             "",
             f"![pass@k against k]({plot_name})",
             *profile_lines(summary),

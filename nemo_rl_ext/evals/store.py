@@ -10,7 +10,9 @@ Error completions (stop_reason "error": an infrastructure failure, not an answer
 other line, but they are not results. What a (prompt, sample) pair holds is decided by its lines in file
 order: its first non-error line is its result (later lines for it are ignored as duplicates); until it
 has one, its latest error line says why it failed and the driver rolls it out again. So a retry only
-appends, a kill at any point leaves a readable file, and the error history stays on disk.
+appends, a kill at any point leaves a readable file, and the error history stays on disk. A data error (the
+row was refused as malformed, `CompletionLine.is_data_error`) is not rolled out again: the same row would be
+refused again, and a changed row is a changed dataset (refused on resume, see below).
 
 The folder also records a fingerprint of the dataset rows it evaluates (`dataset_fingerprint.json`);
 a resume against rows whose contents changed is refused (`check_dataset`).
@@ -194,12 +196,19 @@ class CompletionStore:
         return self.results.get(key, self.errors.get(key))
 
     def done(self, prompt_idx: int, num_samples: int) -> set[int]:
-        """The sample indices below `num_samples` of a prompt that have a result."""
-        return {s for s in range(num_samples) if (prompt_idx, s) in self.results}
+        """The sample indices below `num_samples` of a prompt that have a result, or whose latest line is a data
+        error (the row was refused as malformed: rolling the unchanged row out again cannot help)."""
+        return {s for s in range(num_samples)
+                if (prompt_idx, s) in self.results or self._data_error(prompt_idx, s)}
 
     def failed(self, prompt_idx: int, num_samples: int) -> set[int]:
-        """The sample indices below `num_samples` of a prompt whose latest line is an error."""
-        return {s for s in range(num_samples) if (prompt_idx, s) in self.errors}
+        """The sample indices below `num_samples` of a prompt whose latest line is an infrastructure error (to be
+        retried)."""
+        return {s for s in range(num_samples) if (prompt_idx, s) in self.errors and not self._data_error(prompt_idx, s)}
+
+    def _data_error(self, prompt_idx: int, sample_idx: int) -> bool:
+        line = self.errors.get((prompt_idx, sample_idx))
+        return line is not None and line.is_data_error
 
     def append(self, rows: Iterable[CompletionLine]) -> int:
         """Write lines with one write, then flush and fsync; returns how many were written."""

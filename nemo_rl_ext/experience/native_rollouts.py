@@ -3,7 +3,8 @@
 NeMo-RL's documented API: `AsyncRolloutImpl(tokenizer, task_to_env, num_generations_per_prompt, max_seq_len,
 policy_generation, max_rollout_turns=999999, **kwargs)` and `run_rollout(input_sample)`, with its hooks as the
 extension points a subclass overrides: `_run_single_rollout` (one rollout), `_generate_response` (one model
-turn) and `_aggregate_rollout_metrics` (the group's metrics).
+turn, returning NeMo-RL's `(assistant_message, input_lengths, gen_metrics)`; ours with the turn's finish reason
+and weight versions is `_generate_turn`) and `_aggregate_rollout_metrics` (the group's metrics).
 """
 
 from __future__ import annotations
@@ -15,17 +16,25 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from nemo_rl_ext.data.chat import ObservationFormatter
 from nemo_rl_ext.data.generation_counts import GenerationCounts
+from nemo_rl_ext.data.nemo_rl_datum import message_from_nemo_rl
 from nemo_rl_ext.data.records import Completion, DatumSpec, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
+from nemo_rl_ext.experience.prompt_length import too_long_extras
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters, effective_counts
 from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig, GenerationInterface
 
 _MAX_EMPTY_ABORTS = 8
 """Consecutive aborted pieces without a token after which a turn gives up (updates that never let it run)."""
+
+TURN_OUTPUT_KEY = "_turn_output"
+"""Key of `_generate_response`'s metrics that carries the turn's `TurnOutput` to the turn loop (popped there,
+as NeMo-RL's loop pops `_response_truncated`)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,7 @@ class AsyncRolloutImpl:
             metadata=input_sample.metadata,
             completions=tuple(completions),
             rollout_metrics=metrics,
+            loss_multiplier=input_sample.loss_multiplier,
             agent_name=input_sample.agent,
         )
 
@@ -185,6 +195,7 @@ class AsyncRolloutImpl:
             messages=list(input_sample.message_log),
             token_ids=[t for m in input_sample.message_log for t in m.token_ids],
             env_metadata=dict(input_sample.extra_env_info),
+            stop_strings=input_sample.stop_strings,
         )
         token = _CURRENT_SAMPLE.set(_Sample(input_sample.idx, traj_idx, len(input_sample.message_log)))
         start = time.perf_counter()
@@ -206,6 +217,18 @@ class AsyncRolloutImpl:
 
     async def _generate_response(
         self, message_log: Sequence[Message], stop_strings: Sequence[str] | None
+    ) -> tuple[Message, torch.Tensor, dict[str, Any]]:
+        """One model turn after `message_log`, as NeMo-RL documents it: (the assistant message, the prompt's
+        length as a 1-element int32 tensor, the turn's metrics). The turn loop calls this hook, so an override
+        changes every turn; it may return our `Message` or NeMo-RL's message dict (`role`, `content`,
+        `token_ids`, `generation_logprobs`). Ours, `_generate_turn`, does the work; its `TurnOutput` (finish
+        reason, weight versions) rides in the metrics under `TURN_OUTPUT_KEY`."""
+        message, output, metrics = await self._generate_turn(message_log, stop_strings)
+        input_lengths = torch.tensor([sum(len(m.token_ids) for m in message_log)], dtype=torch.int32)
+        return message, input_lengths, {**metrics, TURN_OUTPUT_KEY: output}
+
+    async def _generate_turn(
+        self, message_log: Sequence[Message], stop_strings: Sequence[str] | None
     ) -> tuple[Message, TurnOutput, dict[str, float]]:
         """One model turn after `message_log`: (the assistant message, the turn's output, the turn's metrics).
 
@@ -213,8 +236,7 @@ class AsyncRolloutImpl:
         the room left under `max_seq_len`; `stop_strings` (None: the generation config's) end the turn.
         Inside a rollout the request's seed is distinct per (prompt, sample, turn). A generation that a weight
         update aborts is continued on the new weights (`_generate_continuing`): the message holds every piece,
-        with the weight version of each id. NeMo-RL returns (message dict, input lengths, metrics); ours gives
-        our `Message` and the `TurnOutput` (finish reason, versions).
+        with the weight version of each id.
         """
         prompt = [t for m in message_log for t in m.token_ids]
         room = self.max_seq_len - len(prompt)
@@ -287,6 +309,26 @@ class AsyncRolloutImpl:
 
     # ---- the turn loop --------------------------------------------------------------------------
 
+    def _turn_result(self, message: Message | Mapping[str, Any], gen_metrics: dict[str, Any]) -> tuple[Message, TurnOutput]:
+        """`_generate_response`'s message as our `Message`, and the turn's output: ours from the metrics, or, from an
+        override that made its own, one read off the message (NeMo-RL's `_response_truncated` flag: truncated;
+        else EOS when its last id is the tokenizer's EOS)."""
+        if not isinstance(message, Message):
+            message = message_from_nemo_rl(message, "_generate_response's assistant message")
+        output = gen_metrics.pop(TURN_OUTPUT_KEY, None)
+        if isinstance(output, TurnOutput):
+            return message, output
+        flag = gen_metrics.pop("_response_truncated", None)
+        ids = message.token_ids
+        if flag is not None and bool(flag[0] if isinstance(flag, Sequence | torch.Tensor) else flag):
+            reason = FinishReason.MAX_NEW_TOKENS
+        elif ids and ids[-1] == self.tokenizer.eos_token_id:
+            reason = FinishReason.EOS
+        else:
+            reason = FinishReason.STOP_STRING
+        versions = message.generation_weight_versions or ()
+        return message, TurnOutput(ids, message.generation_logprobs or (), versions, reason)
+
     def _environment(self, input_sample: DatumSpec) -> EnvironmentInterface:
         env = self.task_to_env.get(input_sample.task_name)
         if env is None:
@@ -300,8 +342,11 @@ class AsyncRolloutImpl:
         while True:
             room = self.max_seq_len - len(state.token_ids)
             if room <= 0:
+                if state.turns == 0:  # the prompt alone fills the context: counted and warned about
+                    state.extras.update(too_long_extras(len(state.token_ids), self.max_seq_len))
                 return state.finish(StopReason.TRUNCATED, truncated=True)
-            message, output, gen_metrics = await self._generate_response(tuple(state.messages), state.stop_strings)
+            message, _, gen_metrics = await self._generate_response(tuple(state.messages), state.stop_strings)
+            message, output = self._turn_result(message, gen_metrics)
             state.generation_s += gen_metrics.get("generation_time_s", 0.0)
             state.turns += 1
             state.messages.append(message)
@@ -315,7 +360,8 @@ class AsyncRolloutImpl:
             state.reward += float(step.rewards[0])
             state.env_metadata = step.metadata[0] if step.metadata[0] is not None else state.env_metadata
             state.answer = step.answers[0] if step.answers[0] is not None else state.answer
-            state.stop_strings = step.next_stop_strings[0]
+            stops = step.next_stop_strings[0]
+            state.stop_strings = state.datum.stop_strings if stops is None else stops  # None: the row's again
             state.extras["env_metadata"] = state.env_metadata
             if step.extras is not None:  # e.g. the answer's maj@k vote key and its grading status
                 state.extras.update(step.extras[0])

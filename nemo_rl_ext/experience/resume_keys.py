@@ -44,6 +44,7 @@ EVAL_RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "eval.max_error_rate",
         "eval.ray_workers",
         "eval.ray_lease_timeout_s",
+        "eval.metrics",
     )
 )
 """Keys that may differ between an eval and its resumption (they change no completion)."""

@@ -1,13 +1,16 @@
 """RolloutManager: validates its arguments once and routes rollouts to the native or NeMo Gym implementation.
 
 NeMo-RL's `nemo_rl.experience.rollout_manager` API, importable from here: `RolloutManager`,
-`AsyncRolloutImpl`, `AsyncNemoGymRolloutImpl`, `PromptGroupRecord`, `TokenizerType`.
+`AsyncRolloutImpl`, `AsyncNemoGymRolloutImpl`, `PromptGroupRecord`, `TokenizerType`, and its 2026 additions
+`RolloutTimeouts`, `RolloutRetryPolicy` (see `nemo_rl_options`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import operator
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -15,11 +18,14 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from nemo_rl_ext.data.generation_counts import GenerationCounts
+from nemo_rl_ext.data.nemo_rl_datum import as_datum
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
+from nemo_rl_ext.experience.nemo_rl_options import RolloutRetryPolicy, RolloutTimeouts, apply_nemo_rl_options
+from nemo_rl_ext.experience.prompt_length import count_prompts_too_long
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType, counts_for_call
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
@@ -29,6 +35,8 @@ __all__ = [
     "AsyncRolloutImpl",
     "PromptGroupRecord",
     "RolloutManager",
+    "RolloutRetryPolicy",
+    "RolloutTimeouts",
     "TokenizerType",
     "batch_metrics",
 ]
@@ -50,6 +58,8 @@ class RolloutManager:
     `use_nemo_gym=True` NeMo Gym agent servers own the turn loop and the reward (`AsyncNemoGymRolloutImpl`,
     see `gym_config`). The positional parameters are NeMo-RL's; `fault_policy`, `gym_config` and
     `owned_environments` (environments `shutdown` stops: those `build_rollouts` made for this manager) are ours.
+    NeMo-RL's later keywords `timeouts`, `retry_policy` and `mask_env_flagged_samples` set our fault policy and
+    Gym settings, or raise NotImplementedError naming what we lack (`nemo_rl_options.apply_nemo_rl_options`).
     """
 
     def __init__(
@@ -66,7 +76,16 @@ class RolloutManager:
         fault_policy: FaultPolicy | None = None,
         gym_config: Any = None,
         owned_environments: Sequence[EnvironmentInterface] = (),
+        timeouts: RolloutTimeouts | Any = None,
+        retry_policy: RolloutRetryPolicy | Any = None,
+        mask_env_flagged_samples: bool | None = None,
     ) -> None:
+        fault_policy, gym_config = apply_nemo_rl_options(
+            use_nemo_gym=use_nemo_gym, fault_policy=fault_policy, gym_config=gym_config, timeouts=timeouts,
+            retry_policy=retry_policy, mask_env_flagged_samples=mask_env_flagged_samples,
+        )
+        self.weight_version: int | None = None
+        """The trainer's weight version (`set_weight_version`); None until set."""
         self.tokenizer = tokenizer
         self.generation_config = generation_config or GenerationConfig()
         self.fault_policy = fault_policy or FaultPolicy()
@@ -155,13 +174,27 @@ class RolloutManager:
         aggregate = getattr(self.impl, "aggregate_metrics", None)
         return None if aggregate is None else await aggregate(results_by_agent)
 
-    async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
-        """Roll out one prompt N times and score the completions."""
-        return await self.impl.run_rollout(input_sample)
+    def set_weight_version(self, version: int) -> None:
+        """Set the trainer's weight version (NeMo-RL's): records that `run_rollout` returns from now on carry the
+        version at their start and end as `rollout/weight_version/start|end` in `rollout_metrics` (where NeMo-RL
+        tags its replay-buffer slot). Each generated token keeps the engine's own version either way."""
+        if isinstance(version, bool):
+            raise TypeError(f"set_weight_version: version must be an int, got {version!r}")
+        self.weight_version = operator.index(version)
+
+    async def run_rollout(self, input_sample: DatumSpec | Mapping[str, Any]) -> PromptGroupRecord:
+        """Roll out one prompt N times and score the completions. `input_sample` is our `DatumSpec` or NeMo-RL's
+        (a dict: `message_log`, `length`, `extra_env_info`, `loss_multiplier`, `idx`, `task_name`, ...)."""
+        start = self.weight_version
+        record = await self.impl.run_rollout(as_datum(input_sample))
+        if start is None:
+            return record
+        tags = {"rollout/weight_version/start": float(start), "rollout/weight_version/end": float(self.weight_version)}
+        return dataclasses.replace(record, rollout_metrics={**record.rollout_metrics, **tags})
 
     async def stream_rollouts(
         self,
-        datums: Sequence[DatumSpec],
+        datums: Sequence[DatumSpec | Mapping[str, Any]],
         *,
         max_concurrent_prompts: int | None = None,
         counts: int | Mapping[str, int] | GenerationCounts | None = None,
@@ -171,7 +204,9 @@ class RolloutManager:
         At most `max_concurrent_prompts` prompts are in flight (None: all). `counts` replaces the per-agent
         sample counts for this call only (e.g. validation with another count on the same manager and servers).
         Leaving the loop early (break, an exception, cancellation) cancels the rollouts still running.
+        `datums` may also be NeMo-RL's dicts (see `run_rollout`).
         """
+        datums = [as_datum(d) for d in datums]
         override = None
         if counts is not None:
             override = counts if isinstance(counts, GenerationCounts) else GenerationCounts.parse(counts)
@@ -196,7 +231,7 @@ class RolloutManager:
 
     async def run_rollouts(
         self,
-        datums: Sequence[DatumSpec],
+        datums: Sequence[DatumSpec | Mapping[str, Any]],
         *,
         progress: bool = True,
         desc: str = "rollouts",
@@ -204,6 +239,7 @@ class RolloutManager:
         counts: int | Mapping[str, int] | GenerationCounts | None = None,
     ) -> tuple[list[PromptGroupRecord], dict[str, float]]:
         """Every prompt's record in `datums` order (through `stream_rollouts`), and metrics over all of them."""
+        datums = [as_datum(d) for d in datums]
         start = time.perf_counter()
         by_idx: dict[int, list[int]] = {}
         for i, d in enumerate(datums):
@@ -224,9 +260,11 @@ class RolloutManager:
 
 
 def batch_metrics(records: Sequence[PromptGroupRecord], wall_time_s: float) -> dict[str, float]:
-    """Rollout metrics over every completion of several groups."""
+    """Rollout metrics over every completion of several groups, with `rollout/num_prompts` and
+    `rollout/prompts_too_long` (prompts that alone left no room to generate, see `prompt_length`)."""
     completions = [c for r in records for c in r.completions]
     prompt_lens = [len(r.prompt) for r in records for _ in r.completions]
     metrics = rollout_metrics(completions, prompt_lens, wall_time_s)
     metrics["rollout/num_prompts"] = float(len(records))
+    metrics["rollout/prompts_too_long"] = float(count_prompts_too_long(records)[0])
     return metrics

@@ -10,6 +10,10 @@ Endpoints, shaped like vLLM's OpenAI server as NeMo-RL extends it:
 - `POST /tokenize`: the prompt ids a completion with the same messages would use (`{tokens, count,
   max_model_len}`), or the ids of a plain `prompt` string.
 - `GET /v1/models`, `GET /health`.
+- `GET /metrics`: Prometheus text (requests by route and status, cancelled requests, errors, prompt and
+  generated tokens, time-to-first-token and end-to-end latency histograms, the engine's running and waiting
+  rows, the weight version; see `server_metrics`). Like `/health` it needs no API key, as in vLLM (whose
+  `--api-key` guards only its `/v1` routes): scrapers call it, and it holds counts, never request content.
 
 Requests are served concurrently (each awaits `generate_async`), so a batching backend batches them.
 Refused requests get a 400 whose message names the field and value; unexpected failures a 500 with the
@@ -21,8 +25,9 @@ One request never harms another: sampling fields are bounded before anything is 
 chat-template rendering and tokenization run in worker threads, never on the event loop; bodies over
 `max_request_bytes` get a 413 and JSON nested too deep a 400; a client that disconnects has its
 generation cancelled (a batching backend drops its row at the next decode step). With an `api_key`
-(`--api-key`, or `NEMO_RL_EXT_API_KEY` for the CLI) every route but `/health` wants
-`Authorization: Bearer <key>` (401 otherwise). It binds 127.0.0.1 unless told otherwise.
+(`--api-key`, or `NEMO_RL_EXT_API_KEY` for the CLI) every route but `/health` and `/metrics` wants
+`Authorization: Bearer <key>` (401 otherwise). It binds 127.0.0.1 unless told otherwise. Each cancelled
+request (client gone, or past `request_timeout_s`) is counted and logged at WARNING (rate-limited).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -45,6 +51,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.data.tool_calls import parse_tool_calls
@@ -70,6 +77,7 @@ from nemo_rl_ext.serving.request_guards import (
     parse_json_object,
     read_body,
 )
+from nemo_rl_ext.serving.server_metrics import CONTENT_TYPE, ServerMetrics
 from nemo_rl_ext.serving.threaded_server import ThreadedServer, bind_socket, url_host
 
 logger = logging.getLogger(__name__)
@@ -95,7 +103,8 @@ class ServerOptions:
     request_timeout_s: float | None = None
     """Bounds one request's generation (a 504 after it); None: no bound."""
     api_key: str | None = None
-    """When set, every route but `/health` wants `Authorization: Bearer <api_key>` (a 401 otherwise)."""
+    """When set, every route but `/health` and `/metrics` wants `Authorization: Bearer <api_key>` (a 401
+    otherwise)."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Larger request bodies get a 413."""
     trust_request_chat_template: bool = False
@@ -110,6 +119,23 @@ def server_options(options: ServerOptions | None = None, **fields: Any) -> Serve
     if unknown:
         raise TypeError(f"unknown policy-server option(s) {unknown}; known: {sorted(known)}")
     return dataclasses.replace(options or ServerOptions(), **fields)
+
+
+class RefusedPrompts:
+    """The chat prompts a `PolicyService` refused because they alone filled the context (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        """How many were refused."""
+        self.longest: int | None = None
+        """The longest of them, in tokens (None: none yet)."""
+
+    def add(self, prompt_tokens: int) -> None:
+        """Record one refused prompt of `prompt_tokens` tokens."""
+        with self._lock:
+            self.count += 1
+            self.longest = max(self.longest or 0, prompt_tokens)
 
 
 class PolicyService:
@@ -127,6 +153,10 @@ class PolicyService:
         self.tokenizer = tokenizer
         self.options = server_options(options, **option_fields)
         self.created = int(time.time())
+        self.metrics = ServerMetrics(generation)
+        """This service's Prometheus metrics (what `/metrics` serves)."""
+        self.refused_prompts = RefusedPrompts()
+        """The prompts refused for context length (their count and the longest)."""
 
     @property
     def max_model_len(self) -> int:
@@ -151,15 +181,20 @@ class PolicyService:
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
-    async def chat_completion(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def chat_completion(self, body: dict[str, Any], received_at: float | None = None) -> dict[str, Any]:
         """`/v1/chat/completions`: build the prompt, generate `n` choices concurrently, shape the answer.
 
         The prompt is built and the answer shaped in worker threads, so a huge or slow request never
-        holds up the event loop (and the other requests and `/health` behind it).
+        holds up the event loop (and the other requests and `/health` behind it). `received_at`
+        (`time.monotonic()`, default now) starts the request's latency and time to first token in `metrics`.
         """
+        received_at = time.monotonic() if received_at is None else received_at
         request, prompt, configs = await asyncio.to_thread(self._prepare, body)
+        generate_started_at = time.monotonic()
         outputs = await self._generate(prompt.token_ids, configs)
-        return await asyncio.to_thread(self._answer, request, prompt, outputs)
+        answer = await asyncio.to_thread(self._answer, request, prompt, outputs)
+        self.metrics.completion(received_at, generate_started_at, outputs, len(prompt.token_ids))
+        return answer
 
     def _prompt(self, request: TokenizeRequest | ChatCompletionRequest) -> ChatPrompt:
         return build_chat_prompt(
@@ -181,6 +216,8 @@ class PolicyService:
                 f"{_first_difference(prompt.token_ids, required)})",
                 param="required_prefix_token_ids",
             )
+        if len(prompt.token_ids) >= self.max_model_len:  # refused below: recorded for the rollouts to report
+            self.refused_prompts.add(len(prompt.token_ids))
         configs = request.generation_configs(len(prompt.token_ids), self.max_model_len, self.options.default_config)
         return request, prompt, configs
 
@@ -338,25 +375,39 @@ def create_app(
     options = server_options(options, **option_fields)
     api_key, max_request_bytes = options.api_key, options.max_request_bytes
     service = PolicyService(generation, tokenizer, options)
+    metrics = service.metrics
     app = FastAPI(title="nemo_rl_ext policy server")
     app.state.service = service
+    app.state.metrics = metrics
 
     async def answer(request: Request, handler) -> Response:
+        """Run `handler(body, received_at)` for a POST route; count and log how it ended."""
+        route, received_at = request.url.path, time.monotonic()
+        metrics.in_progress.inc()
         try:
             check_api_key(request, api_key)
             raw = await read_body(request, max_request_bytes)
             body = await asyncio.to_thread(parse_json_object, raw)
-            return JSONResponse(await cancel_on_disconnect(request, handler(body)))
-        except ClientDisconnected:
-            logger.info("%s %s: the client went away; its work was cancelled", request.method, request.url.path)
+            result = JSONResponse(await cancel_on_disconnect(request, handler(body, received_at)))
+            metrics.answered(route, 200)
+            return result
+        except (ClientDisconnected, ClientDisconnect):  # while generating, or while the body streamed in
+            metrics.cancel(route, "client_disconnect", time.monotonic() - received_at)
+            metrics.answered(route, 499)
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         except ApiError as err:
-            logger.info("%s %s -> %d: %s", request.method, request.url.path, err.status_code, err.message)
+            logger.info("%s %s -> %d: %s", request.method, route, err.status_code, err.message)
+            if err.status_code == 504:  # request_timeout_s: its generation was cancelled
+                metrics.cancel(route, "timeout", time.monotonic() - received_at)
+            metrics.answered(route, err.status_code, err.error_type)
             return JSONResponse(err.body(), status_code=err.status_code)
         except Exception as exc:
-            logger.exception("%s %s failed", request.method, request.url.path)
+            logger.exception("%s %s failed", request.method, route)
             err = ApiError(f"{type(exc).__name__}: {exc}", status_code=500)
+            metrics.answered(route, 500, err.error_type)
             return JSONResponse(err.body(), status_code=500)
+        finally:
+            metrics.in_progress.dec()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> JSONResponse:
@@ -364,20 +415,27 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        return await answer(request, lambda body: asyncio.to_thread(service.tokenize, body))
+        return await answer(request, lambda body, _: asyncio.to_thread(service.tokenize, body))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
             check_api_key(request, api_key)
         except ApiError as err:
+            metrics.answered(request.url.path, err.status_code, err.error_type)
             return JSONResponse(err.body(), status_code=err.status_code)
+        metrics.answered(request.url.path, 200)
         return JSONResponse(service.models())
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         """Liveness, open without the API key (load balancers and startup probes call it)."""
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text format, open without the API key like `/health` (and vLLM's `/metrics`)."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
 
@@ -417,6 +475,11 @@ class PolicyServer(ThreadedServer):
         """The OpenAI base URL, `http://HOST:PORT/v1`."""
         return f"{self.url}/v1"
 
+    @property
+    def refused_prompts(self) -> RefusedPrompts:
+        """The prompts it refused for context length."""
+        return self.app.state.service.refused_prompts
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments."""
@@ -443,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require 'Authorization: Bearer <key>' on every route but /health (default: ${API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer <key>' on every route but /health and /metrics (default: ${API_KEY_ENV})",
     )
     parser.add_argument(
         "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="larger bodies get a 413"

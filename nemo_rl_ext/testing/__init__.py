@@ -1,6 +1,7 @@
 """Test doubles shared by the tests, the benchmarks and the scripts: a scripted policy, a sleep-per-token
-engine, scripted and failing environments, fake NeMo Gym agent servers, the faults they inject, and the
-reference forward pass that engine logprobs are checked against.
+engine, scripted and failing environments, a math environment whose grading workers are killed, fake NeMo
+Gym agent servers, the faults they inject, and the reference forward pass that engine logprobs are checked
+against.
 
 They implement the real interfaces (`GenerationInterface`, `EnvironmentInterface`) in full, so a double
 works wherever a backend or an environment does; a test's own special behaviour is a parameter or a small
@@ -10,6 +11,7 @@ its module (it imports the vLLM backend).
 
 from nemo_rl_ext.testing.environments import FailingEnvironment, RolloutStep, ScriptedEnvironment
 from nemo_rl_ext.testing.faults import Fault
+from nemo_rl_ext.testing.grading import KilledGradingMathEnvironment
 from nemo_rl_ext.testing.gym_agents import FakeAgents, UnusedPolicy
 from nemo_rl_ext.testing.reference import forward_logprobs
 from nemo_rl_ext.testing.scripted_generation import ScriptedCall, ScriptedGeneration, ScriptedRequest
@@ -19,6 +21,7 @@ __all__ = [
     "FailingEnvironment",
     "FakeAgents",
     "Fault",
+    "KilledGradingMathEnvironment",
     "LongTail",
     "RolloutStep",
     "ScriptedCall",

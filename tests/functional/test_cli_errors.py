@@ -59,6 +59,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "grpo": {
             "num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 1, "max_seq_len": 64,
         },
+        "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},  # as before
         "logger": {"progress": False, "tensorboard": False, "print_steps": False},
         "output_dir": str(folder / "grpo_out"),
     }))

@@ -100,6 +100,8 @@ def grpo_config(model_dir: Path, tmp_path: Path) -> GRPOConfig:
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 2,
                  "max_seq_len": 128, "seed": 42},
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 8},
+        # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
+        "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
         "logger": {"progress": False, "tensorboard": False, "print_steps": False},
         "output_dir": str(tmp_path / "run"),
     })

@@ -30,6 +30,7 @@ import pytest
 import torch
 from backend_checks import backend_params, forward_logprobs, not_greedy, policy_section
 from test_grpo_gym import gym_grpo_config
+from tolerances import ENGINE_LOGPROBS
 
 from nemo_rl_ext.algorithms.grpo import GRPO
 from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
@@ -48,7 +49,6 @@ ARITHMETIC = REPO / "examples" / "data" / "arithmetic.jsonl"
 GYM_ROWS = REPO / "examples" / "data" / "gym_arithmetic.jsonl"
 BACKENDS = backend_params()
 MAX_MODEL_LEN = 512
-LOGPROB_ATOL = 1e-4
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -126,10 +126,11 @@ def check_refit(grpo: GRPO, model_dir: Path) -> None:
     out = asyncio.run(grpo.generation.generate_async(ids, GenerationConfig(max_new_tokens=8, temperature=0.0)))
     served = torch.tensor(out.logprobs)
     torch.testing.assert_close(
-        served, forward_logprobs(grpo.trainer.model, ids, out.output_ids, 0.0), atol=LOGPROB_ATOL, rtol=0
+        served, forward_logprobs(grpo.trainer.model, ids, out.output_ids, 0.0), **ENGINE_LOGPROBS
     )
     initial, _ = load_model_and_tokenizer(model_dir)
-    assert (served - forward_logprobs(initial, ids, out.output_ids, 0.0)).abs().max() > 10 * LOGPROB_ATOL
+    far = {key: 10 * value for key, value in ENGINE_LOGPROBS.items()}  # not the initial weights' logprobs
+    assert not torch.allclose(served, forward_logprobs(initial, ids, out.output_ids, 0.0), **far)
 
 
 def check_grpo_steps(output_dir: Path, steps: int) -> list[dict[str, float]]:
@@ -242,6 +243,8 @@ def test_run_grpo_native(backend, soft_tiny_model, tmp_path):
             "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 8, "max_num_steps": 2,
                      "max_seq_len": 128, "seed": 42},
             "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16},
+            # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
+            "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
             "logger": {"progress": False, "tensorboard": False, "print_steps": False},
             "output_dir": str(tmp_path / "run"),
         }
@@ -315,7 +318,7 @@ def test_policy_server_cli(backend, tiny_model_dir, tiny_model_and_tokenizer):
         assert (capped.usage.completion_tokens, capped.choices[0].finish_reason) == (4, "length")  # --max-tokens
         torch.testing.assert_close(
             torch.tensor([item.logprob for item in content]), forward_logprobs(model, prompt, tuple(ids), 0.0),
-            atol=LOGPROB_ATOL, rtol=0,
+            **ENGINE_LOGPROBS,
         )
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -119,6 +119,10 @@ SUMMARY_KEYS = {
     "truncation_rate",
     "mean_turns",
     "metrics",
+    "num_data_errors",
+    "data_error_rows",
+    "num_prompts_too_long",
+    "longest_prompt_too_long",
     "profile",
 }
 LINE_KEYS = {
@@ -143,7 +147,10 @@ def metrics_by_hand(lines: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> di
     Per prompt (n samples, c with reward >= 1): pass@k = 1 - C(n-c, k) / C(n, k); maj@k = the mean, over
     every k-subset (enumerated), of the credit of the most frequent answer (an answer's credit: the
     fraction of its samples that are correct; a tie of t answers gives each 1/t; no answer at all: 0);
-    mean@k = mean reward. Then means over the prompts with n >= k, overall and per agent, with
+    mean@k = mean reward; majority@k (NeMo-Skills') = the first k samples' most frequent (answer, correct) pairs,
+    their mean correctness (no answer casts no vote; none at all: 0); cons@k (NeMo-RL's) = the mean, over every
+    k-subset, of the correctness of the first sample of the group that gave the subset's
+    `Counter(...).most_common(1)` answer (None votes too). Then means over the prompts with n >= k, overall and per agent, with
     stderr = sample std / sqrt(number of prompts) (0 for one prompt). Error lines are not samples: they
     only count in num_errors, and a prompt they leave with fewer than k samples counts in num_prompts_short@k.
     """
@@ -152,7 +159,7 @@ def metrics_by_hand(lines: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> di
         prompts.setdefault(x["prompt_idx"], []).append(x)
     per_prompt = []
     for all_samples in prompts.values():
-        samples = [x for x in all_samples if x["stop_reason"] != "error"]
+        samples = sorted((x for x in all_samples if x["stop_reason"] != "error"), key=lambda x: x["sample_idx"])
         errors = len(all_samples) - len(samples)
         rewards = [x["reward"] for x in samples]
         answers = [None if x["stop_reason"] == "error" or x["answer"] is None else str(x["answer"]) for x in samples]
@@ -174,6 +181,14 @@ def metrics_by_hand(lines: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> di
             values[f"pass@{k}"] = 1 - math.comb(n - c, k) / math.comb(n, k)
             values[f"maj@{k}"] = statistics.mean(scores)
             values[f"mean@{k}"] = statistics.mean(rewards)
+            first_k = Counter((a, ok) for a, ok in zip(answers[:k], correct[:k], strict=True) if a is not None)
+            top_k = max(first_k.values(), default=0)
+            tied = [ok for (_, ok), v in first_k.items() if v == top_k]
+            values[f"majority@{k}"] = statistics.mean(tied) if tied else 0.0
+            values[f"cons@{k}"] = statistics.mean(
+                correct[answers.index(Counter(answers[i] for i in subset).most_common(1)[0][0])]
+                for subset in itertools.combinations(range(n), k)
+            )
         per_prompt.append((all_samples[0]["agent"], n, values))
 
     def aggregate(rows: list[tuple[str, int, dict[str, float]]], prefix: str) -> dict[str, float]:
@@ -189,7 +204,7 @@ def metrics_by_hand(lines: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> di
             eligible = [v for _, n, v in rows if n >= k]
             out[f"{prefix}num_prompts@{k}"] = len(eligible)
             out[f"{prefix}num_prompts_short@{k}"] = sum(f"short@{k}" in v for _, _, v in rows)
-            for name in ("pass", "maj", "mean") if eligible else ():
+            for name in ("pass", "maj", "mean", "majority", "cons") if eligible else ():
                 key = f"{name}@{k}"
                 out[f"{prefix}{key}"], out[f"{prefix}{key}/stderr"] = mean_and_stderr([v[key] for v in eligible])
         return out

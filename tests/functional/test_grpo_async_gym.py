@@ -34,6 +34,8 @@ def test_async_grpo_in_nemo_gym_mode_keeps_the_bound_and_the_agent_counts(gym_ve
             "grpo": {"num_prompts_per_step": 2, "max_num_steps": 4, "seed": 3,
                      "async": {"enabled": True, "max_lag": 1, "in_flight": "abort"}},
             "optimizer": {"lr": 1.0e-3, "micro_batch_size": 8},
+            # the loss before the defaults became NeMo-RL's (KL 0.01; IS on here anyway, untruncated by default)
+            "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
             "rollouts": {
                 "mode": "nemo_gym",
                 "num_generations_per_prompt": {"agent_alpha": 4, "agent_beta": 3},

@@ -92,7 +92,7 @@ def assert_generated_by_us(completion: Completion, calls: list[ScriptedCall]) ->
             matches = [c.output for c in calls
                        if c.output is not None and c.prompt_token_ids == context and c.output.output_ids == message.token_ids]
             assert matches, "an assistant turn that our policy server did not generate"
-            assert message.generation_logprobs == pytest.approx(matches[0].logprobs, abs=1e-6)
+            assert message.generation_logprobs == pytest.approx(matches[0].logprobs, rel=1e-6, abs=1e-6)
             if previous is not None:
                 assert context[: len(previous)] == previous
             previous = context + list(message.token_ids)

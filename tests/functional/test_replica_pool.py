@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 from backend_checks import chat_prompts, forward_logprobs, not_greedy
+from tolerances import ENGINE_LOGPROBS
 
 from nemo_rl_ext.cluster import RemoteEnvironment, ReplicaResources, RoutedGeneration
 from nemo_rl_ext.data.records import Message
@@ -77,10 +78,10 @@ def test_two_replicas_give_the_in_process_backends_outputs(hf_pool, tiny_model_a
     after = hf_pool.metrics()
     for prompt, config, want, out in zip(prompts, configs, expected, got, strict=True):
         assert out.output_ids == want.output_ids
-        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(want.logprobs), **ENGINE_LOGPROBS)
         assert out.weight_version == 0
         ref = forward_logprobs(model, prompt, out.output_ids, config.temperature)
-        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, **ENGINE_LOGPROBS)
     served = [after[f"cluster/replica/{i}/requests"] - before[f"cluster/replica/{i}/requests"] for i in (0, 1)]
     assert served == [3, 3], served  # six concurrent requests, least-in-flight: three each
 
@@ -108,7 +109,7 @@ def test_a_refit_reaches_both_replicas(hf_pool, tiny_model_and_tokenizer):
         for prompt, out in zip(prompts, new, strict=True):
             assert not_greedy(trained, prompt, out.output_ids) == []  # the trainer's forward pass agrees
             ref = forward_logprobs(trained, prompt, out.output_ids, 0.0)
-            torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(out.logprobs), ref, **ENGINE_LOGPROBS)
     finally:
         hf_pool.update_weights(model.state_dict())  # leave the shared pool as the other tests expect
     assert hf_pool.weight_version == 2

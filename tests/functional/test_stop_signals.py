@@ -152,6 +152,8 @@ def grpo_config(tmp_path: Path, gym_venv: Path | None) -> Path:
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 200,
                  "max_seq_len": 256, "seed": 3, "save_period": 1},
         "optimizer": {"lr": 1.0e-3, "micro_batch_size": 8},
+        # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
+        "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
         "logger": {"progress": False, "tensorboard": False, "print_steps": True},
         "keep_last_checkpoints": None,
     }

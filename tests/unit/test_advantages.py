@@ -29,9 +29,9 @@ def test_mean_baseline_with_std() -> None:
     # advantages = +-0.5 / (sqrt(1/3) + eps) ~ +-0.866025
     (adv,) = compute_group_advantages([[1.0, 0.0, 0.0, 1.0]], baseline="mean", normalize_std=True, eps=0.0)
     expected = 0.5 / math.sqrt(1 / 3)
-    assert adv.tolist() == pytest.approx([expected, -expected, -expected, expected], abs=1e-6)
+    assert adv.tolist() == pytest.approx([expected, -expected, -expected, expected], rel=1e-6, abs=1e-6)
     (adv_eps,) = compute_group_advantages([[1.0, 0.0, 0.0, 1.0]], baseline="mean", normalize_std=True, eps=0.1)
-    assert adv_eps[0].item() == pytest.approx(0.5 / (math.sqrt(1 / 3) + 0.1), abs=1e-6)
+    assert adv_eps[0].item() == pytest.approx(0.5 / (math.sqrt(1 / 3) + 0.1), rel=1e-6, abs=1e-6)
 
 
 def test_leave_one_out_baseline_hand_values() -> None:
@@ -43,13 +43,13 @@ def test_leave_one_out_baseline_hand_values() -> None:
     (adv_std,) = compute_group_advantages(
         [[1.0, 0.0, 0.0]], baseline="leave_one_out", normalize_std=True, eps=0.0
     )
-    assert adv_std.tolist() == pytest.approx([1.0, -math.sqrt(0.5), -math.sqrt(0.5)], abs=1e-6)
+    assert adv_std.tolist() == pytest.approx([1.0, -math.sqrt(0.5), -math.sqrt(0.5)], rel=1e-6, abs=1e-6)
     # std_scope="group": every sample divided by the whole group's sample std, sqrt(1/3)
     (adv_group,) = compute_group_advantages(
         [[1.0, 0.0, 0.0]], baseline="leave_one_out", normalize_std=True, eps=0.0, std_scope="group"
     )
     s = math.sqrt(1 / 3)
-    assert adv_group.tolist() == pytest.approx([1.0 / s, -0.5 / s, -0.5 / s], abs=1e-6)
+    assert adv_group.tolist() == pytest.approx([1.0 / s, -0.5 / s, -0.5 / s], rel=1e-6, abs=1e-6)
 
 
 def test_leave_one_out_matches_definition_on_random_groups() -> None:
@@ -59,7 +59,7 @@ def test_leave_one_out_matches_definition_on_random_groups() -> None:
         groups, baseline="leave_one_out", normalize_std=False, dtype=torch.float64
     )
     for group, adv in zip(groups, advs, strict=True):
-        assert adv.tolist() == pytest.approx(leave_one_out_by_definition(group), abs=1e-12)
+        assert adv.tolist() == pytest.approx(leave_one_out_by_definition(group), rel=1e-12, abs=1e-12)
 
 
 def test_group_of_one_and_zero_variance_get_zero() -> None:
@@ -86,8 +86,8 @@ def test_different_sizes_and_flatten() -> None:
         [[1.0, 0.0, 3.0, 7.0], [2.0, 2.0, 5.0]], baseline="mean", normalize_std=True, eps=0.0
     )
     for a in advs_std:
-        assert a.double().std(correction=1).item() == pytest.approx(1.0, abs=1e-6)
-        assert a.double().mean().item() == pytest.approx(0.0, abs=1e-6)
+        assert a.double().std(correction=1).item() == pytest.approx(1.0, rel=1e-6, abs=1e-6)
+        assert a.double().mean().item() == pytest.approx(0.0, rel=1e-6, abs=1e-6)
 
 
 def test_bad_arguments() -> None:
@@ -146,11 +146,11 @@ def test_one_correct_of_four_gets_one_not_two() -> None:
     # Samples 1-3: others (1, 0, 0), baseline 1/3, sample std sqrt(1/3): A = -(1/3) / sqrt(1/3) = -0.57735
     (adv,) = compute_group_advantages([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     third = -(1 / 3) / (math.sqrt(1 / 3) + 1e-6)
-    assert adv.tolist() == pytest.approx([1.0, third, third, third], abs=1e-9)
-    assert adv.tolist() == pytest.approx(nemo_rl_advantages([1.0, 0.0, 0.0, 0.0], [True] * 4), abs=1e-9)
+    assert adv.tolist() == pytest.approx([1.0, third, third, third], rel=1e-9, abs=1e-9)
+    assert adv.tolist() == pytest.approx(nemo_rl_advantages([1.0, 0.0, 0.0, 0.0], [True] * 4), rel=1e-9, abs=1e-9)
     # the previous rule (the whole group's std) stays available by name: 1 / sqrt(1/4) = 2.0
     (old,) = compute_group_advantages([[1.0, 0.0, 0.0, 0.0]], std_scope="group", eps=0.0)
-    assert old.tolist() == pytest.approx([2.0, -2 / 3, -2 / 3, -2 / 3], abs=1e-6)
+    assert old.tolist() == pytest.approx([2.0, -2 / 3, -2 / 3, -2 / 3], rel=1e-6, abs=1e-6)
 
 
 HAND_GROUPS = [
@@ -186,7 +186,7 @@ def test_hand_groups_of_uneven_sizes_with_errors_match_nemo_rl() -> None:
     for (r, v, hand), adv in zip(HAND_GROUPS, advs, strict=True):
         reference = nemo_rl_advantages(r, v)
         assert hand == pytest.approx(reference, rel=1e-5, abs=1e-9), (r, v)  # hand numbers are NeMo-RL's (eps aside)
-        assert adv.tolist() == pytest.approx(reference, abs=1e-9), (r, v)
+        assert adv.tolist() == pytest.approx(reference, rel=1e-9, abs=1e-9), (r, v)
 
 
 def test_failed_rollouts_do_not_pull_siblings_down() -> None:
@@ -194,8 +194,9 @@ def test_failed_rollouts_do_not_pull_siblings_down() -> None:
     rewards, valid = [1.0, 1.0, 0.0, 0.0], [True, True, True, False]
     (with_mask,) = compute_group_advantages([rewards], valid_per_group=[valid], dtype=torch.float64)
     (without_error,) = compute_group_advantages([rewards[:3]], dtype=torch.float64)
+    # bit-exact: 0/1 rewards make every sum exact, so the masked (4-wide) and the 3-wide reductions cannot differ
     assert with_mask[:3].tolist() == without_error.tolist() and with_mask[3].item() == 0.0
-    assert with_mask.tolist() == pytest.approx(nemo_rl_advantages(rewards, valid), abs=1e-9)
+    assert with_mask.tolist() == pytest.approx(nemo_rl_advantages(rewards, valid), rel=1e-9, abs=1e-9)
     # counted as a 0 (the old behaviour), it moves every sibling's advantage: 1 -> 1.1547, 0 -> -0.8660
     (counted,) = compute_group_advantages([rewards], dtype=torch.float64)
     assert counted[:3].tolist() != pytest.approx(with_mask[:3].tolist(), abs=1e-3)

@@ -229,7 +229,7 @@ def test_aggregate_keys_and_values() -> None:
         "num_prompts_short@4",
     }
     expected_group |= {
-        f"{x}@{k}{s}" for x in ("pass", "maj", "mean") for k in (1, 4) for s in ("", "/stderr")
+        f"{x}@{k}{s}" for x in ("pass", "maj", "mean", "majority", "cons") for k in (1, 4) for s in ("", "/stderr")
     }
     code_keys = {k for k in expected_group if not k.endswith("@4") and "@4/" not in k}
     code_keys |= {"num_prompts@4", "num_prompts_short@4"}

@@ -107,7 +107,8 @@ def test_the_summary_has_the_summary_json_keys_in_order_and_reads_back() -> None
     s = summary()
     keys = ["rollout_mode", "model", "dataset_path", "num_prompts", "num_completions", "ks", "reward_threshold",
             "agents", "stop_reasons", "status", "num_errors", "error_rate", "max_error_rate", "error_samples",
-            "truncation_rate", "mean_turns", "metrics"]
+            "truncation_rate", "mean_turns", "metrics",
+            "num_data_errors", "data_error_rows", "num_prompts_too_long", "longest_prompt_too_long"]
     assert list(s.to_json()) == keys
     assert s.to_json()["error_samples"] == [{"prompt_idx": 0, "sample_idx": 2, "agent": "a", "error": "boom"}]
     assert s["metrics"]["pass@2"] == 1.0 and s["ks"] == [1, 2]  # readable by its JSON keys
@@ -127,7 +128,8 @@ def test_the_registry_refuses_bad_names_and_keeps_built_ins() -> None:
     def constant(p: PromptSamples, correct: tuple[bool, ...], k: int | None) -> float:
         return 0.5
 
-    assert [m.name for m in metric_defs()[: len(BUILTIN_METRICS)]] == ["mean_reward", "pass", "maj", "mean"]
+    assert [m.name for m in metric_defs()[: len(BUILTIN_METRICS)]] == ["mean_reward", "pass", "maj", "mean",
+                                                                       "majority", "cons"]
     for name in ("pass", "num_prompts", "metrics", "latency_s", "pass@k", "a/b", ""):  # profile fields too
         with pytest.raises(ValueError, match="taken|identifier"):
             register_metric(MetricDef(name, constant))

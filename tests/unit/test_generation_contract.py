@@ -18,6 +18,7 @@ import threading
 import pytest
 import torch
 from backend_checks import backend_params, chat_prompts, forward_logprobs, not_greedy, policy_section
+from tolerances import ENGINE_LOGPROBS, approx
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nemo_rl_ext.models.backends import build_generation
@@ -29,8 +30,6 @@ pytestmark = pytest.mark.timeout(900)
 
 MAX_MODEL_LEN = 256
 GREEDY = GenerationConfig(max_new_tokens=12, temperature=0.0)
-LOGPROB_ATOL = 1e-4
-"""fp32 everywhere; vLLM's kernels sum in another order than transformers' (seen: ~1e-6)."""
 
 
 def build(backend: str, model_dir) -> GenerationInterface:
@@ -97,7 +96,7 @@ def test_logprobs_equal_a_forward_pass(gen, tiny_model_and_tokenizer, temperatur
     for prompt, out in zip(batch, run(generate()), strict=True):
         assert len(out.logprobs) == len(out.output_ids) > 0
         expected = forward_logprobs(model, prompt, out.output_ids, temperature)
-        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, **ENGINE_LOGPROBS)
 
 
 def test_greedy_is_the_argmax_and_concurrency_changes_nothing(gen, tiny_model_and_tokenizer):
@@ -143,7 +142,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy_with_pre_filter_logprobs(gen, tiny_
     assert top_k.output_ids == greedy.output_ids
     assert top_p.output_ids == greedy.output_ids
     # pre-filter logprobs: the kept token's logprob is not renormalized to 0 by the filter
-    assert top_k.logprobs == pytest.approx(greedy.logprobs, abs=LOGPROB_ATOL)
+    assert top_k.logprobs == approx(greedy.logprobs, ENGINE_LOGPROBS)
     assert max(top_k.logprobs) < -1e-3
 
 
@@ -157,7 +156,7 @@ def test_stop_token_ends_the_generation_and_is_kept(gen, tiny_model_and_tokenize
     stop = free.output_ids[4]
     out = run(gen.generate_async(prompt, GREEDY.model_copy(update={"stop_token_ids": (stop,)})))
     assert out.output_ids == free.output_ids[: free.output_ids.index(stop) + 1]
-    assert out.logprobs == pytest.approx(free.logprobs[: len(out.output_ids)], abs=LOGPROB_ATOL)
+    assert out.logprobs == approx(free.logprobs[: len(out.output_ids)], ENGINE_LOGPROBS)
     assert out.finish_reason is FinishReason.STOP_TOKEN and out.matched_stop == stop and not out.truncated
     assert out.finish_reason.openai == "stop"
 
@@ -236,7 +235,7 @@ def test_update_weights_changes_the_outputs_to_the_new_models(gen, tiny_model_di
         assert [a.output_ids for a in after] != [b.output_ids for b in before]
         for prompt, out in zip(batch, after, strict=True):  # the perturbed model's logprobs, not the old one's
             expected = forward_logprobs(model, prompt, out.output_ids, 0.0)
-            torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
+            torch.testing.assert_close(torch.tensor(out.logprobs), expected, **ENGINE_LOGPROBS)
     finally:
         gen.update_weights(original)
     assert [r.output_ids for r in run(generate())] == [b.output_ids for b in before]

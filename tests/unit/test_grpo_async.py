@@ -26,6 +26,7 @@ from nemo_rl_ext.algorithms.staleness import (
     token_versions,
 )
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
+from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.data.records import Completion, DatumSpec, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
@@ -54,6 +55,40 @@ def test_async_is_off_by_default_and_round_trips_under_its_yaml_name() -> None:
     assert dumped["grpo"]["async"] == {"enabled": True, "max_lag": 2, "in_flight": "finish", "oversample": 3,
                                        "group_deadline_s": 30.0, "queue_size": 16}
     assert GRPOConfig.model_validate(dumped) == cfg  # what a checkpoint saves compares equal on resume
+
+
+def test_stale_rollouts_turn_the_importance_sampling_correction_on() -> None:
+    """NeMo-RL's default is off, but its async GRPO guide calls the correction required for convergence when a
+    trajectory may be one or more steps old: with grpo.async on and max_lag > 0 it defaults to on."""
+    assert grpo_config().loss.importance_sampling_correction is False
+    assert grpo_config(**{"async": {"enabled": True}}).loss.importance_sampling_correction is True  # max_lag 1
+    assert grpo_config(**{"async": {"enabled": True, "max_lag": 3}}).loss.importance_sampling_correction is True
+    assert grpo_config(**{"async": {"enabled": True, "max_lag": 0}}).loss.importance_sampling_correction is False
+    assert grpo_config(**{"async": {"enabled": False, "max_lag": 2}}).loss.importance_sampling_correction is False
+    on = GRPOConfig.model_validate({"data": {"train_path": "x"}, "grpo": {"async": {"enabled": True}},
+                                    "loss": {"importance_sampling_correction": True, "importance_sampling_cap": 2.0}})
+    assert on.loss.importance_sampling_correction is True and on.loss.importance_sampling_cap == 2.0
+    assert GRPOConfig.model_validate(on.model_dump(mode="json")) == on  # a checkpoint's config resumes
+    # the other loss keys keep their defaults beside the filled-in one
+    filled = load_config(None, ["data.train_path=x", "grpo.async.enabled=true", "loss.clip_high=0.28"], GRPOConfig)
+    assert filled.loss.importance_sampling_correction is True and filled.loss.clip_high == 0.28
+    assert filled.loss.kl_coef == 0.01
+
+
+def test_an_explicit_false_with_stale_rollouts_is_refused_with_the_other_problems() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.train_path=x", "grpo.async.enabled=true", "grpo.async.max_lag=2",
+                           "loss.importance_sampling_correction=false", "loss.clip_low=1.5",
+                           "grpo.num_prompts_per_step=0"], GRPOConfig)
+    text = str(err.value)
+    assert "loss.importance_sampling_correction: must be true when grpo.async is enabled with max_lag > 0 (here 2)" \
+        in text, text
+    assert "required for convergence" in text and "one or more steps old" in text
+    assert "clip_low must be in [0, 1)" in text and "grpo.num_prompts_per_step" in text  # every problem at once
+    # max_lag 0 trains on rollouts of the current weights only: false is allowed there
+    cfg = load_config(None, ["data.train_path=x", "grpo.async.enabled=true", "grpo.async.max_lag=0",
+                             "loss.importance_sampling_correction=false"], GRPOConfig)
+    assert cfg.loss.importance_sampling_correction is False
 
 
 def test_every_bad_async_value_is_reported_at_once() -> None:

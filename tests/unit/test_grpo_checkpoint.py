@@ -53,7 +53,7 @@ def test_round_trip(tiny_model_and_tokenizer, tmp_path):
     assert path == checkpoint_dir(tmp_path, 7) and latest_checkpoint(tmp_path) == path
     ckpt = load_checkpoint(path)
     assert (ckpt.step, ckpt.data_state, ckpt.extra) == (7, {"consumed": 28, "num_rows": 8}, {"note": "x"})
-    ckpt.restore_rng()
+    ckpt.restore_rng()  # bit-exact below: restored RNG states and saved tensors are copies, no arithmetic
     assert (random.random(), np.random.rand()) == expected_draws[:2]
     assert torch.equal(torch.rand(1), expected_draws[2])
 
@@ -79,7 +79,7 @@ def test_a_save_can_store_rng_states_taken_earlier(tiny_model_and_tokenizer, tmp
                            data_state={"consumed": 8, "num_rows": 8}, rng_state=at_step_end)
     torch.manual_seed(6)
     load_checkpoint(path).restore_rng()
-    assert torch.equal(torch.rand(3), expected)
+    assert torch.equal(torch.rand(3), expected)  # the same RNG state and kernel: bit-exact
 
 
 def test_incomplete_saves_are_ignored_and_old_ones_pruned(tiny_model_and_tokenizer, tmp_path):

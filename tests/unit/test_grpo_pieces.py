@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from nemo_rl_ext.algorithms.grpo_batch import (
     training_batch_metrics,
 )
 from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
 from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration, mix_seed
@@ -26,6 +29,8 @@ from nemo_rl_ext.models.generation import (
     GenerationConfig,
 )
 from nemo_rl_ext.testing import ScriptedGeneration
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def datum(i: int) -> DatumSpec:
@@ -153,7 +158,7 @@ def test_training_batch_defaults_are_nemo_rl_and_errors_are_left_out():
         0.0,
         0.0, 0.0,
     ]
-    assert batch.advantages.tolist() == pytest.approx(expected, abs=1e-6)
+    assert batch.advantages.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
     assert batch.group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 3, 3]
     assert batch.valid.tolist() == [True, True, True, False, True, True, True, True, True, False]
     # failed rollouts get no loss and count in no normalization: their loss mask is all zero
@@ -181,6 +186,44 @@ def test_config_defaults_are_nemo_rl_ones():
         )
     for needle in ("std_scope", "kl_input_clamp_value", "kl_output_clamp_value"):
         assert needle in str(err.value), needle
+
+
+# NeMo-RL's examples/configs/grpo_math_1B.yaml, loss_fn section (2026), by our names
+NEMO_RL_LOSS_DEFAULTS = {
+    "clip_low": 0.2,  # ratio_clip_min
+    "clip_high": 0.2,  # ratio_clip_max
+    "clip_c": None,  # ratio_clip_c
+    "normalization": "token",  # token_level_loss: true
+    "kl_coef": 0.01,  # reference_policy_kl_penalty
+    "kl_estimator": "k3",  # reference_policy_kl_type
+    "kl_input_clamp_value": 20.0,
+    "kl_output_clamp_value": 10.0,
+    "kl_gradient": "score_function",  # calculate_kl's exp(logp - sg(logp)) weight (PR #2506)
+    "on_policy_kl_approximation": False,  # use_on_policy_kl_approximation
+    "importance_sampling_correction": False,  # use_importance_sampling_correction
+    "importance_sampling_cap": None,  # truncated_importance_sampling_type: null
+}
+
+
+def test_loss_defaults_are_nemo_rl_grpo_math_1b_ones():
+    cfg = GRPOConfig.model_validate({"data": {"train_path": "x.jsonl"}})
+    assert cfg.loss.model_dump() == NEMO_RL_LOSS_DEFAULTS
+    assert dataclasses.asdict(ClippedPGLossConfig()) == NEMO_RL_LOSS_DEFAULTS  # the loss function's own defaults
+    assert cfg.loss.to_loss_config() == ClippedPGLossConfig()
+
+
+@pytest.mark.parametrize("path", [REPO / "examples" / "configs" / "grpo_smollm2.yaml",
+                                  REPO / "tests" / "unit" / "older_spelling" / "grpo_smollm2.yaml"])
+def test_the_shipped_config_says_why_each_loss_setting_differs_from_nemo_rl(path: Path):
+    """A shipped GRPO config may differ from NeMo-RL's defaults only with a comment on that line naming
+    NeMo-RL's value."""
+    lines = path.read_text().splitlines()
+    loss = load_config(path, [], GRPOConfig).loss.model_dump()
+    differing = {k for k, v in loss.items() if v != NEMO_RL_LOSS_DEFAULTS[k]}
+    assert differing == {"clip_high", "kl_coef", "importance_sampling_correction", "importance_sampling_cap"}
+    for key in differing:
+        (line,) = [line for line in lines if line.strip().startswith(f"{key}:")]
+        assert "NeMo-RL" in line and "#" in line, line
 
 
 # ---- per-step seeds -------------------------------------------------------------------------------
@@ -284,3 +327,21 @@ def test_gym_rows_without_agent_ref_take_the_gym_agent_name_in_grpo(tmp_path, ti
     datums = make_datums(cfg.rollouts, None, load_rollout_rows(cfg.rollouts, rows))
     assert [d.agent for d in datums] == ["a", "b"]
     assert all(d.extra_env_info["responses_create_params"]["parallel_tool_calls"] is False for d in datums)
+
+
+def test_a_checkpoint_saved_before_kl_gradient_existed_resumes_with_the_gradient_it_trained_with():
+    from nemo_rl_ext.algorithms.grpo_config import saved_config_settings
+    from nemo_rl_ext.config import config_changes
+
+    old = GRPOConfig.model_validate({"data": {"train_path": "x.jsonl"}, "loss": {"kl_coef": 0.05}}).model_dump(
+        mode="json")
+    del old["loss"]["kl_gradient"], old["loss"]["on_policy_kl_approximation"]  # as a checkpoint of then saved it
+    resumed = GRPOConfig.model_validate(saved_config_settings(old))
+    assert resumed.loss.kl_gradient == "pathwise" and resumed.loss.on_policy_kl_approximation is False
+    today = GRPOConfig.model_validate({"data": {"train_path": "x.jsonl"}, "loss": {"kl_coef": 0.05}})
+    assert config_changes(resumed.model_dump(mode="json"), today.model_dump(mode="json"), ()) == [
+        "loss.kl_gradient: 'pathwise' -> 'score_function'"]
+    # without a KL term the gradient choice changes nothing, so such a checkpoint takes today's default
+    no_kl = {**old, "loss": {**old["loss"], "kl_coef": 0.0}}
+    assert GRPOConfig.model_validate(saved_config_settings(no_kl)).loss.kl_gradient == "score_function"
+    assert saved_config_settings(["not", "a", "config"]) == ["not", "a", "config"]

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 import torch
 from backend_checks import chat_prompts, forward_logprobs, gate_forward
+from tolerances import ENGINE_LOGPROBS
 
 from nemo_rl_ext.models.generation import GenerationConfig, GenerationOutput
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
@@ -55,7 +56,7 @@ async def alone(make_backend, prompt, config) -> GenerationOutput:
 def assert_matches(out: GenerationOutput, reference: GenerationOutput, model, prompt, temperature=1.0) -> None:
     assert out.output_ids == reference.output_ids
     expected = forward_logprobs(model, prompt, out.output_ids, temperature)
-    torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(out.logprobs), expected, **ENGINE_LOGPROBS)
 
 
 async def test_a_short_request_sent_with_a_long_one_resolves_first(make_backend, tiny_model_and_tokenizer):

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 import torch
 from backend_checks import chat_prompts, gate_forward
+from tolerances import SAME_MODEL_LOGPROBS
 
 from nemo_rl_ext.models.generation import GenerationConfig, GenerationOutput
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
@@ -36,7 +37,7 @@ def assert_same_outputs(got: list[GenerationOutput], expected: list[GenerationOu
     assert [o.output_ids for o in got] == [o.output_ids for o in expected]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
     for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), **SAME_MODEL_LOGPROBS)
 
 
 async def test_rows_that_fail_alone_get_the_error_and_the_others_finish(

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import torch
 from backend_checks import chat_prompts, forward_logprobs, gate_forward
+from tolerances import ENGINE_LOGPROBS
 
 from nemo_rl_ext.data.datasets import datum_from_messages
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
@@ -71,7 +72,7 @@ async def test_weight_version_counts_successful_updates(backend, models):
     out = await backend.generate_async(prompt, LONG)
     assert out.weight_version == 2
     torch.testing.assert_close(torch.tensor(out.logprobs), forward_logprobs(old, prompt, out.output_ids, 1.0),
-                               atol=1e-4, rtol=0)
+                               **ENGINE_LOGPROBS)
     with pytest.raises(ValueError, match=r'in_flight must be "finish" or "abort", got \'later\''):
         backend.update_weights(new.state_dict(), in_flight="later")
 
@@ -91,9 +92,9 @@ async def test_finish_lets_rows_in_flight_end_on_the_old_weights(backend, models
     assert out.finish_reason is FinishReason.MAX_NEW_TOKENS and len(out.output_ids) == LONG.max_new_tokens
     assert out.weight_version == 0 and late_out.weight_version == 1
     torch.testing.assert_close(torch.tensor(out.logprobs), forward_logprobs(old, first, out.output_ids, 1.0),
-                               atol=1e-4, rtol=0)
+                               **ENGINE_LOGPROBS)
     torch.testing.assert_close(torch.tensor(late_out.logprobs),
-                               forward_logprobs(new, late, late_out.output_ids, 1.0), atol=1e-4, rtol=0)
+                               forward_logprobs(new, late, late_out.output_ids, 1.0), **ENGINE_LOGPROBS)
 
 
 async def test_abort_stops_rows_in_flight_keeping_their_tokens(backend, models):
@@ -108,7 +109,7 @@ async def test_abort_stops_rows_in_flight_keeping_their_tokens(backend, models):
         assert out.finish_reason is FinishReason.ABORTED and out.finish_reason.openai == "abort"
         assert len(out.output_ids) == 8 and out.weight_version == 0  # prefill + 7 decode steps
         torch.testing.assert_close(torch.tensor(out.logprobs), forward_logprobs(old, prompt, out.output_ids, 1.0),
-                                   atol=1e-4, rtol=0)
+                                   **ENGINE_LOGPROBS)
 
 
 def OneTurnEnv() -> ScriptedEnvironment:  # noqa: N802 - named for what it builds
@@ -132,7 +133,7 @@ async def test_an_aborted_turn_continues_on_the_new_weights_into_one_message(bac
         assert message.generation_weight_versions == (0,) * 10 + (1,) * 20
         ids, logprobs = list(message.token_ids), torch.tensor(message.generation_logprobs)
         # span 0 under the old weights, span 1 (continued from prompt + span 0) under the new ones
-        torch.testing.assert_close(logprobs[:10], forward_logprobs(old, prompt, ids[:10], 1.0), atol=1e-4, rtol=0)
+        torch.testing.assert_close(logprobs[:10], forward_logprobs(old, prompt, ids[:10], 1.0), **ENGINE_LOGPROBS)
         torch.testing.assert_close(logprobs[10:], forward_logprobs(new, prompt + ids[:10], ids[10:], 1.0),
-                                   atol=1e-4, rtol=0)
+                                   **ENGINE_LOGPROBS)
     assert backend.num_aborted == 2

@@ -17,7 +17,8 @@ from nemo_rl_ext.algorithms.loss import (
 )
 from nemo_rl_ext.data.records import Completion, Message, StopReason
 
-NO_IS = ClippedPGLossConfig(importance_sampling_correction=False)
+NO_IS = ClippedPGLossConfig(kl_coef=0.0)  # the policy-gradient term alone (the IS correction is off by default)
+WITH_IS = ClippedPGLossConfig(kl_coef=0.0, importance_sampling_correction=True, importance_sampling_cap=2.0)
 
 
 def one_token(ratio: float, advantage: float, config: ClippedPGLossConfig = NO_IS):
@@ -66,7 +67,7 @@ def test_negative_advantage_not_clipped_above() -> None:
 
 
 def test_asymmetric_clip_higher() -> None:
-    cfg = ClippedPGLossConfig(clip_low=0.2, clip_high=0.28, importance_sampling_correction=False)
+    cfg = ClippedPGLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0)
     # A=+1, r=1.25 < 1.28: unclipped -1.25 (with symmetric 0.2 it would be clipped to -1.2)
     assert one_token(1.25, 1.0, cfg)[0] == pytest.approx(-1.25)
     assert one_token(1.25, 1.0)[0] == pytest.approx(-1.2)
@@ -77,7 +78,7 @@ def test_asymmetric_clip_higher() -> None:
 
 
 def test_dual_clip() -> None:
-    cfg = ClippedPGLossConfig(clip_c=3.0, importance_sampling_correction=False)
+    cfg = ClippedPGLossConfig(clip_c=3.0, kl_coef=0.0)
     # A=-1, r=5: max(5, 1.2) = 5, dual clip min(5, -A * c = 3) = 3, no gradient
     loss, grad, m = one_token(5.0, -1.0, cfg)
     assert loss == pytest.approx(3.0) and grad == 0.0
@@ -119,11 +120,15 @@ def test_kl_estimators(estimator: str, expected: float) -> None:
     assert m["loss"] == pytest.approx(m["loss/pg"] + m["loss/kl"])
 
 
-def test_kl_term_is_not_importance_weighted() -> None:
+@pytest.mark.parametrize("kl_gradient", ["score_function", "pathwise"])
+def test_kl_term_is_not_importance_weighted(kl_gradient: str) -> None:
     # NeMo-RL's ClippedPGLossFn (token-level loss, use_on_policy_kl_approximation off):
     #   loss = masked_mean(w * clip_loss, mask) + beta * masked_mean(kl, mask),  w = exp(prev - gen) truncated
     # so the truncated IS weight multiplies only the policy-gradient term.
-    cfg = ClippedPGLossConfig(kl_coef=0.1, kl_estimator="k1", importance_sampling_cap=2.0)
+    cfg = ClippedPGLossConfig(
+        kl_coef=0.1, kl_estimator="k1", importance_sampling_correction=True, importance_sampling_cap=2.0,
+        kl_gradient=kl_gradient,
+    )
     logprobs = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     old = logprobs.detach()  # ratio 1: clip_loss = -A
     gen = old - torch.tensor([[math.log(1.5), math.log(4.0)]], dtype=torch.float64)  # w = 1.5, min(4, 2) = 2
@@ -137,8 +142,11 @@ def test_kl_term_is_not_importance_weighted() -> None:
     assert m["loss/kl"] == pytest.approx(expected_kl)  # was 0.1 * (1.5 log 2 + 2 log 4) / 2 before
     assert loss.item() == pytest.approx(expected_pg + expected_kl)
     loss.backward()
-    # d/d logp: pg = -w * A * r (r = exp(logp - old)) -> -w / 2 per token; k1 = logp - ref -> +0.1 / 2
-    assert logprobs.grad[0].tolist() == pytest.approx([-1.5 / 2 + 0.05, -2.0 / 2 + 0.05])
+    # d/d logp: pg = -w * A * r (r = exp(logp - old)) -> -w / 2 per token; k1 = logp - ref -> d k1 = 1, and the
+    # score-function term adds k1 itself (the KL weight's value is 1 and unaffected by w either way)
+    k1 = [math.log(2), math.log(4)]
+    kl_grad = [0.1 * (1 + k) / 2 for k in k1] if kl_gradient == "score_function" else [0.1 / 2] * 2
+    assert logprobs.grad[0].tolist() == pytest.approx([-1.5 / 2 + kl_grad[0], -2.0 / 2 + kl_grad[1]], rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -204,7 +212,7 @@ def test_identical_logprobs_give_unit_ratio_and_weight() -> None:
     lp = -torch.rand(3, 6, dtype=torch.float32) * 5
     mask = (torch.rand(3, 6) > 0.3).float()
     _, m = clipped_pg_loss(
-        lp.clone().requires_grad_(), lp, torch.randn(3), mask, generation_logprobs=lp.clone()
+        lp.clone().requires_grad_(), lp, torch.randn(3), mask, WITH_IS, generation_logprobs=lp.clone()
     )
     assert m["importance_ratio/mean"] == 1.0 and m["importance_ratio/max"] == 1.0
     assert m["is_weight/mean"] == 1.0 and m["is_weight/truncated_fraction"] == 0.0
@@ -213,7 +221,7 @@ def test_identical_logprobs_give_unit_ratio_and_weight() -> None:
 
 
 def test_truncated_importance_weight() -> None:
-    cfg = ClippedPGLossConfig(importance_sampling_cap=2.0)
+    cfg = WITH_IS
     old = torch.zeros(1, 2)
     # token 0: exp(old - gen) = exp(log 3) = 3 -> truncated to 2; token 1: exp(log 1.5) = 1.5 -> kept
     gen = torch.tensor([[-math.log(3.0), -math.log(1.5)]])
@@ -232,9 +240,20 @@ def test_truncated_importance_weight() -> None:
     assert logprobs.grad[0].tolist() == pytest.approx([-1.0, -0.75])
 
 
+def test_importance_weight_is_untruncated_by_default() -> None:
+    # NeMo-RL's default with the correction on: truncated_importance_sampling_type null, so w = exp(prev - gen)
+    cfg = ClippedPGLossConfig(kl_coef=0.0, importance_sampling_correction=True)
+    assert cfg.importance_sampling_cap is None
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    gen = torch.tensor([[-math.log(3.0), -math.log(1.5)]], dtype=torch.float64)
+    loss, m = clipped_pg_loss(old.clone(), old, torch.tensor([1.0]), torch.ones(1, 2), cfg, generation_logprobs=gen)
+    assert loss.item() == pytest.approx(-(3.0 + 1.5) / 2, rel=1e-12)
+    assert m["is_weight/mean"] == pytest.approx(2.25) and m["is_weight/truncated_fraction"] == 0.0
+
+
 def test_importance_sampling_needs_generation_logprobs() -> None:
     with pytest.raises(ValueError, match="generation_logprobs"):
-        clipped_pg_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1))
+        clipped_pg_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), WITH_IS)
 
 
 # ---- masking and normalisation ------------------------------------------------------------------------
@@ -252,7 +271,10 @@ def test_masked_tokens_get_exactly_zero_gradient() -> None:
     gen = old - 0.1
     ref = old + 0.2
     for normalization in ("token", "sequence"):
-        cfg = ClippedPGLossConfig(clip_c=3.0, kl_coef=0.05, normalization=normalization)
+        cfg = ClippedPGLossConfig(
+            clip_c=3.0, kl_coef=0.05, normalization=normalization, importance_sampling_correction=True,
+            importance_sampling_cap=2.0, on_policy_kl_approximation=True,
+        )
         logprobs.grad = None
         loss, m = clipped_pg_loss(
             logprobs,
@@ -279,7 +301,7 @@ def test_token_vs_sequence_normalization_on_uneven_lengths() -> None:
     adv = torch.tensor([1.0, -1.0])
     token, _ = clipped_pg_loss(lp, lp, adv, mask, NO_IS)
     seq, _ = clipped_pg_loss(
-        lp, lp, adv, mask, ClippedPGLossConfig(normalization="sequence", importance_sampling_correction=False)
+        lp, lp, adv, mask, ClippedPGLossConfig(normalization="sequence", kl_coef=0.0)
     )
     assert token.item() == pytest.approx((-1 + 3 * 1) / 4)  # 0.5
     assert seq.item() == pytest.approx((-1 + 1) / 2)  # 0.0
@@ -288,7 +310,10 @@ def test_token_vs_sequence_normalization_on_uneven_lengths() -> None:
 @pytest.mark.parametrize("normalization", ["token", "sequence"])
 def test_global_normalization_count_makes_micro_batches_add_up(normalization: str) -> None:
     torch.manual_seed(2)
-    cfg = ClippedPGLossConfig(normalization=normalization, kl_coef=0.1, clip_c=2.5)
+    cfg = ClippedPGLossConfig(
+        normalization=normalization, kl_coef=0.1, clip_c=2.5, importance_sampling_correction=True,
+        importance_sampling_cap=2.0, on_policy_kl_approximation=True,
+    )
     lp = (-torch.rand(4, 5, dtype=torch.float64) * 2).requires_grad_()
     old = lp.detach() + 0.3 * torch.randn(4, 5, dtype=torch.float64)
     gen, ref = old - 0.2, old + 0.1
@@ -311,7 +336,7 @@ def test_global_normalization_count_makes_micro_batches_add_up(normalization: st
         )
         total = total + part
     (acc_grad,) = torch.autograd.grad(total, lp)
-    assert total.item() == pytest.approx(full.item(), abs=1e-12)
+    assert total.item() == pytest.approx(full.item(), rel=1e-12, abs=1e-12)
     assert torch.allclose(acc_grad, full_grad, atol=1e-12)
 
 
@@ -411,5 +436,5 @@ def test_completion_to_tensors_and_padding() -> None:
     assert ids[1].tolist() == [1, 2] + [-7] * 10
     assert mask[1].tolist() == [0, 1] + [0] * 10
     # the engine's own logprobs as trainer logprobs: ratio and IS weight are exactly 1
-    _, m = clipped_pg_loss(gen, gen, torch.tensor([1.0, -1.0]), mask, generation_logprobs=gen)
+    _, m = clipped_pg_loss(gen, gen, torch.tensor([1.0, -1.0]), mask, WITH_IS, generation_logprobs=gen)
     assert m["importance_ratio/max"] == 1.0 and m["is_weight/mean"] == 1.0 and m["num_tokens"] == 6.0

@@ -131,7 +131,7 @@ def test_weights_and_logits_survive_save_and_load(tiny_model_and_tokenizer, tmp_
     model2, tok2 = load_model_and_tokenizer(tmp_path)
     for (name, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    assert torch.equal(_logits(model, tok), _logits(model2, tok2))
+    assert torch.equal(_logits(model, tok), _logits(model2, tok2))  # same weights, input, kernels, shapes: bit-exact
 
 
 def test_same_seed_same_model_other_seed_differs(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -143,7 +143,7 @@ def test_same_seed_same_model_other_seed_differs(tiny_model_dir: Path, tmp_path:
     assert (other / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
     ref, same_m, other_m = (AutoModelForCausalLM.from_pretrained(p) for p in (tiny_model_dir, same, other))
     ref_sd, same_sd, other_sd = ref.state_dict(), same_m.state_dict(), other_m.state_dict()
-    assert all(torch.equal(ref_sd[k], same_sd[k]) for k in ref_sd)
+    assert all(torch.equal(ref_sd[k], same_sd[k]) for k in ref_sd)  # same seed, same init kernels: bit-exact
     assert not torch.equal(ref_sd["model.embed_tokens.weight"], other_sd["model.embed_tokens.weight"])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert torch.equal(_logits(ref, tok), _logits(same_m, tok))
@@ -155,7 +155,7 @@ def test_greedy_generation_is_deterministic_and_in_vocab(tiny_model_and_tokenize
         MESSAGES[:2], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
     outs = [model.generate(**prompt, max_new_tokens=8, do_sample=False) for _ in range(2)]
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1])  # one process, same shapes and kernels twice: bit-exact
     assert int(outs[0].max()) < len(tok)
 
 

@@ -24,7 +24,7 @@ from nemo_rl_ext.environments.tool_env import ToolCalculatorEnvironment
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
-from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationOutput
+from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.testing import FakeAgents, ScriptedEnvironment
 
 CONFIG = GenerationConfig(max_new_tokens=64, seed=0)
@@ -98,6 +98,7 @@ SIGNATURES = [
          ("generation_config", None), ("use_nemo_gym", False)],
     ),
     (RolloutManager, "run_rollout", [("input_sample", EMPTY)]),
+    (RolloutManager, "set_weight_version", [("version", EMPTY)]),
     (AsyncRolloutImpl, "run_rollout", [("input_sample", EMPTY)]),
     (AsyncNemoGymRolloutImpl, "run_rollout", [("input_sample", EMPTY)]),
     (AsyncRolloutImpl, "_run_single_rollout", [("input_sample", EMPTY), ("traj_idx", EMPTY)]),
@@ -245,10 +246,12 @@ async def test_overriding_generate_response_changes_every_turn(tiny_model_and_to
     reply = tuple(tok("overridden<|im_end|>", add_special_tokens=False)["input_ids"])
 
     class Canned(AsyncRolloutImpl):
-        async def _generate_response(self, message_log, stop_strings):  # NeMo-RL's exact signature
+        async def _generate_response(self, message_log, stop_strings):  # NeMo-RL's exact signature and return
             calls.append((message_log, stop_strings))
-            output = GenerationOutput(reply, tuple(-0.5 for _ in reply), FinishReason.EOS)
-            return Message("assistant", "overridden", reply, output.logprobs), output, {"generation_time_s": 0.25}
+            message = {"role": "assistant", "content": "overridden", "token_ids": torch.tensor(reply),
+                       "generation_logprobs": torch.full((len(reply),), -0.5)}
+            input_lengths = torch.tensor([sum(len(m.token_ids) for m in message_log)], dtype=torch.int32)
+            return message, input_lengths, {"generation_time_s": 0.25}
 
     policy = ScriptedPolicy(tok, TOOL_SCRIPT)
     d = datum(tok, task="echo")
@@ -256,6 +259,8 @@ async def test_overriding_generate_response_changes_every_turn(tiny_model_and_to
     assert policy.calls == []  # the engine was never asked: the hook is the one place a turn is generated
     for c in record.completions:
         assert [m.content for m in c.message_log if m.role == "assistant"] == ["overridden", "overridden"]
+        assert [m.token_ids for m in c.message_log if m.role == "assistant"] == [reply, reply]
+        assert [m.generation_logprobs for m in c.message_log if m.role == "assistant"] == [(-0.5,) * len(reply)] * 2
         assert c.reward == 1.0 and c.stop_reason is StopReason.NATURAL
     assert len(calls) == 4
     assert sorted(stop for _, stop in calls if stop) == [("STOP",), ("STOP",)]
@@ -277,9 +282,11 @@ async def test_the_default_generate_response_seeds_per_prompt_sample_and_turn(ti
     impl = native_impl(AsyncRolloutImpl, tok, Seeds(tok, TOOL_SCRIPT), ToolCalculatorEnvironment(), counts=2)
     await impl.run_rollout(datum(tok, idx=3))
     assert len(seeds) == 6 and len(set(seeds)) == 6
-    # outside a rollout the hook uses the generation config as it is
-    message, output, metrics = await impl._generate_response(datum(tok).message_log, None)
-    assert seeds[-1] == CONFIG.seed and message.token_ids == output.output_ids and metrics["output_tokens"] > 0
+    # outside a rollout the hook uses the generation config as it is; it returns NeMo-RL's documented tuple
+    log = datum(tok).message_log
+    message, input_lengths, metrics = await impl._generate_response(log, None)
+    assert seeds[-1] == CONFIG.seed and message.role == "assistant" and metrics["output_tokens"] > 0
+    assert input_lengths.dtype == torch.int32 and input_lengths.tolist() == [sum(len(m.token_ids) for m in log)]
 
 
 async def test_overriding_aggregate_rollout_metrics_changes_the_records_metrics(tiny_model_and_tokenizer):

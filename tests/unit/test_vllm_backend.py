@@ -27,6 +27,7 @@ pytest.importorskip(
 )
 
 from backend_checks import chat_prompts, forward_logprobs, not_greedy  # noqa: E402
+from tolerances import ENGINE_LOGPROBS, approx  # noqa: E402
 
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig  # noqa: E402
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration  # noqa: E402
@@ -37,8 +38,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MAX_MODEL_LEN = 256
 GREEDY = GenerationConfig(max_new_tokens=12, temperature=0.0)
-LOGPROB_ATOL = 1e-4
-"""fp32 on both sides; vLLM's attention kernels sum in another order than transformers' (seen: ~1e-6)."""
 REFIT_MATCH_TOKENS = 8
 """After a refit, greedy ids must equal the hf backend's on at least this many first tokens."""
 
@@ -81,7 +80,7 @@ async def test_logprobs_are_the_hf_definition(engine, tiny_model_and_tokenizer, 
         expected = forward_logprobs(model, prompt, out.output_ids, temperature)
         got = torch.tensor(out.logprobs)
         worst = max(worst, float((got - expected).abs().max()))
-        torch.testing.assert_close(got, expected, atol=LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(got, expected, **ENGINE_LOGPROBS)
     print(f"T={temperature} top_k={top_k} top_p={top_p}: max |vllm - forward| = {worst:.2e}")
 
 
@@ -95,7 +94,7 @@ async def test_greedy_matches_the_hf_backend(engine, hf_backend, tiny_model_and_
         assert a.output_ids == b.output_ids
         assert a.finish_reason is b.finish_reason
         torch.testing.assert_close(
-            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_ATOL, rtol=0
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), **ENGINE_LOGPROBS
         )
 
 
@@ -137,7 +136,7 @@ def test_policy_server_serves_the_vllm_backend(engine, tiny_model_and_tokenizer)
     )["input_ids"]
     direct = asyncio.run(engine.generate_async(prompt, GREEDY.model_copy(update={"max_new_tokens": 8})))
     assert ids == list(direct.output_ids)
-    assert [i.logprob for i in choice.logprobs.content] == pytest.approx(direct.logprobs, abs=LOGPROB_ATOL)
+    assert [i.logprob for i in choice.logprobs.content] == approx(direct.logprobs, ENGINE_LOGPROBS)
     assert choice.finish_reason == "length" and reply.model == "tiny-vllm"
 
 
@@ -183,7 +182,7 @@ async def test_update_weights_refits_in_place(engine, tiny_model_dir, tiny_model
             assert n >= REFIT_MATCH_TOKENS, (a.output_ids, r.output_ids)
             k = min(n, len(a.logprobs))
             torch.testing.assert_close(
-                torch.tensor(a.logprobs[:k]), torch.tensor(r.logprobs[:k]), atol=LOGPROB_ATOL, rtol=0
+                torch.tensor(a.logprobs[:k]), torch.tensor(r.logprobs[:k]), **ENGINE_LOGPROBS
             )
         print(f"refit: tokens matching the hf backend per prompt: {matched} of {config.max_new_tokens}")
     finally:
@@ -230,8 +229,7 @@ async def test_abort_update_keeps_the_partial_output_and_its_continuation_runs_o
         torch.testing.assert_close(
             torch.tensor(partial.logprobs),
             forward_logprobs(old_model, prompt, partial.output_ids, 0.0),
-            atol=LOGPROB_ATOL,
-            rtol=0,
+            **ENGINE_LOGPROBS,
         )
         context = prompt + list(partial.output_ids)
         rest = await engine.generate_async(context, GenerationConfig(max_new_tokens=16, temperature=0.0))
@@ -240,8 +238,7 @@ async def test_abort_update_keeps_the_partial_output_and_its_continuation_runs_o
         torch.testing.assert_close(
             torch.tensor(rest.logprobs),
             forward_logprobs(new_model, context, rest.output_ids, 0.0),
-            atol=LOGPROB_ATOL,
-            rtol=0,
+            **ENGINE_LOGPROBS,
         )
         # and they are not the old weights' tokens: the update did apply
         assert not_greedy(old_model, context, rest.output_ids) != []

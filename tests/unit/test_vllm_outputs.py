@@ -109,7 +109,7 @@ def test_state_dict_packing_round_trips_with_shared_tensors():
     back = unpack_state_dict(pack_state_dict(state))
     assert set(back) == set(state)
     for name, tensor in state.items():
-        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor)
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor)  # bytes copied: bit-exact
 
 
 def test_vllm_knobs_live_under_policy_vllm(tmp_path):

@@ -1,10 +1,11 @@
 """Generation backends behind one interface."""
 
 from nemo_rl_ext.models.generation.interfaces import (
+    EngineLoad,
     FinishReason,
     GenerationConfig,
     GenerationInterface,
     GenerationOutput,
 )
 
-__all__ = ["FinishReason", "GenerationConfig", "GenerationInterface", "GenerationOutput"]
+__all__ = ["EngineLoad", "FinishReason", "GenerationConfig", "GenerationInterface", "GenerationOutput"]

@@ -15,6 +15,9 @@ cores, without logprobs; so this backend runs its own decode loop, on one engine
   call (a client that went away, a rollout past its deadline) leaves at the next decode step.
 - **Weights**: `update_weights` runs between decode steps; rows in flight finish first (`in_flight="finish"`)
   or stop with `FinishReason.ABORTED` (`"abort"`); every output carries the `weight_version` it ran under.
+- **Load and timing**: `engine_load()` says how many rows decode and how many requests wait (the policy
+  server's `/metrics`); each output carries `time_to_first_token_s`, from its `generate_async` call to its
+  first sampled token.
 - torch runs `num_threads` intra-op threads on the engine thread (default 1: on a shared 2-core machine
   two threads ran 10-16x slower, FACTS.md); None leaves torch's setting alone.
 """
@@ -36,6 +39,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from nemo_rl_ext.models.generation.hf_batch import KvBatch, Request, Row
 from nemo_rl_ext.models.generation.interfaces import (
+    EngineLoad,
     FinishReason,
     GenerationConfig,
     GenerationInterface,
@@ -115,6 +119,7 @@ class HfGeneration(GenerationInterface):
         self._closed = False
         self._weight_version = 0
         self._held: list[tuple[Request, GenerationOutput | BaseException]] = []
+        self._num_running = 0  # rows in the running batch (set on the engine thread, read by `engine_load`)
         self.num_requests = 0
         """Requests accepted by `generate_async` so far."""
         self.num_forward_passes = 0
@@ -157,6 +162,12 @@ class HfGeneration(GenerationInterface):
     @property
     def weight_version(self) -> int:
         return self._weight_version
+
+    def engine_load(self) -> EngineLoad:
+        """Rows decoding now, and requests waiting to join them (cancelled ones not counted)."""
+        with self._cond:
+            waiting = sum(not r.cancelled for r in self._pending)
+        return EngineLoad(running=self._num_running, waiting=waiting)
 
     async def generate_async(self, prompt_token_ids: Sequence[int], config: GenerationConfig) -> GenerationOutput:
         if self._closed:
@@ -227,6 +238,7 @@ class HfGeneration(GenerationInterface):
     def _close_out(self, batch: KvBatch | None) -> None:
         """Fail every request and update still held: the engine is gone."""
         error = RuntimeError("HfGeneration was shut down")
+        self._num_running = 0
         with self._cond:
             self._closed = True
             pending, self._pending = list(self._pending), collections.deque()
@@ -251,11 +263,13 @@ class HfGeneration(GenerationInterface):
                 batch = self._settle(batch)
             if batch is None:
                 self._release_held()
+                self._num_running = 0
                 self._apply(update)
                 return None
         elif batch is None or self.scheduler == "continuous":
             admitted = self._admit(room=self.max_batch_size - (len(batch.rows) if batch else 0))
             if admitted:
+                self._num_running = (len(batch.rows) if batch is not None else 0) + len(admitted)
                 if batch is None:
                     self.num_batches += 1
                 try:
@@ -274,6 +288,7 @@ class HfGeneration(GenerationInterface):
                 batch = None
         if batch is None and self._held:
             self._release_held()
+        self._num_running = len(batch.rows) if batch is not None else 0
         return batch
 
     def _apply(self, update: _Update) -> None:
@@ -461,6 +476,8 @@ class HfGeneration(GenerationInterface):
 
     def _append(self, row: Row, token: int, logprob: float) -> None:
         """Add a generated token to a row and decide whether the row is finished (or failed alone)."""
+        if row.first_token_at is None:
+            row.first_token_at = time.monotonic()
         row.output_ids.append(token)
         row.logprobs.append(logprob)
         self.num_generated_tokens += 1

@@ -10,6 +10,7 @@ tokens depend only on its own prompt, tokens and sampler: padding is masked and 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,8 @@ class Request:
     future: asyncio.Future
     cancelled: bool = False
     """Set on the caller's loop when the caller stopped waiting; the engine then drops the row."""
+    arrived: float = field(default_factory=time.monotonic)
+    """`time.monotonic()` when `generate_async` accepted it (the start of its time to first token)."""
 
 
 @dataclass
@@ -47,6 +50,8 @@ class Row:
     matched: str | int | None = None
     error: Exception | None = None
     """Why this row (and only this row) failed; set rows leave the batch."""
+    first_token_at: float | None = None
+    """`time.monotonic()` when its first token was sampled."""
 
     @property
     def done(self) -> bool:
@@ -58,8 +63,9 @@ class Row:
         if self.error is not None:
             return self.error
         assert self.finish is not None
+        ttft = None if self.first_token_at is None else self.first_token_at - self.request.arrived
         return GenerationOutput(
-            tuple(self.output_ids), tuple(self.logprobs), self.finish, self.matched, self.weight_version
+            tuple(self.output_ids), tuple(self.logprobs), self.finish, self.matched, self.weight_version, ttft
         )
 
 

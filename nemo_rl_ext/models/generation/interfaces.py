@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -105,11 +105,24 @@ class GenerationOutput:
     """The stop string or stop token id that ended it, if any."""
     weight_version: int = 0
     """The backend's `weight_version` that every token of this output was generated under (never spans an update)."""
+    time_to_first_token_s: float | None = field(default=None, compare=False)
+    """Seconds from the `generate_async` call to the engine sampling the first token; None when the backend does
+    not measure it. A timing, so it takes no part in comparing outputs."""
 
     @property
     def truncated(self) -> bool:
         """True when max_new_tokens or max_model_len cut the generation short."""
         return self.finish_reason.truncated
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine holds right now (a snapshot: `GenerationInterface.engine_load`)."""
+
+    running: int
+    """Requests in the running batch (rows being decoded)."""
+    waiting: int
+    """Requests accepted and waiting to join the running batch."""
 
 
 class GenerationInterface(abc.ABC):
@@ -156,6 +169,12 @@ class GenerationInterface(abc.ABC):
         Backends that serve weight updates override this; the default suits test doubles that never update.
         """
         return 0
+
+    def engine_load(self) -> EngineLoad | None:
+        """How many requests run and wait in the engine now (the policy server's `/metrics` gauges); None when
+        the backend cannot tell, the default (vLLM's scheduler reports its counts only to its own stat loggers,
+        which the vllm backend turns off)."""
+        return None
 
     def metrics(self) -> dict[str, float]:
         """The backend's own counters as flat metrics with slash namespaces (a Ray pool's `cluster/...`), which a
