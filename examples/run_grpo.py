@@ -2,12 +2,15 @@
 
     python examples/run_grpo.py --config examples/configs/grpo_smollm2.yaml [grpo.max_num_steps=5 ...]
     python examples/run_grpo.py --config ... resume=true        # continue from the latest checkpoint
+    python examples/run_grpo.py --config ... resume=restart     # start over, deleting output_dir's checkpoints
     python examples/run_grpo.py export RUN_DIR [--step N] [--out DIR] [--force]   # a Hugging Face folder
 
 Prints one line per step (reward, loss, grad norm, timings); metrics go to <output_dir>/metrics.jsonl.
 A resume refuses a changed config (except the keys of grpo_config.RESUME_MAY_CHANGE, e.g.
-grpo.max_num_steps) and skips a damaged checkpoint for the previous whole one. User errors (config, input
-files, resume) print one message and exit 2.
+grpo.max_num_steps) and skips a damaged checkpoint for the previous whole one; it never overwrites an earlier
+run it cannot continue (step folders without a complete checkpoint: refused unless resume=restart). User errors
+(config, input files, resume) and Gym servers that do not start (their name and log file) print one message
+and exit 2. NeMo Gym servers the run launches log to <output_dir>/gym/.
 
 `export` writes a checkpoint of the run in RUN_DIR (its output_dir; default: the newest whole checkpoint) as a
 Hugging Face folder that transformers and `run_eval.py policy.model_name=DIR` load (default --out:
@@ -22,6 +25,7 @@ import sys
 import time
 
 from nemo_rl_ext.config import ConfigError, load_config
+from nemo_rl_ext.gym.launcher import GymLaunchError
 from nemo_rl_ext.lifecycle import stop_on_signals
 
 
@@ -71,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             first_step = grpo.step
             history = grpo.run()
     except ConfigError as exc:  # a user error (config, inputs, resume): its message alone, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except GymLaunchError as exc:  # a Gym server that did not start: its name, error and log file, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rewards = [h["rollout/reward/mean"] for h in history]

@@ -46,12 +46,15 @@ from tqdm.auto import tqdm
 
 from nemo_rl_ext.algorithms.async_collector import AsyncCollector
 from nemo_rl_ext.algorithms.checkpoint import (
+    MARKER_FILE,
     Checkpoint,
+    discard_checkpoints,
     get_rng_state,
     latest_checkpoint,
     load_checkpoint,
     resumable_checkpoint,
     save_checkpoint,
+    step_folders,
 )
 from nemo_rl_ext.algorithms.grpo_batch import (
     TrainingBatch,
@@ -60,13 +63,14 @@ from nemo_rl_ext.algorithms.grpo_batch import (
     training_batch_metrics,
 )
 from nemo_rl_ext.algorithms.grpo_config import (
+    RESTART,
     RESUME_MAY_CHANGE,
     GRPOConfig,
     async_wedge_warning,
     input_problems,
     saved_config_settings,
 )
-from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger
+from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.stopping import LoopStop, Stopped
@@ -90,6 +94,9 @@ TRAIN_SALT = 1
 """First element of the seed salt of training rollouts: (TRAIN_SALT, step, rollout batch)."""
 VAL_SALT = 2
 """Seed salt of validation rollouts: the same draws at every validation, so they compare across steps."""
+GYM_LOGS = "gym"
+"""The folder in output_dir where the Gym servers a run launches write env.yaml and their logs (unless
+`rollouts.gym.launch.work_dir` names another)."""
 
 
 def rollout_generation_config(cfg: GRPOConfig) -> GenerationConfig:
@@ -171,7 +178,7 @@ class GRPO:
         keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
         train_rows = load_rollout_rows(cfg.rollouts, cfg.data.train_path, **keys) if train_datums is None else ()
         datums, self.manager = build_rollouts(
-            cfg.rollouts,
+            cfg.rollouts.with_gym_work_dir(self.output_dir / GYM_LOGS),  # Gym servers it launches log there
             self.tokenizer,
             self.generation,
             train_rows,
@@ -202,6 +209,8 @@ class GRPO:
             self.step = checkpoint.step
             checkpoint.restore_rng()
             logger.info("resumed from %s at step %d", checkpoint.path, self.step)
+        if cfg.resume == RESTART:  # every check passed: now the earlier run's checkpoints go
+            discard_checkpoints(self.checkpoint_root)
         self.logger.truncate_after(self.step if checkpoint is not None else -1)  # a fresh run starts empty
         (self.output_dir / "config.yaml").write_text(dump_config(cfg))
         self._runner = asyncio.Runner()
@@ -220,17 +229,31 @@ class GRPO:
     # ---- set-up helpers -------------------------------------------------------------------------
 
     def _checkpoint_to_resume(self) -> Checkpoint | None:
-        """The verified checkpoint to resume (falling back past damaged ones), after checking its config."""
+        """The verified checkpoint to resume (falling back past damaged ones), after checking its config.
+
+        Neither a fresh run nor a resume destroys an earlier run's outputs: with `resume=false`, checkpoints or
+        step folders in output_dir are refused; with `resume=true`, step folders or step metrics without a
+        complete checkpoint to continue from are refused, naming what is there. Only `resume=restart` starts
+        over in such a folder (its checkpoints are deleted once every other check passed)."""
         resume = self.cfg.resume
+        if resume == RESTART:
+            return None
         if resume is False:
-            if latest_checkpoint(self.checkpoint_root) is not None:
+            if latest_checkpoint(self.checkpoint_root) is not None or step_folders(self.checkpoint_root):
                 raise ConfigError(
                     f"{self.output_dir} already holds checkpoints: set resume=true to continue that run, "
-                    "or choose another output_dir"
+                    "resume=restart to discard it and start over, or choose another output_dir"
                 )
             return None
         checkpoint = resumable_checkpoint(self.checkpoint_root) if resume is True else load_checkpoint(resume)
         if checkpoint is None:
+            found = self._earlier_outputs()
+            if found:
+                raise ConfigError(
+                    f"resume=true, but {self.output_dir} holds no complete checkpoint to continue from, only "
+                    f"{' and '.join(found)}; starting from step 0 would overwrite them. Set resume=restart to "
+                    "discard them and start over, or choose another output_dir"
+                )
             logger.warning("resume=true but %s holds no checkpoint: starting from step 0", self.checkpoint_root)
             return None
         saved = checkpoint.extra.get("config")
@@ -251,6 +274,20 @@ class GRPO:
                 f"output_dir. Keys that may change on resume: {', '.join(RESUME_MAY_CHANGE)}"
             )
         return checkpoint
+
+    def _earlier_outputs(self) -> list[str]:
+        """What an earlier run left in output_dir besides complete checkpoints: step folders without their
+        completeness marker, and step records in metrics.jsonl (empty: nothing to lose)."""
+        found = []
+        folders = step_folders(self.checkpoint_root)
+        if folders:
+            names = ", ".join(p.name for p in folders[:5]) + (", ..." if len(folders) > 5 else "")
+            found.append(f"{len(folders)} step folder(s) in {self.checkpoint_root} ({names}), none of them "
+                         f"complete (no {MARKER_FILE}: a save that never finished, or a partial copy)")
+        records = read_metrics(self.output_dir / "metrics.jsonl")
+        if records:
+            found.append(f"{len(records)} step record(s) in {self.output_dir / 'metrics.jsonl'}")
+        return found
 
     # ---- one step -------------------------------------------------------------------------------
 

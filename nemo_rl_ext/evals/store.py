@@ -36,12 +36,11 @@ from omegaconf import OmegaConf
 from nemo_rl_ext.config import ConfigError, config_changes
 from nemo_rl_ext.data.jsonl import json_lines, listed
 from nemo_rl_ext.evals.lines import CompletionLine
+from nemo_rl_ext.experience.resume_keys import EVAL_RESUME_MAY_CHANGE
 
-RESUME_MAY_CHANGE = frozenset(
-    {"eval.num_prompts", "eval.max_concurrent_prompts", "eval.max_error_rate", "policy.max_batch_size", "policy.hf",
-     "policy.cluster", "rollouts.env.remote", "eval.ray_workers", "eval.ray_lease_timeout_s", "eval.metrics"}
-)
-"""Config keys that may differ between a run and its resumption (they change no completion)."""
+RESUME_MAY_CHANGE = EVAL_RESUME_MAY_CHANGE
+"""Config keys that may differ between a run and its resumption (they change no completion; where things are,
+e.g. `eval.save_path`, included): `experience.resume_keys`, where GRPO's list is too."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +110,9 @@ class CompletionStore:
     def __init__(self, path: Path, *, repair: bool = True, keep_bytes: bool = False) -> None:
         self.path = path
         self.repair = repair
-        """True: opening the store cuts a torn last line off the file; False (a reader, e.g. the merge): the
-        torn line is skipped and the file is left as it is."""
+        """True: opening the store cuts a torn last line off the file; False (a reader, e.g. the merge, or a
+        resume that checks its folder before it changes anything): the torn line is skipped and the file is
+        left as it is until `cut_torn_line`."""
         self.keep_bytes = keep_bytes
         """True: keep each pair's line as written (`line_bytes`), for byte-exact comparison and copying."""
         self.line_bytes: dict[tuple[int, int], bytes] = {}
@@ -127,20 +127,18 @@ class CompletionStore:
         """Error lines in the file (every failed attempt, also those superseded by a later result)."""
         self.duplicates = 0
         """Lines for a pair that already had a result (ignored)."""
-        self._repair_and_read()
+        self._whole_bytes: int | None = None
+        """The file's size without its torn last line, while that line is still on disk (None: no such line)."""
+        self._read()
 
-    def _repair_and_read(self) -> None:
+    def _read(self) -> None:
         if not self.path.exists():
             return
         data = self.path.read_bytes()
         end = data.rfind(b"\n") + 1
-        if end < len(data):  # a torn last line from a killed run: cut it off
+        if end < len(data):  # a torn last line from a killed run: skipped, and cut off when repairing
             self.torn_bytes = len(data) - end
-            if self.repair:
-                with open(self.path, "r+b") as f:
-                    f.truncate(end)
-                    f.flush()
-                    os.fsync(f.fileno())
+            self._whole_bytes = end
             data = data[:end]
         problems: list[str] = []
         for lineno, line, row in json_lines(data, problems):
@@ -153,6 +151,18 @@ class CompletionStore:
                 f"{self.path}: {len(problems)} unreadable line(s), not from a killed run "
                 f"(fix or move the file, or use another eval.save_path):\n{listed(problems)}"
             )
+        if self.repair:
+            self.cut_torn_line()
+
+    def cut_torn_line(self) -> None:
+        """Cut the torn last line that opening found (`torn_bytes`) off the file (once); nothing without one."""
+        if self._whole_bytes is None:
+            return
+        with open(self.path, "r+b") as f:
+            f.truncate(self._whole_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+        self._whole_bytes = None
 
     def _add(self, row: CompletionLine, raw: bytes) -> None:
         key = (row.prompt_idx, row.sample_idx)
@@ -205,6 +215,7 @@ class CompletionStore:
         rows = list(rows)
         if not rows:
             return 0
+        self.cut_torn_line()  # a line appended after a torn one would be unreadable
         payload = b"".join(dumps(r.to_json()) + b"\n" for r in rows)
         with open(self.path, "ab") as f:
             f.write(payload)
@@ -229,7 +240,21 @@ def dumps_canonical(obj: Any) -> bytes:
 
 
 def check_dataset(fingerprint: Path, dataset_path: str, digests: Sequence[str], resuming: bool) -> None:
-    """Compare the selected rows with the fingerprint an earlier run recorded, then record the union.
+    """Compare the selected rows with the fingerprint an earlier run recorded, then record the union
+    (`dataset_record`, then `write_dataset_record`)."""
+    write_dataset_record(fingerprint, dataset_record(fingerprint, dataset_path, digests, resuming))
+
+
+def write_dataset_record(fingerprint: Path, record: Mapping[str, Any]) -> None:
+    """Write a `dataset_record` atomically."""
+    tmp = fingerprint.with_name(fingerprint.name + ".tmp")
+    tmp.write_bytes(dumps(record, indent=True) + b"\n")
+    os.replace(tmp, fingerprint)
+
+
+def dataset_record(fingerprint: Path, dataset_path: str, digests: Sequence[str], resuming: bool) -> dict[str, Any]:
+    """The fingerprint to record for the selected rows (the union with what an earlier run recorded); nothing
+    is written.
 
     When `resuming` (completions are on disk), every row index both runs selected must hold the same
     content; otherwise ConfigError names the file and the rows that changed. A longer selection (more
@@ -255,15 +280,12 @@ def check_dataset(fingerprint: Path, dataset_path: str, digests: Sequence[str], 
                 "eval.save_path."
             )
     merged = list(digests) + recorded[len(digests) :]
-    record = {
+    return {
         "dataset_path": dataset_path,
         "num_rows": len(merged),
         "sha256": hashlib.sha256("".join(merged).encode()).hexdigest(),
         "row_sha256": merged,
     }
-    tmp = fingerprint.with_name(fingerprint.name + ".tmp")
-    tmp.write_bytes(dumps(record, indent=True) + b"\n")
-    os.replace(tmp, fingerprint)
 
 
 def check_resumable(

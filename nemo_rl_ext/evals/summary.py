@@ -131,10 +131,13 @@ class EvalSummary(JsonView):
     `rollouts.max_seq_len`): it ended truncated at 0 turns."""
     longest_prompt_too_long: int | None = None
     """The longest of those prompts, in tokens (None: none, or lengths unknown)."""
+    gym_logs: str | None = None
+    """nemo_gym mode with `rollouts.gym.launch`: the folder of the Gym servers' logs (relative to the eval
+    folder when inside it); None otherwise."""
 
     def to_json(self) -> dict[str, Any]:
         """The summary.json object (the older keys in their order, then the data-error and prompt-length counts;
-        `gym_metrics`, `profile`, `report_metrics`, when set)."""
+        `gym_metrics`, `profile`, `report_metrics`, `gym_logs`, when set)."""
         out: dict[str, Any] = {
             "rollout_mode": self.rollout_mode,
             "model": self.model,
@@ -164,6 +167,8 @@ class EvalSummary(JsonView):
             out["profile"] = self.profile.to_json()
         if self.report_metrics is not None:
             out["report_metrics"] = list(self.report_metrics)
+        if self.gym_logs is not None:
+            out["gym_logs"] = self.gym_logs
         return out
 
     @classmethod

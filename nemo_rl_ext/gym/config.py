@@ -46,7 +46,11 @@ class GymLaunchConfig(StrictModel):
     )
     head_server_port: int = Field(default=11000, ge=1, le=65535, description="Port of Gym's head server.")
     startup_timeout_s: float = Field(default=180.0, gt=0, description="Deadline for every server to be healthy.")
-    work_dir: Path | None = Field(default=None, description="Where env.yaml and logs go; a temp dir if None.")
+    work_dir: Path | None = Field(
+        default=None,
+        description="Where env.yaml and the servers' logs go; None: the run's own folder (the eval: "
+        "<eval.save_path>/gym, per store; GRPO: <output_dir>/gym), a temp dir for the launcher alone.",
+    )
 
 
 class GymConfig(StrictModel):
