@@ -11,8 +11,9 @@ other line, but they are not results. What a (prompt, sample) pair holds is deci
 order: its first non-error line is its result (later lines for it are ignored as duplicates); until it
 has one, its latest error line says why it failed and the driver rolls it out again. So a retry only
 appends, a kill at any point leaves a readable file, and the error history stays on disk. A data error (the
-row was refused as malformed, `CompletionLine.is_data_error`) is not rolled out again: the same row would be
-refused again, and a changed row is a changed dataset (refused on resume, see below).
+row was refused as malformed, `CompletionLine.is_data_error`) is not rolled out again while the row is
+unchanged: the same row would be refused again. A row whose every line is a data error may change (the user
+fixed it): a resume then rolls it out again; any other changed row is a changed dataset (refused, see below).
 
 The folder also records a fingerprint of the dataset rows it evaluates (`dataset_fingerprint.json`);
 a resume against rows whose contents changed is refused (`check_dataset`).
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,8 @@ class CompletionStore:
         """The result of each (prompt_idx, sample_idx) that has one: its first non-error line."""
         self.errors: dict[tuple[int, int], CompletionLine] = {}
         """The latest error line of each pair that has no result yet (to be rolled out again)."""
+        self.fixed_rows: set[int] = set()
+        """Prompts whose data errors are rolled out again: their row changed since it was refused."""
         self.error_lines = 0
         """Error lines in the file (every failed attempt, also those superseded by a later result)."""
         self.duplicates = 0
@@ -208,7 +211,18 @@ class CompletionStore:
 
     def _data_error(self, prompt_idx: int, sample_idx: int) -> bool:
         line = self.errors.get((prompt_idx, sample_idx))
-        return line is not None and line.is_data_error
+        return line is not None and line.is_data_error and prompt_idx not in self.fixed_rows
+
+    def data_error_rows(self) -> set[int]:
+        """The prompts whose every line is a data error (none has a result): their row was refused whole."""
+        refused = {p for (p, _), line in self.errors.items() if line.is_data_error}
+        return refused - {p for p, _ in self.results} - {p for (p, _), line in self.errors.items()
+                                                          if not line.is_data_error}
+
+    def retry_data_errors(self, prompts: Iterable[int]) -> None:
+        """Roll these prompts' data errors out again (their row changed since it was refused): `failed`, not
+        `done`, from now on."""
+        self.fixed_rows |= set(prompts)
 
     def append(self, rows: Iterable[CompletionLine]) -> int:
         """Write lines with one write, then flush and fsync; returns how many were written."""
@@ -252,13 +266,16 @@ def write_dataset_record(fingerprint: Path, record: Mapping[str, Any]) -> None:
     os.replace(tmp, fingerprint)
 
 
-def dataset_record(fingerprint: Path, dataset_path: str, digests: Sequence[str], resuming: bool) -> dict[str, Any]:
+def dataset_record(
+    fingerprint: Path, dataset_path: str, digests: Sequence[str], resuming: bool, may_change: Collection[int] = ()
+) -> dict[str, Any]:
     """The fingerprint to record for the selected rows (the union with what an earlier run recorded); nothing
     is written.
 
     When `resuming` (completions are on disk), every row index both runs selected must hold the same
-    content; otherwise ConfigError names the file and the rows that changed. A longer selection (more
-    `num_prompts`) extends the record; a shorter one keeps the recorded tail for a later, longer resume.
+    content, but for the rows of `may_change` (those whose every line is a data error: the user fixed the row
+    that was refused); otherwise ConfigError names the file and the rows that changed. A longer selection
+    (more `num_prompts`) extends the record; a shorter one keeps the recorded tail for a later, longer resume.
     A folder written before fingerprints existed (none recorded) is accepted and gets one.
     """
     recorded: list[str] = []
@@ -270,7 +287,8 @@ def dataset_record(fingerprint: Path, dataset_path: str, digests: Sequence[str],
                 f"{fingerprint}: unreadable ({type(exc).__name__}: {exc}); move it aside to resume "
                 "without the dataset check"
             ) from None
-        changed = [i for i, (old, new) in enumerate(zip(recorded, digests, strict=False)) if old != new]
+        changed = [i for i, (old, new) in enumerate(zip(recorded, digests, strict=False))
+                   if old != new and i not in may_change]
         if changed:
             shown = ", ".join(map(str, changed[:20])) + (" ..." if len(changed) > 20 else "")
             raise ConfigError(

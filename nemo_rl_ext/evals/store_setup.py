@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from nemo_rl_ext.config import dump_config
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.evals.config import EvalConfig, dataset_file
@@ -106,8 +108,20 @@ def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
     store = CompletionStore(paths.completions, repair=False)  # ConfigError on a garbage line
     resuming = check_store_config(cfg, paths)
     rows = load_rows(cfg)
-    record = dataset_record(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
+    digests = row_digests(rows)
+    refused = store.data_error_rows()  # rows the user may have fixed since Gym refused them
+    record = dataset_record(paths.dataset, cfg.eval.dataset_path, digests, resuming, may_change=refused)
+    if refused:
+        store.retry_data_errors(refused - _recorded_same(paths.dataset, digests, refused))
     return CheckedStore(cfg, paths, store, resuming, rows, record)
+
+
+def _recorded_same(fingerprint: Path, digests: list[str], rows: set[int]) -> set[int]:
+    """Those of `rows` whose recorded digest equals today's (unchanged rows keep their data errors)."""
+    if not fingerprint.exists():
+        return set(rows)
+    recorded = orjson.loads(fingerprint.read_bytes())["row_sha256"]  # readable: dataset_record checked it
+    return {i for i in rows if i < len(recorded) and i < len(digests) and recorded[i] == digests[i]}
 
 
 def record_store(checked: CheckedStore) -> None:
@@ -168,7 +182,8 @@ async def open_store(
             datums = [d for d in datums if shard.owns(d.idx)]
         expected = {d.idx: manager.counts.for_agent(d.agent) for d in datums}
         checked.paths.root.mkdir(parents=True, exist_ok=True)
-        prepare_rows(manager, datums, expected, checked.paths.root, checked.resuming)  # before the first is sent
+        prepare_rows(manager, datums, expected, checked.paths.root, checked.resuming,
+                     rebuilt=checked.store.fixed_rows)  # before the first is sent
         record_store(checked)  # every check passed
     except BaseException:
         await manager.shutdown()

@@ -162,3 +162,34 @@ async def test_the_eval_does_not_retry_data_errors_and_the_cli_exits_2_naming_th
     infra = type(summary).from_json({**summary.to_json(), "num_data_errors": 0, "data_error_rows": [],
                                      "status": "errors_left"})
     assert cli.exit_status(infra, "see above") == 3
+
+
+async def test_a_refused_row_that_was_fixed_is_rolled_out_again_on_resume(
+        tiny_model_and_tokenizer, agents: FakeAgents, tmp_path):
+    _, tok = tiny_model_and_tokenizer
+    policy = UnusedPolicy(tok)
+    rows = [row("fine", "agent_alpha"), row("invalid", "agent_alpha")]
+    cfg = eval_config(tmp_path, rows, agents.agent_urls())
+    first = await run_eval_async(cfg, generation=policy, progress=False)
+    assert first.summary.num_data_errors == 2 and first.summary.data_error_rows == (1,)
+    data = Path(cfg.eval.dataset_path)
+
+    # another row changed too (one with results): refused as a changed dataset, nothing sent or written
+    before, sent = (tmp_path / "out" / "completions.jsonl").read_bytes(), len(agents.rows)
+    data.write_text("".join(json.dumps(r) + "\n" for r in [row("changed", "agent_alpha"), row("fixed", "agent_alpha")]))
+    try:
+        await run_eval_async(cfg, generation=policy, progress=False)
+        raise AssertionError("a changed row with results must refuse the resume")
+    except Exception as exc:  # ConfigError
+        assert "1 of the 2 rows they cover differ (rows 0)" in str(exc)
+    assert (tmp_path / "out" / "completions.jsonl").read_bytes() == before and len(agents.rows) == sent
+
+    # only the refused row fixed: the resume rolls its 2 samples out again, from the fixed row
+    data.write_text("".join(json.dumps(r) + "\n" for r in [rows[0], row("fixed", "agent_alpha")]))
+    again = await run_eval_async(cfg, generation=policy, progress=False)
+    assert len(agents.rows) == sent + 2
+    assert all("fixed" in json.dumps(r) for r in agents.rows[sent:])
+    assert again.summary.num_data_errors == 0 and again.summary.num_errors == 0
+    assert again.summary.num_completions == 4 and again.complete and again.summary.status == "ok"
+    pinned = (tmp_path / "out" / "gym_rows.jsonl").read_text()
+    assert "fixed" in pinned and "invalid" not in pinned  # the rows file now sends the fixed row
