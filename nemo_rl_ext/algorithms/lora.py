@@ -23,27 +23,46 @@ ADAPTER = "default"
 """The name of the one adapter peft creates."""
 
 
-def adaptable_modules(model_path: str | Path) -> list[str]:
-    """The module names (last part of the dotted name) of the model folder's Linear and Embedding layers, read
-    from its config.json: the model is built on the meta device, so no weight is allocated or read."""
+def _meta_model(model_path: str | Path) -> PreTrainedModel:
+    """The model folder's architecture built on the meta device from its config.json: no weight is
+    allocated or read."""
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    kinds = (torch.nn.Linear, torch.nn.Embedding)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _leaf_names(model: torch.nn.Module, kinds: tuple[type, ...]) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and isinstance(m, kinds)})
 
 
+def adaptable_modules(model_path: str | Path) -> list[str]:
+    """The module names (last part of the dotted name) of the model folder's Linear and Embedding layers."""
+    return _leaf_names(_meta_model(model_path), (torch.nn.Linear, torch.nn.Embedding))
+
+
 def lora_target_problem(settings: LoraSettings, model_path: str | Path) -> str | None:
-    """Why `trainer.lora.target_modules` does not fit the model (naming the missing modules and those it
-    has), or None."""
-    available = adaptable_modules(model_path)
+    """Why `trainer.lora.target_modules` does not fit the model, or None: modules it lacks (named, with those
+    it has), or an adapter on an embedding tied to the LM head (the engine holds one tensor for both, so it
+    could not serve the merged weights)."""
+    model = _meta_model(model_path)
+    available = _leaf_names(model, (torch.nn.Linear, torch.nn.Embedding))
     missing = [name for name in settings.target_modules if name not in available]
-    if not missing:
-        return None
-    return (
-        f"trainer.lora.target_modules: the model at {model_path} has no module named {', '.join(missing)} "
-        f"(its Linear and Embedding modules: {', '.join(available)})"
-    )
+    if missing:
+        return (
+            f"trainer.lora.target_modules: the model at {model_path} has no module named {', '.join(missing)} "
+            f"(its Linear and Embedding modules: {', '.join(available)})"
+        )
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        tied = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+        names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if any(m is t for t in tied)}
+        clash = sorted(set(settings.target_modules) & set(names))
+        if clash:
+            return (
+                f"trainer.lora.target_modules: {', '.join(clash)}: the model at {model_path} ties its word "
+                f"embeddings ({' and '.join(sorted(names))} are one weight in the engine), so an adapter there "
+                "could not be served; leave it out"
+            )
+    return None
 
 
 def with_lora(model: PreTrainedModel, settings: LoraSettings, adapter_dir: str | Path | None = None) -> PeftModel:
