@@ -132,3 +132,24 @@ def test_lora_targets_the_model_lacks_are_one_error_before_any_model_loads(confi
                       GRPOConfig)
     with pytest.raises(ConfigError, match=r"lm_head: .* ties its word embeddings"):
         GRPO(cfg)
+
+
+@pytest.mark.timeout(150)
+def test_activation_checkpointing_and_bf16_in_a_run(lora_config: Path, tmp_path: Path) -> None:
+    """Step 1 samples from the same initial weights in every run, so its rollout keys are equal to the bit; its
+    train/ keys follow the trainer's arithmetic: the same update up to float32 rounding with activation
+    checkpointing, close to it with bf16 compute (the tolerance of test_trainer_memory's bf16 test)."""
+    plain = run(lora_config, f"output_dir={tmp_path / 'plain'}", "grpo.max_num_steps=2", STATIC)
+    checkpointed = run(lora_config, f"output_dir={tmp_path / 'ac'}", "grpo.max_num_steps=2", STATIC,
+                       "trainer.activation_checkpointing=true")
+    assert_same_step(checkpointed[0], plain[0])
+    mixed = run(lora_config, f"output_dir={tmp_path / 'bf16'}", "grpo.max_num_steps=2", STATIC,
+                "trainer.mixed_precision=bf16")
+    rollout_keys = [k for k in plain[0] if k.startswith(("rollout/", "batch/")) and "wall_time" not in k]
+    assert rollout_keys and {k: (mixed[0][k], plain[0][k]) for k in rollout_keys if mixed[0][k] != plain[0][k]} == {}
+    assert mixed[0]["train/loss"] == pytest.approx(plain[0]["train/loss"], rel=5e-2, abs=5e-3)
+    assert mixed[0]["train/grad_norm"] == pytest.approx(plain[0]["train/grad_norm"], rel=5e-2)
+    # all three together, with LoRA: a run that trains
+    combined = run(lora_config, f"output_dir={tmp_path / 'all'}", "grpo.max_num_steps=2", STATIC, *LORA,
+                   "trainer.activation_checkpointing=true", "trainer.mixed_precision=bf16")
+    assert [m["train/optimizer_steps"] for m in combined] == [1.0, 1.0]

@@ -209,3 +209,8 @@ def test_bf16_keeps_float32_weights_and_gradients_and_stays_close_to_float32(sof
     assert_same_gradients(got, expected, 5e-2)
     with pytest.raises(ValueError, match="float32 master weights"):
         trainer_for(copy.deepcopy(model).to(torch.bfloat16), mixed_precision="bf16")
+
+
+def test_lora_on_tied_word_embeddings_is_refused(tiny_model_dir):
+    problem = lora_target_problem(LoraSettings(target_modules=("q_proj", "lm_head")), tiny_model_dir)
+    assert problem is not None and "lm_head" in problem and "ties its word embeddings" in problem
