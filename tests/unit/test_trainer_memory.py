@@ -153,10 +153,24 @@ def test_activation_checkpointing_computes_the_same_update(tiny_model_and_tokeni
     if lora:  # B = 0 gives A no gradient on the first step: one step first, on both
         plain.train_step(items, ADVANTAGES)
         checkpointed.train_step(items, ADVANTAGES)
+    calls = {id(plain): 0, id(checkpointed): 0}
+
+    def counting(trainer):  # counts calls of the first layer's MLP (module hooks do not run in the recompute)
+        mlp = (trainer.model.get_base_model() if lora else trainer.model).model.layers[0].mlp
+        forward = mlp.forward
+
+        def counted(*args, **kwargs):
+            calls[id(trainer)] += 1
+            return forward(*args, **kwargs)
+
+        mlp.forward = counted
+
+    counting(plain), counting(checkpointed)
     expected_metrics, expected = sgd_gradient(plain, items)
     metrics, got = sgd_gradient(checkpointed, items)
-    # the recomputed forward runs the same kernels; the run without checkpointing shares each prompt's KV
-    # cache (another matmul shape), so they agree to rounding: SAME_MODEL_LOGPROBS, GRADIENT_OF_LARGEST
+    assert calls[id(checkpointed)] == 2 * calls[id(plain)]  # the backward pass recomputed the layer
+    # the same weights and kernels; where prompts repeat, the run without checkpointing shares their KV cache
+    # (another matmul shape), so they agree to float32 rounding (GRADIENT_OF_LARGEST)
     assert abs(expected_metrics["loss"]) > 1e-2
     assert metrics["loss"] == pytest.approx(expected_metrics["loss"], rel=1e-5, abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(expected_metrics["grad_norm"], rel=1e-5)
