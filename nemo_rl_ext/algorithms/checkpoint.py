@@ -2,7 +2,8 @@
 
 Layout of `<root>/step_<NNNNNNNN>/`:
 
-    policy/          the model and tokenizer (`save_pretrained`: loadable as `policy.model_name=<path>`)
+    policy/          the model and tokenizer (`save_pretrained`: loadable as `policy.model_name=<path>`); of a
+                     LoRA policy, its adapters and the tokenizer (`adapter_config.json` names the base model)
     optimizer.pt     the optimizer's state_dict
     rng.pt           python, numpy and torch (CPU and CUDA) RNG states
     state.json       {"step": int, "data": {...}, "extra": {...}}
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from peft import PeftModel
 
 from nemo_rl_ext.config import ConfigError
 
@@ -129,7 +131,10 @@ def save_checkpoint(
     final = checkpoint_dir(root, step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
     try:
-        model.save_pretrained(tmp / "policy")
+        if isinstance(model, PeftModel):  # the adapters alone: never the base's embeddings or LM head
+            model.save_pretrained(tmp / "policy", save_embedding_layers=False)
+        else:
+            model.save_pretrained(tmp / "policy")
         tokenizer.save_pretrained(tmp / "policy")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(rng_state if rng_state is not None else get_rng_state(), tmp / "rng.pt")

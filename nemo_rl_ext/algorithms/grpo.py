@@ -70,6 +70,7 @@ from nemo_rl_ext.algorithms.grpo_config import (
     input_problems,
     saved_config_settings,
 )
+from nemo_rl_ext.algorithms.lora import lora_target_problem, with_lora
 from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
@@ -145,20 +146,26 @@ class GRPO:
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
-        raise_problems(
-            input_problems(cfg, train=train_datums is None, val=val_datums is None),
-            "the GRPO run's inputs",
-        )
+        problems = input_problems(cfg, train=train_datums is None, val=val_datums is None)
+        lora = cfg.trainer.lora
+        if lora is not None and cfg.policy.model_folder_problem() is None:
+            problems += [p for p in (lora_target_problem(lora, resolve_model_path(cfg.policy)),) if p]
+        raise_problems(problems, "the GRPO run's inputs")
         checkpoint = self._checkpoint_to_resume()
         seed_everything(cfg.grpo.seed)
         dtype = getattr(torch, cfg.policy.dtype)
         initial_path = resolve_model_path(cfg.policy)
-        model_path = checkpoint.model_dir if checkpoint else initial_path
+        # a LoRA checkpoint holds the adapters only: the base model comes from the initial folder
+        model_path = checkpoint.model_dir if checkpoint and lora is None else initial_path
+        # bf16 mixed precision keeps float32 master weights (the engine keeps policy.dtype)
+        train_dtype = torch.float32 if cfg.trainer.mixed_precision == "bf16" else dtype
 
-        model, self.tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=cfg.policy.device)
+        model, self.tokenizer = load_model_and_tokenizer(model_path, dtype=train_dtype, device=cfg.policy.device)
         reference = None
-        if cfg.loss.kl_coef > 0:
-            reference, _ = load_model_and_tokenizer(initial_path, dtype=dtype, device=cfg.policy.device)
+        if lora is not None:  # its reference is itself with the adapters disabled: no copy
+            model = with_lora(model, lora, adapter_dir=checkpoint.model_dir if checkpoint else None)
+        elif cfg.loss.kl_coef > 0:
+            reference, _ = load_model_and_tokenizer(initial_path, dtype=train_dtype, device=cfg.policy.device)
         if not loads_model_folder(cfg.policy):  # an in-process hf engine: its own copy of the weights
             engine_model, _ = load_model_and_tokenizer(model_path, dtype=dtype, device=cfg.policy.device)
             _, engine = build_policy(cfg.policy, model=engine_model, tokenizer=self.tokenizer)
@@ -173,6 +180,8 @@ class GRPO:
             temperature=cfg.policy.generation.temperature,
             pad_token_id=int(pad if pad is not None else self.tokenizer.eos_token_id),
             reference_model=reference,
+            mixed_precision=cfg.trainer.mixed_precision,
+            activation_checkpointing=cfg.trainer.activation_checkpointing,
         )
 
         keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
@@ -202,7 +211,7 @@ class GRPO:
         self.logger = MetricsLogger(self.output_dir, tensorboard=cfg.logger.tensorboard)
         self._prompt_length_warning = PromptLengthWarning()  # once per run: prompts that leave no room
         if checkpoint is not None:
-            if loads_model_folder(cfg.policy):
+            if loads_model_folder(cfg.policy) or lora is not None:  # the engine started from the initial model
                 self.generation.update_weights(self.trainer.state_dict())
             self.trainer.optimizer.load_state_dict(checkpoint.optimizer_state(self.trainer.device))
             self.train_data.load_state_dict(checkpoint.data_state)
@@ -328,7 +337,7 @@ class GRPO:
         self._train_records(records, metrics)
         train_done = time.perf_counter()
         if metrics.get("train/optimizer_steps", 0.0) > 0:
-            self.generation.update_weights(self.trainer.state_dict())
+            metrics.update(self._refit(in_flight="finish"))
         refit_done = time.perf_counter()
         self._cluster_metrics(metrics)
         metrics["timing/rollout_s"] = rollout_done - start
@@ -528,10 +537,10 @@ class GRPO:
                 if not self._stopping():
                     refit = loop.run_in_executor(executor, functools.partial(self._refit, in_flight=knobs.in_flight))
                     try:
-                        await self._unless_stopped(collector.guard(asyncio.shield(refit)))
+                        metrics.update(await self._unless_stopped(collector.guard(asyncio.shield(refit))))
                     except Stopped:
                         await close_for_stop()
-                        await refit
+                        metrics.update(await refit)
                 refit_done = time.perf_counter()
                 self.step += 1
                 collector.set_version(self.step)
@@ -560,8 +569,16 @@ class GRPO:
             await collector.aclose()
             executor.shutdown(wait=True)
 
-    def _refit(self, in_flight: InFlightPolicy) -> None:
-        self.generation.update_weights(self.trainer.state_dict(), in_flight=in_flight)
+    def _refit(self, in_flight: InFlightPolicy) -> dict[str, float]:
+        """Hand the trainer's weights to the engine; returns `refit/bytes` (of the tensors handed over) and
+        `timing/refit/seconds` (building them, a LoRA policy's merge included, and loading them)."""
+        start = time.perf_counter()
+        weights = self.trainer.state_dict()
+        self.generation.update_weights(weights, in_flight=in_flight)
+        return {
+            "refit/bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+            "timing/refit/seconds": time.perf_counter() - start,
+        }
 
     def _print(self, step: int, m: Mapping[str, float]) -> None:
         if not self.cfg.logger.print_steps:

@@ -70,10 +70,7 @@ class TrainerSettings(StrictModel):
 
 UNBUILT: dict[str, tuple[Any, str]] = {
     "workers": (1, "more than one trainer rank (FSDP2 workers on Ray)"),
-    "mixed_precision": (None, "bf16 mixed precision"),
-    "activation_checkpointing": (False, "activation checkpointing"),
     "cpu_offload": (False, "CPU offload"),
-    "lora": (None, "LoRA adapters"),
 }
 """Settings whose feature is not built yet: the only value accepted, and what the feature is. A feature that
 lands removes its entry."""
