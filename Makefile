@@ -67,7 +67,7 @@ unit: setup
 NUMERICS_TESTS := tests/unit/test_trainer_logprobs.py tests/unit/test_grpo_trainer.py tests/unit/test_loss.py \
 	tests/unit/test_kl_gradient.py tests/unit/test_advantages.py tests/unit/test_grpo_checkpoint.py \
 	tests/unit/test_hf_backend_weights.py tests/unit/test_hf_backend_faults.py tests/unit/test_hf_backend_continuous.py \
-	tests/unit/test_generation_contract.py
+	tests/unit/test_generation_contract.py tests/unit/test_trainer_memory.py
 numerics: setup
 	@echo "numerics check: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
 	@if ( export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1; \

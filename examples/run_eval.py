@@ -13,14 +13,16 @@ prompts from a shared queue into `<save_path>/shards/worker-<k>/`; a dead worker
 
 Rollout modes (`eval.rollout_mode`): single_turn, multi_turn (native environment loop), nemo_gym (Gym
 agents). Outputs in `eval.save_path`: config.yaml, completions.jsonl, summary.json, runs.jsonl,
-pass_at_k.png, report.md. Re-running with the same save_path resumes: finished (prompt, sample) pairs
+pass_at_k.png, report.md; in nemo_gym mode with rollouts.gym.launch, the Gym servers' logs in gym/ (summary.json's
+`gym_logs`). Re-running with the same save_path (or a copy of the folder) resumes: finished (prompt, sample) pairs
 are skipped, error samples (infrastructure failures) are retried, and the summary equals that of an
 uninterrupted run.
 
 Exit status: 0 done (a job of a sharded / seeded run: its slice is done, the merge waits for the others);
-1 stopped before every sample was rolled out (re-run to resume); 2 a user error (config, dataset, output folder;
-for `merge`: a missing or unfinished shard, differing configs or rows, non-identical duplicates); 3 done, but
-more samples ended as errors than eval.max_error_rate allows (re-run to retry them).
+1 stopped before every sample was rolled out (re-run to resume); 2 a user error (config, dataset, output folder,
+a Gym server that did not start; dataset rows that NeMo Gym refused as malformed, named; for `merge`: a missing
+or unfinished shard, differing configs or rows, non-identical duplicates; a refused resume leaves the folder as
+it was); 3 done, but more samples ended as errors than eval.max_error_rate allows (re-run to retry them).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import sys
 
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig, check_inputs
+from nemo_rl_ext.gym.launcher import GymLaunchError
 from nemo_rl_ext.lifecycle import stop_on_signals
 
 
@@ -49,10 +52,7 @@ def merge_main(argv: list[str]) -> int:
     print(f"merged {len(result.stores)} store(s) of {result.root}\n\n{format_metric_table(result.summary)}\n")
     print(f"outputs in {result.root}/: summary.json, report.md, pass_at_k.png" + (
         ", seeds/<seed>/completions.jsonl" if result.seed_summaries else ", completions.jsonl"))
-    if result.summary.status == "errors_left":
-        print(f"error: {result.summary.num_errors} error sample(s) left; re-run their shards", file=sys.stderr)
-        return 3
-    return 0
+    return exit_status(result.summary, "re-run their shards")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run_eval(cfg, progress=not args.no_progress)
     except ConfigError as err:  # a user error (config, inputs, resume): its message alone, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except GymLaunchError as err:  # a Gym server that did not start: its name, error and log file, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -100,8 +103,21 @@ def main(argv: list[str] | None = None) -> int:
         f"outputs in {result.paths.root}/: {result.paths.summary.name}, {completions}, "
         f"{result.paths.report.name}, {result.paths.plot.name}, {PROFILE_PLOT}, {DIFFICULTY_FILE}"
     )
-    if result.errors_left:
-        print(f"error: {result.summary['num_errors']} error sample(s) left; see above", file=sys.stderr)
+    if result.summary.gym_logs is not None:
+        print(f"NeMo Gym server logs in {result.paths.root / result.summary.gym_logs}/")
+    return exit_status(result.summary, "see above")
+
+
+def exit_status(summary, retry: str) -> int:
+    """2 when rows were refused as malformed (data errors: fix the rows), else 3 when more samples ended as
+    infrastructure errors than eval.max_error_rate allows (`retry` says how to retry them), else 0."""
+    from nemo_rl_ext.evals.report import data_error_note
+
+    if summary.num_data_errors:
+        print(f"error: {data_error_note(summary)}", file=sys.stderr)
+        return 2
+    if summary.status == "errors_left":
+        print(f"error: {summary.num_errors} error sample(s) left; {retry}", file=sys.stderr)
         return 3
     return 0
 

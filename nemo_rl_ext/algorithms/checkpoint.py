@@ -2,7 +2,8 @@
 
 Layout of `<root>/step_<NNNNNNNN>/`:
 
-    policy/          the model and tokenizer (`save_pretrained`: loadable as `policy.model_name=<path>`)
+    policy/          the model and tokenizer (`save_pretrained`: loadable as `policy.model_name=<path>`); of a
+                     LoRA policy, its adapters and the tokenizer (`adapter_config.json` names the base model)
     optimizer.pt     the optimizer's state_dict
     rng.pt           python, numpy and torch (CPU and CUDA) RNG states
     state.json       {"step": int, "data": {...}, "extra": {...}}
@@ -13,7 +14,8 @@ folder is renamed into place, so a run killed mid-save leaves only a `.tmp` fold
 removes. A `step_*` folder without the marker (a crash mid-write on a filesystem without atomic renames, a
 partial copy) is not a checkpoint. Loading checks every file against the marker, so a truncated or
 overwritten file, or a missing one, is a `CheckpointError` naming it; `resumable_checkpoint` then falls
-back to the newest checkpoint that is whole.
+back to the newest checkpoint that is whole. A run never overwrites step folders it cannot resume from
+unless told to start over (`GRPO`, `resume=restart`; `discard_checkpoints`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from peft import PeftModel
 
 from nemo_rl_ext.config import ConfigError
 
@@ -128,7 +131,10 @@ def save_checkpoint(
     final = checkpoint_dir(root, step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
     try:
-        model.save_pretrained(tmp / "policy")
+        if isinstance(model, PeftModel):  # the adapters alone: never the base's embeddings or LM head
+            model.save_pretrained(tmp / "policy", save_embedding_layers=False)
+        else:
+            model.save_pretrained(tmp / "policy")
         tokenizer.save_pretrained(tmp / "policy")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(rng_state if rng_state is not None else get_rng_state(), tmp / "rng.pt")
@@ -170,13 +176,30 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Checkpoint folders under `root` whose completeness marker exists, oldest first (not yet verified)."""
+def step_folders(root: str | Path) -> list[Path]:
+    """Every `step_*` folder under `root`, complete or not, oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found) if (p / MARKER_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoint folders under `root` whose completeness marker exists, oldest first (not yet verified)."""
+    return [p for p in step_folders(root) if (p / MARKER_FILE).is_file()]
+
+
+def discard_checkpoints(root: str | Path) -> list[Path]:
+    """Delete every step folder under `root` (complete or not) and any temporary one, logging what goes (a run
+    that starts over); returns the step folders deleted."""
+    folders = step_folders(root)
+    if folders:
+        logger.warning("starting over: deleting the %d step folder(s) of the earlier run in %s (%s)",
+                       len(folders), root, ", ".join(p.name for p in folders))
+    for path in [*folders, *Path(root).glob(".step_*.tmp*")]:
+        shutil.rmtree(path, ignore_errors=True)
+    return folders
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

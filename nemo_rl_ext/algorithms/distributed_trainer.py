@@ -197,7 +197,7 @@ class DistributedTrainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights, gathered bucket by bucket (at most `REFIT_BUCKET_BYTES` at a time on a rank) to this
-        process; `refit_metrics` then reports the bytes and seconds."""
+        process; `refit_metrics` then reports the gather."""
         start = time.perf_counter()
         out: dict[str, torch.Tensor] = {}
         buckets: list[list[str]] = [[]]
@@ -216,12 +216,12 @@ class DistributedTrainer:
         for name, _, tied in self._layout:
             if tied is not None:
                 out[name] = out[tied]
-        self._refit = {"refit/bytes": float(total), "refit/seconds": time.perf_counter() - start,
+        self._refit = {"refit/gathered_bytes": float(total), "timing/refit/gather_seconds": time.perf_counter() - start,
                        "refit/buckets": float(len(buckets))}
         return {name: out[name] for name, _, _ in self._layout}
 
     def refit_metrics(self) -> dict[str, float]:
-        """The last `state_dict` gather: bytes, seconds and buckets."""
+        """The last `state_dict` gather: the bytes gathered (a tied tensor once), its seconds and buckets."""
         return dict(self._refit)
 
     def close(self) -> None:

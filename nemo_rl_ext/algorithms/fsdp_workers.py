@@ -89,7 +89,8 @@ def shard_model(model: torch.nn.Module, temperature: float) -> _LogprobPass:
     root = fully_shard(_LogprobPass(model, temperature))
     for unit in [*units, root]:  # per module: a root's setting does not reach its children
         unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+        if hasattr(unit, "set_force_sum_reduction_for_comms"):  # torch >= 2.8
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return root
 
 

@@ -46,12 +46,15 @@ from tqdm.auto import tqdm
 
 from nemo_rl_ext.algorithms.async_collector import AsyncCollector
 from nemo_rl_ext.algorithms.checkpoint import (
+    MARKER_FILE,
     Checkpoint,
+    discard_checkpoints,
     get_rng_state,
     latest_checkpoint,
     load_checkpoint,
     resumable_checkpoint,
     save_checkpoint,
+    step_folders,
 )
 from nemo_rl_ext.algorithms.distributed_trainer import DistributedTrainer, rank_spec
 from nemo_rl_ext.algorithms.grpo_batch import (
@@ -61,13 +64,15 @@ from nemo_rl_ext.algorithms.grpo_batch import (
     training_batch_metrics,
 )
 from nemo_rl_ext.algorithms.grpo_config import (
+    RESTART,
     RESUME_MAY_CHANGE,
     GRPOConfig,
     async_wedge_warning,
     input_problems,
     saved_config_settings,
 )
-from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger
+from nemo_rl_ext.algorithms.lora import lora_target_problem, with_lora
+from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.stopping import LoopStop, Stopped
@@ -78,6 +83,7 @@ from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
 from nemo_rl_ext.experience.build import build_policy, build_rollouts, load_rollout_rows, make_datums
+from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, count_prompts_too_long
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, InFlightPolicy
 from nemo_rl_ext.models.loading import load_model_and_tokenizer, load_tokenizer
@@ -90,6 +96,9 @@ TRAIN_SALT = 1
 """First element of the seed salt of training rollouts: (TRAIN_SALT, step, rollout batch)."""
 VAL_SALT = 2
 """Seed salt of validation rollouts: the same draws at every validation, so they compare across steps."""
+GYM_LOGS = "gym"
+"""The folder in output_dir where the Gym servers a run launches write env.yaml and their logs (unless
+`rollouts.gym.launch.work_dir` names another)."""
 
 
 def rollout_generation_config(cfg: GRPOConfig) -> GenerationConfig:
@@ -143,15 +152,19 @@ class GRPO:
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
-        raise_problems(
-            input_problems(cfg, train=train_datums is None, val=val_datums is None),
-            "the GRPO run's inputs",
-        )
+        problems = input_problems(cfg, train=train_datums is None, val=val_datums is None)
+        lora = cfg.trainer.lora
+        if lora is not None and cfg.policy.model_folder_problem() is None:
+            problems += [p for p in (lora_target_problem(lora, resolve_model_path(cfg.policy)),) if p]
+        raise_problems(problems, "the GRPO run's inputs")
         checkpoint = self._checkpoint_to_resume()
         seed_everything(cfg.grpo.seed)
         dtype = getattr(torch, cfg.policy.dtype)
         initial_path = resolve_model_path(cfg.policy)
-        model_path = checkpoint.model_dir if checkpoint else initial_path
+        # a LoRA checkpoint holds the adapters only: the base model comes from the initial folder
+        model_path = checkpoint.model_dir if checkpoint and lora is None else initial_path
+        # bf16 mixed precision keeps float32 master weights (the engine keeps policy.dtype)
+        train_dtype = torch.float32 if cfg.trainer.mixed_precision == "bf16" else dtype
 
         self.trainer: PolicyTrainer | DistributedTrainer | None = None
         model = reference = None
@@ -162,9 +175,11 @@ class GRPO:
                 cfg.trainer, cfg.policy.cluster,
             )
         else:
-            model, self.tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=cfg.policy.device)
-            if cfg.loss.kl_coef > 0:
-                reference, _ = load_model_and_tokenizer(initial_path, dtype=dtype, device=cfg.policy.device)
+            model, self.tokenizer = load_model_and_tokenizer(model_path, dtype=train_dtype, device=cfg.policy.device)
+            if lora is not None:  # its reference is itself with the adapters disabled: no copy
+                model = with_lora(model, lora, adapter_dir=checkpoint.model_dir if checkpoint else None)
+            elif cfg.loss.kl_coef > 0:
+                reference, _ = load_model_and_tokenizer(initial_path, dtype=train_dtype, device=cfg.policy.device)
         if not loads_model_folder(cfg.policy):  # an in-process hf engine: its own copy of the weights
             engine_model, _ = load_model_and_tokenizer(model_path, dtype=dtype, device=cfg.policy.device)
             _, engine = build_policy(cfg.policy, model=engine_model, tokenizer=self.tokenizer)
@@ -179,12 +194,14 @@ class GRPO:
                 temperature=cfg.policy.generation.temperature,
                 pad_token_id=_pad_id(self.tokenizer),
                 reference_model=reference,
+                mixed_precision=cfg.trainer.mixed_precision,
+                activation_checkpointing=cfg.trainer.activation_checkpointing,
             )
 
         keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
         train_rows = load_rollout_rows(cfg.rollouts, cfg.data.train_path, **keys) if train_datums is None else ()
         datums, self.manager = build_rollouts(
-            cfg.rollouts,
+            cfg.rollouts.with_gym_work_dir(self.output_dir / GYM_LOGS),  # Gym servers it launches log there
             self.tokenizer,
             self.generation,
             train_rows,
@@ -206,14 +223,17 @@ class GRPO:
 
         self.step = 0
         self.logger = MetricsLogger(self.output_dir, tensorboard=cfg.logger.tensorboard)
+        self._prompt_length_warning = PromptLengthWarning()  # once per run: prompts that leave no room
         if checkpoint is not None:
-            if loads_model_folder(cfg.policy):
+            if loads_model_folder(cfg.policy) or lora is not None:  # the engine started from the initial model
                 self.generation.update_weights(self.trainer.state_dict())
             self.trainer.optimizer.load_state_dict(checkpoint.optimizer_state(self.trainer.device))
             self.train_data.load_state_dict(checkpoint.data_state)
             self.step = checkpoint.step
             checkpoint.restore_rng()
             logger.info("resumed from %s at step %d", checkpoint.path, self.step)
+        if cfg.resume == RESTART:  # every check passed: now the earlier run's checkpoints go
+            discard_checkpoints(self.checkpoint_root)
         self.logger.truncate_after(self.step if checkpoint is not None else -1)  # a fresh run starts empty
         (self.output_dir / "config.yaml").write_text(dump_config(cfg))
         self._runner = asyncio.Runner()
@@ -232,17 +252,31 @@ class GRPO:
     # ---- set-up helpers -------------------------------------------------------------------------
 
     def _checkpoint_to_resume(self) -> Checkpoint | None:
-        """The verified checkpoint to resume (falling back past damaged ones), after checking its config."""
+        """The verified checkpoint to resume (falling back past damaged ones), after checking its config.
+
+        Neither a fresh run nor a resume destroys an earlier run's outputs: with `resume=false`, checkpoints or
+        step folders in output_dir are refused; with `resume=true`, step folders or step metrics without a
+        complete checkpoint to continue from are refused, naming what is there. Only `resume=restart` starts
+        over in such a folder (its checkpoints are deleted once every other check passed)."""
         resume = self.cfg.resume
+        if resume == RESTART:
+            return None
         if resume is False:
-            if latest_checkpoint(self.checkpoint_root) is not None:
+            if latest_checkpoint(self.checkpoint_root) is not None or step_folders(self.checkpoint_root):
                 raise ConfigError(
                     f"{self.output_dir} already holds checkpoints: set resume=true to continue that run, "
-                    "or choose another output_dir"
+                    "resume=restart to discard it and start over, or choose another output_dir"
                 )
             return None
         checkpoint = resumable_checkpoint(self.checkpoint_root) if resume is True else load_checkpoint(resume)
         if checkpoint is None:
+            found = self._earlier_outputs()
+            if found:
+                raise ConfigError(
+                    f"resume=true, but {self.output_dir} holds no complete checkpoint to continue from, only "
+                    f"{' and '.join(found)}; starting from step 0 would overwrite them. Set resume=restart to "
+                    "discard them and start over, or choose another output_dir"
+                )
             logger.warning("resume=true but %s holds no checkpoint: starting from step 0", self.checkpoint_root)
             return None
         saved = checkpoint.extra.get("config")
@@ -264,6 +298,20 @@ class GRPO:
             )
         return checkpoint
 
+    def _earlier_outputs(self) -> list[str]:
+        """What an earlier run left in output_dir besides complete checkpoints: step folders without their
+        completeness marker, and step records in metrics.jsonl (empty: nothing to lose)."""
+        found = []
+        folders = step_folders(self.checkpoint_root)
+        if folders:
+            names = ", ".join(p.name for p in folders[:5]) + (", ..." if len(folders) > 5 else "")
+            found.append(f"{len(folders)} step folder(s) in {self.checkpoint_root} ({names}), none of them "
+                         f"complete (no {MARKER_FILE}: a save that never finished, or a partial copy)")
+        records = read_metrics(self.output_dir / "metrics.jsonl")
+        if records:
+            found.append(f"{len(records)} step record(s) in {self.output_dir / 'metrics.jsonl'}")
+        return found
+
     # ---- one step -------------------------------------------------------------------------------
 
     async def _collect(self, step: int) -> tuple[list[PromptGroupRecord], dict[str, float]]:
@@ -281,6 +329,8 @@ class GRPO:
             generated.extend(records)
             kept.extend(r for r in records if has_reward_variance(r) or not dynamic.enabled)
         metrics = batch_metrics(generated, time.perf_counter() - start)
+        too_long, longest = count_prompts_too_long(generated)
+        self._prompt_length_warning(too_long, len(generated), longest)
         if dynamic.enabled:
             metrics["dynamic_sampling/gen_batches"] = float(batches)
             metrics["dynamic_sampling/kept_groups"] = float(min(len(kept), n))
@@ -301,7 +351,7 @@ class GRPO:
         self._train_records(records, metrics)
         train_done = time.perf_counter()
         if metrics.get("train/optimizer_steps", 0.0) > 0:
-            self.generation.update_weights(self.trainer.state_dict())
+            metrics.update(self._refit(in_flight="finish"))
         refit_done = time.perf_counter()
         self._cluster_metrics(metrics)
         metrics["timing/rollout_s"] = rollout_done - start
@@ -493,6 +543,8 @@ class GRPO:
                 rollout_done = time.perf_counter()
                 records = [g.record for g in taken.groups]
                 metrics = batch_metrics(taken.generated, rollout_done - start)
+                too_long, longest = count_prompts_too_long(taken.generated)
+                self._prompt_length_warning(too_long, len(taken.generated), longest)
                 metrics.update(taken.metrics)
                 # never cut: it updates the weights and the optimizer state on the trainer's thread
                 await collector.guard(loop.run_in_executor(executor, self._train_records, records, metrics))
@@ -500,10 +552,10 @@ class GRPO:
                 if not self._stopping():
                     refit = loop.run_in_executor(executor, functools.partial(self._refit, in_flight=knobs.in_flight))
                     try:
-                        await self._unless_stopped(collector.guard(asyncio.shield(refit)))
+                        metrics.update(await self._unless_stopped(collector.guard(asyncio.shield(refit))))
                     except Stopped:
                         await close_for_stop()
-                        await refit
+                        metrics.update(await refit)
                 refit_done = time.perf_counter()
                 self.step += 1
                 collector.set_version(self.step)
@@ -532,8 +584,16 @@ class GRPO:
             await collector.aclose()
             executor.shutdown(wait=True)
 
-    def _refit(self, in_flight: InFlightPolicy) -> None:
-        self.generation.update_weights(self.trainer.state_dict(), in_flight=in_flight)
+    def _refit(self, in_flight: InFlightPolicy) -> dict[str, float]:
+        """Hand the trainer's weights to the engine; returns `refit/bytes` (of the tensors handed over) and
+        `timing/refit/seconds` (building them, a LoRA policy's merge included, and loading them)."""
+        start = time.perf_counter()
+        weights = self.trainer.state_dict()
+        self.generation.update_weights(weights, in_flight=in_flight)
+        return {
+            "refit/bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+            "timing/refit/seconds": time.perf_counter() - start,
+        }
 
     def _print(self, step: int, m: Mapping[str, float]) -> None:
         if not self.cfg.logger.print_steps:

@@ -20,39 +20,19 @@ from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings, trainer_rule_problems
 from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, move_key, raw_field
 from nemo_rl_ext.experience.config import RolloutsConfig, rollouts_rule_problems
+from nemo_rl_ext.experience.resume_keys import GRPO_RESUME_MAY_CHANGE
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 
-RESUME_MAY_CHANGE: tuple[str, ...] = (
-    "grpo.max_num_steps",
-    "grpo.save_period",
-    "grpo.stop_timeout_s",
-    "keep_last_checkpoints",
-    "grpo.val_period",
-    "grpo.val_at_start",
-    "validation",
-    "data.val_path",
-    "logger",
-    "output_dir",
-    "resume",
-    "rollouts.env.remote",
-    "policy.max_batch_size",
-    "policy.hf",
-    "policy.cluster",
-    "trainer.workers",
-    "trainer.worker",
-    "rollouts.gym.head_server_url",
-    "rollouts.gym.agent_urls",
-    "rollouts.gym.policy_host",
-    "rollouts.gym.policy_port",
-    "rollouts.gym.launch.head_server_port",
-    "rollouts.gym.launch.startup_timeout_s",
-    "rollouts.gym.launch.work_dir",
-)
-"""Keys (and sections: `logger` means `logger.*`) that may differ between a run and its resumption: how
-long to train, when to checkpoint and validate and on what, where logs and outputs go, the hf batch size,
-and where the Gym servers listen. None of them changes a training step's rollouts or update. Any other
-change is refused, listing the changed keys."""
+RESUME_MAY_CHANGE: tuple[str, ...] = GRPO_RESUME_MAY_CHANGE
+"""Keys (and sections: `logger` means `logger.*`) that may differ between a run and its resumption
+(`experience.resume_keys`, where the eval's list is too): how long to train, when to checkpoint and validate
+and on what, where logs and outputs go, the hf batch size, and where the Gym servers listen. Any other change
+is refused, listing the changed keys."""
+
+
+RESTART = "restart"
+"""`resume=restart`: start over in an output_dir that holds an earlier run (the only way to discard it)."""
 
 
 class DynamicSamplingSettings(StrictModel):
@@ -274,8 +254,12 @@ class GRPOConfig(CheckedConfig):
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
     logger: LoggerSettings = Field(default_factory=LoggerSettings)
     output_dir: Path = Field(default=Path("results/grpo"), description="Metrics, config and checkpoints.")
-    resume: bool | Path = Field(
-        default=False, description="true: continue from the latest checkpoint in output_dir; a path: that one."
+    resume: bool | Literal["restart"] | Path = Field(
+        default=False,
+        description="false: a new run (refused where output_dir holds checkpoints or step folders); true: "
+        "continue from the latest complete checkpoint in output_dir (refused where the folder holds an earlier "
+        "run's step folders or step metrics but no complete checkpoint); a path: continue from that checkpoint; "
+        "restart: start over at step 0, deleting the checkpoints and step folders in output_dir.",
     )
     keep_last_checkpoints: int | None = Field(default=2, ge=1, description="Delete older ones; None keeps all.")
 

@@ -7,18 +7,26 @@ computed only where the loss mask reads them (`logprobs.py`): the LM head and th
 log-softmax run on the scored positions only (completion tokens, assistant spans), in chunks of rows, and
 with `optimizer.share_prompt_prefix` (the default) the decoder runs once over a prompt that several samples
 of a micro-batch share.
+
+Memory savers (`trainer:` settings, see `trainer_config`): a LoRA policy (a peft `PeftModel`, see `lora.py`)
+trains its adapters alone and is its own KL reference with the adapters disabled; `activation_checkpointing`
+recomputes each decoder layer's activations in the backward pass; `mixed_precision="bf16"` runs every
+forward under bf16 autocast while the weights, their gradients and AdamW's state stay float32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 
 import torch
+from peft import PeftModel
 from transformers import PreTrainedModel
 
 from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
 from nemo_rl_ext.algorithms.logprobs import right_pad, shared_prefix_logprobs, token_logprobs
+from nemo_rl_ext.algorithms.lora import merged_state_dict
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
 
 _MEAN_METRICS = (
@@ -77,9 +85,23 @@ class PolicyTrainer:
         temperature: float,
         pad_token_id: int = 0,
         reference_model: PreTrainedModel | None = None,
+        mixed_precision: str | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
-        if loss.kl_coef != 0.0 and reference_model is None:
+        self.lora = isinstance(model, PeftModel)
+        """The model is a LoRA policy: adapters train, its reference is itself with the adapters disabled."""
+        if loss.kl_coef != 0.0 and reference_model is None and not self.lora:
             raise ValueError("loss.kl_coef != 0 needs a reference_model (the initial policy)")
+        if self.lora and reference_model is not None:
+            raise ValueError("a LoRA policy is its own reference (adapters disabled): pass no reference_model")
+        if mixed_precision not in (None, "bf16"):
+            raise ValueError(f"mixed_precision must be None or 'bf16', not {mixed_precision!r}")
+        if mixed_precision and any(p.dtype != torch.float32 for p in model.parameters() if p.requires_grad):
+            raise ValueError("mixed_precision='bf16' keeps float32 master weights: load the policy in float32")
+        self.mixed_precision = mixed_precision
+        if activation_checkpointing:  # every decoder layer, non-reentrant (torch.utils.checkpoint)
+            plain = model.get_base_model() if self.lora else model
+            plain.activation_checkpointing_enable({"use_reentrant": False})
         self.model = model
         self.settings = optimizer
         self.loss_config = loss
@@ -113,6 +135,21 @@ class PolicyTrainer:
         tokens of its loss mask (the only ones the loss reads); 0 elsewhere."""
         return self._frozen_logprobs(self.model, items)
 
+    def reference_logprobs(self, items: Sequence[CompletionTensors]) -> list[torch.Tensor]:
+        """`logprobs` under the KL reference: the reference model, or a LoRA policy with its adapters disabled."""
+        if self.lora:
+            with self.model.disable_adapter():
+                return self._frozen_logprobs(self.model, items)
+        if self.reference_model is None:
+            raise ValueError("this trainer has no KL reference (kl_coef == 0 and no reference_model)")
+        return self._frozen_logprobs(self.reference_model, items)
+
+    def _compute(self) -> contextlib.AbstractContextManager[None]:
+        """The forward passes' precision: bf16 autocast with `mixed_precision="bf16"`, else the weights' dtype."""
+        if self.mixed_precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _frozen_logprobs(self, model: PreTrainedModel, items: Sequence[CompletionTensors]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         was_training = model.training
@@ -143,7 +180,8 @@ class PolicyTrainer:
         n_mini = min(self.settings.minibatches_per_step, len(items))
         bounds = [round(i * len(items) / n_mini) for i in range(n_mini + 1)]
         old = self.logprobs(items) if n_mini > 1 else None
-        ref = self._frozen_logprobs(self.reference_model, items) if self.reference_model is not None else None
+        has_reference = self.reference_model is not None or (self.lora and self.loss_config.kl_coef != 0.0)
+        ref = self.reference_logprobs(items) if has_reference else None
         self.model.train()
         sums, grad_norms, skipped = _MetricSums(), [], 0
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
@@ -215,6 +253,12 @@ class PolicyTrainer:
     ) -> torch.Tensor:
         """[B, T] logprobs of a micro-batch on its loss mask (`_batch`'s right-padded tensors): each shared
         prompt computed once with `optimizer.share_prompt_prefix`, else a forward over every token."""
+        with self._compute():
+            return self._token_logprobs_as_is(model, ids, attention, mask)
+
+    def _token_logprobs_as_is(
+        self, model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         if self.settings.share_prompt_prefix:
             shared = shared_prefix_logprobs(model, ids, attention, self.temperature, score_mask=mask)
             if shared is not None:
@@ -222,7 +266,10 @@ class PolicyTrainer:
         return token_logprobs(model, ids, attention, self.temperature, score_mask=mask)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights to hand to the generation backend (`update_weights`); detached, not copied."""
+        """The weights to hand to the generation backend (`update_weights`), under the plain model's names;
+        detached, not copied. A LoRA policy's target modules come merged (`lora.merged_state_dict`)."""
+        if self.lora:
+            return merged_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def refit_metrics(self) -> dict[str, float]:

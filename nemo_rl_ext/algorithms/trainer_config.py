@@ -78,10 +78,7 @@ WITH_WORKERS_UNBUILT: dict[str, tuple[Any, str]] = {
 """Settings not built yet for `workers > 1` (FSDP2 ranks): the only value accepted there, and the feature."""
 
 UNBUILT: dict[str, tuple[Any, str]] = {
-    "mixed_precision": (None, "bf16 mixed precision"),
-    "activation_checkpointing": (False, "activation checkpointing"),
     "cpu_offload": (False, "CPU offload"),
-    "lora": (None, "LoRA adapters"),
 }
 """Settings whose feature is not built yet: the only value accepted, and what the feature is. A feature that
 lands removes its entry."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,8 +19,11 @@ from nemo_rl_ext.data.records import DatumSpec
 SHIPPED_ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "data" / "arithmetic.jsonl"
 
 
-def load_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Rows of a JSONL file; every unreadable line and every row missing a required key in one error."""
+def load_jsonl(
+    path: str | Path, required: Sequence[str] = (), check: Callable[[dict[str, Any]], str | None] | None = None
+) -> list[dict[str, Any]]:
+    """Rows of a JSONL file; every unreadable line, every row missing a required key and every row `check`
+    finds a problem with (its one-line answer; None: fine) in one error."""
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
     for lineno, _, row in json_lines(Path(path).read_bytes(), problems):
@@ -30,6 +33,8 @@ def load_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[dict[str,
         missing = [k for k in required if k not in row]
         if missing:
             problems.append(f"line {lineno}: missing key(s) {missing}")
+        elif check is not None and (problem := check(row)) is not None:
+            problems.append(f"line {lineno}: {problem}")
         rows.append(row)
     if problems:
         raise ValueError(f"{path}: {len(problems)} bad row(s):\n" + listed(problems))

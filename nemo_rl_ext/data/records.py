@@ -43,6 +43,21 @@ class StopReason(str, enum.Enum):
     ERROR = "error"
 
 
+ERROR_KIND = "error_kind"
+"""`Completion.env_extras` key of an error completion whose cause is the row itself, not infrastructure."""
+DATA_ERROR = "data"
+"""`env_extras[ERROR_KIND]` of a row the server refused as malformed (Gym's HTTP 4xx): retrying the unchanged
+row cannot help, so a resumed eval does not retry it, and the eval exits 2 naming the row."""
+PROMPT_TOO_LONG = "prompt_too_long"
+"""`Completion.env_extras` key of a rollout that never generated because its prompt alone left no room under
+the context limit: `{"prompt_tokens": n or None, "limit": m or None}` (n: the prompt's length where known)."""
+
+
+def is_data_error(completion_env_extras: Mapping[str, Any]) -> bool:
+    """True when the env_extras mark an error completion caused by a malformed row (`DATA_ERROR`)."""
+    return completion_env_extras.get(ERROR_KIND) == DATA_ERROR
+
+
 @dataclass(frozen=True)
 class Completion:
     """One scored rollout of a prompt."""

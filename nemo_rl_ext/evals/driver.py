@@ -143,7 +143,7 @@ async def run_store_async(
     manager = None
     try:
         opened = await open_store(checked, gen, shard=shard)
-        datums, expected, manager = opened.datums, opened.expected, opened.manager
+        datums, expected, manager, gym_logs = opened.datums, opened.expected, opened.manager, opened.gym_logs
         if shard is not None:
             shard_record(cfg, len(checked.rows), expected, finished=False).write(paths.root)
         todo = [d for d in datums if len(store.done(d.idx, expected[d.idx])) < expected[d.idx]]
@@ -196,10 +196,14 @@ async def run_store_async(
         gym_metrics = gym_eval.summary_metrics(paths.root)  # None but in nemo_gym mode
         if gym_metrics is not None:  # group_level_metrics (per task) stay in gym_aggregate_metrics.json
             summary = dataclasses.replace(summary, gym_metrics=gym_metrics)
+        if gym_logs is not None:  # where the Gym servers' logs are (in the eval folder unless configured)
+            where = gym_logs.relative_to(paths.root) if gym_logs.is_relative_to(paths.root) else gym_logs
+            summary = dataclasses.replace(summary, gym_logs=str(where))
         paths.summary.write_bytes(dumps(summary.to_json(), indent=True) + b"\n")
-        from nemo_rl_ext.evals.report import write_report
+        from nemo_rl_ext.evals.report import warn_prompt_length, write_report
 
         write_report(summary, paths)
+        warn_prompt_length(summary)
     return EvalResult(
         paths, complete, summary, len(records), written, skipped, wall, metrics, errors_written, retried
     )

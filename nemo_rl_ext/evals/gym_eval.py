@@ -11,7 +11,7 @@ makes them write nothing (`RolloutManager.request_rows` / `aggregate_metrics` an
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,13 @@ AGGREGATE_FILE = "gym_aggregate_metrics.json"
 
 def prepare_rows(
     manager: RolloutManager, datums: Sequence[DatumSpec], expected: Mapping[int, int], root: Path, resuming: bool,
+    rebuilt: Collection[int] = (),
 ) -> Path | None:
     """Pin in `manager` the rows it sends for `datums`, written to `root/gym_rows.jsonl` first (or, when resuming,
-    read back from it), so that exactly these rows are sent; returns the file. A manager that sends no rows
-    (native mode) writes nothing: None. A file that does not fit the datums is a ConfigError."""
+    read back from it, but for the prompts of `rebuilt`, whose dataset row was fixed after Gym refused it: their
+    rows are built again and the file rewritten), so that exactly these rows are sent; returns the file. A
+    manager that sends no rows (native mode) writes nothing: None. A file that does not fit the datums is a
+    ConfigError."""
     built = manager.request_rows(datums)
     if built is None:
         return None
@@ -56,8 +59,11 @@ def prepare_rows(
         bad = [idx for idx, group in by_prompt.items() if any(not _for_agent(r, agents[idx]) for r in group)]
         if bad:
             raise ConfigError(f"{path}: the rows of prompt(s) {bad[:20]} are for another agent than the dataset's")
-        manager.pin_rows(by_prompt)
-        return path
+        fixed = [idx for idx in by_prompt if idx in rebuilt]
+        if not fixed:
+            manager.pin_rows(by_prompt)
+            return path
+        built = {**by_prompt, **{idx: built[idx] for idx in fixed}}
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for d in datums for r in built[d.idx]))
     tmp.replace(path)
@@ -99,10 +105,13 @@ async def aggregate_metrics(
     """Agent -> the manager's own aggregate of the results on disk (nemo_gym: Gym's `/aggregate_metrics`, while
     Gym is up), also written to `root/gym_aggregate_metrics.json`; None, and nothing written, for a manager
     without one (native mode). `reuse`: nothing new was rolled out, so a file already there is kept (Gym is not
-    started for it). An agent whose call fails gets `{"error": ...}` (not fatal)."""
+    started for it) unless an agent's entry is an error. An agent whose call fails gets `{"error": ...}` (not
+    fatal; a server known to be down is not called at all, see `GymClient.aggregate_metrics`)."""
     path = root / AGGREGATE_FILE
     if reuse and path.exists():
-        return orjson.loads(path.read_bytes())
+        kept = orjson.loads(path.read_bytes())
+        if not any("error" in entry for entry in kept.values()):  # one that failed is asked for again
+            return kept
     metrics = await manager.aggregate_metrics(stripped_results(datums, expected, store))
     if metrics is None:
         return None

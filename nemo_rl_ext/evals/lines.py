@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_rl_ext.data.records import Completion, PromptGroupRecord, StopReason
+from nemo_rl_ext.data.records import PROMPT_TOO_LONG, Completion, PromptGroupRecord, StopReason, is_data_error
 
 ERROR = StopReason.ERROR.value
 """The stop_reason of an error completion."""
@@ -116,6 +116,17 @@ class CompletionLine(JsonView):
     def is_error(self) -> bool:
         """True for an error completion (an infrastructure failure, not the model's answer)."""
         return self.stop_reason == ERROR
+
+    @property
+    def is_data_error(self) -> bool:
+        """True for an error line whose row was refused as malformed (`records.DATA_ERROR`): final while the
+        row is unchanged, so a resume does not roll it out again."""
+        return self.is_error and is_data_error(self.env_extras)
+
+    @property
+    def prompt_too_long(self) -> bool:
+        """True when the prompt alone left no room to generate (`records.PROMPT_TOO_LONG`)."""
+        return self.env_extras.get(PROMPT_TOO_LONG) is not None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written for this line (today's keys, in today's order)."""

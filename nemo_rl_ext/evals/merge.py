@@ -470,6 +470,9 @@ def merge_run(run_root: Path | str) -> MergeResult:
             summary = write_pooled(run_root, ref.cfg, seeds, summaries, expected)
             _write_atomic(run_root / MERGE_FILE, dumps({"seeds": list(seeds)}, indent=True) + b"\n")
         assert summary is not None
+        from nemo_rl_ext.evals.report import warn_prompt_length
+
+        warn_prompt_length(summary)
         return MergeResult(run_root, summary, summaries, tuple(j.name for j in jobs))
 
 

@@ -21,7 +21,8 @@ from nemo_rl_ext.evals.profile import (
     write_difficulty,
 )
 from nemo_rl_ext.evals.store import EvalPaths
-from nemo_rl_ext.evals.summary import EvalSummary
+from nemo_rl_ext.evals.summary import MAX_LISTED_ERRORS, EvalSummary
+from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, prompts_too_long_message
 
 
 def _columns(summary: EvalSummary) -> list[tuple[str, str]]:
@@ -71,6 +72,8 @@ def metric_rows(summary: EvalSummary) -> tuple[list[str], list[list[str]]]:
     rows.append(
         ["errors (not scored)"] + [f"{metrics.get(prefix + 'num_errors', 0.0):.0f}" for _, prefix in columns]
     )
+    rows.append(["prompts too long (no room to generate)", str(summary.num_prompts_too_long)]
+                + ["-"] * (len(columns) - 1))
     return header, rows
 
 
@@ -98,12 +101,42 @@ def error_note(summary: EvalSummary, max_listed: int = 5) -> list[str]:
     ]
     if n > len(listed):
         listed.append(f"... and {n - len(listed)} more (completions.jsonl has every one)")
+    infra = n - summary.num_data_errors
     headline = (
-        f"{n} error sample(s) left ({summary.error_rate:.1%} of {summary.num_completions}; {verdict}). "
-        "Errors are infrastructure failures, not answers: they are not scored, and re-running with the same "
-        "eval.save_path retries them."
-    )
+        f"{infra} error sample(s) left ({infra / summary.num_completions:.1%} of {summary.num_completions}; "
+        f"{verdict}). Errors are infrastructure failures, not answers: they are not scored, and re-running with "
+        "the same eval.save_path retries them."
+    ) if infra else ""
+    headline = " ".join(x for x in (headline, data_error_note(summary)) if x)
     return [headline, *listed]
+
+
+def data_error_note(summary: EvalSummary) -> str:
+    """What the data errors mean ("" when there are none): the rows, and that a resume does not retry them."""
+    if not summary.num_data_errors:
+        return ""
+    rows = ", ".join(map(str, summary.data_error_rows))
+    more = " (the first ones)" if len(summary.data_error_rows) >= MAX_LISTED_ERRORS else ""
+    return (
+        f"{summary.num_data_errors} sample(s) are data errors: NeMo Gym refused dataset row(s) {rows}{more} of "
+        f"{summary.dataset_path} as malformed (an HTTP 4xx; completions.jsonl has its answer). They are not "
+        "scored and not retried (the same rows would be refused again): fix the rows and evaluate them into a new "
+        "eval.save_path."
+    )
+
+
+def warn_prompt_length(summary: EvalSummary) -> None:
+    """Log the run's one warning about prompts too long to generate from (nothing when there are none)."""
+    PromptLengthWarning()(summary.num_prompts_too_long, summary.num_prompts, summary.longest_prompt_too_long)
+
+
+def prompt_length_note(summary: EvalSummary) -> str:
+    """What the prompts too long mean ("" when there are none): how many, the longest, the settings to raise."""
+    n = summary.num_prompts_too_long
+    if not n:
+        return ""
+    longest = summary.longest_prompt_too_long
+    return prompts_too_long_message(n, summary.num_prompts, longest)
 
 
 def format_metric_table(summary: EvalSummary) -> str:
@@ -124,6 +157,8 @@ def format_metric_table(summary: EvalSummary) -> str:
     )
     note = error_note(summary)
     lines += note[:1] + [f"  {x}" for x in note[1:]]
+    if summary.num_prompts_too_long:
+        lines.append(prompt_length_note(summary))
     return "\n".join(lines)
 
 
@@ -348,6 +383,7 @@ def markdown_report(summary: EvalSummary, plot_name: str) -> str:
             f"truncation rate: {_number(summary.truncation_rate, '.3f')}",
             f"- status: `{summary.status}`",
             *(["", f"**{note[0]}**", "", *(f"- {x}" for x in note[1:])] if note else []),
+            *(["", f"**{prompt_length_note(summary)}**"] if summary.num_prompts_too_long else []),
             "",
             *table,
             "",

@@ -10,7 +10,10 @@ Error completions (stop_reason "error": an infrastructure failure, not an answer
 other line, but they are not results. What a (prompt, sample) pair holds is decided by its lines in file
 order: its first non-error line is its result (later lines for it are ignored as duplicates); until it
 has one, its latest error line says why it failed and the driver rolls it out again. So a retry only
-appends, a kill at any point leaves a readable file, and the error history stays on disk.
+appends, a kill at any point leaves a readable file, and the error history stays on disk. A data error (the
+row was refused as malformed, `CompletionLine.is_data_error`) is not rolled out again while the row is
+unchanged: the same row would be refused again. A row whose every line is a data error may change (the user
+fixed it): a resume then rolls it out again; any other changed row is a changed dataset (refused, see below).
 
 The folder also records a fingerprint of the dataset rows it evaluates (`dataset_fingerprint.json`);
 a resume against rows whose contents changed is refused (`check_dataset`).
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,12 +37,11 @@ from omegaconf import OmegaConf
 from nemo_rl_ext.config import ConfigError, config_changes
 from nemo_rl_ext.data.jsonl import json_lines, listed
 from nemo_rl_ext.evals.lines import CompletionLine
+from nemo_rl_ext.experience.resume_keys import EVAL_RESUME_MAY_CHANGE
 
-RESUME_MAY_CHANGE = frozenset(
-    {"eval.num_prompts", "eval.max_concurrent_prompts", "eval.max_error_rate", "policy.max_batch_size", "policy.hf",
-     "policy.cluster", "rollouts.env.remote", "eval.ray_workers", "eval.ray_lease_timeout_s", "eval.metrics"}
-)
-"""Config keys that may differ between a run and its resumption (they change no completion)."""
+RESUME_MAY_CHANGE = EVAL_RESUME_MAY_CHANGE
+"""Config keys that may differ between a run and its resumption (they change no completion; where things are,
+e.g. `eval.save_path`, included): `experience.resume_keys`, where GRPO's list is too."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,9 @@ class CompletionStore:
     def __init__(self, path: Path, *, repair: bool = True, keep_bytes: bool = False) -> None:
         self.path = path
         self.repair = repair
-        """True: opening the store cuts a torn last line off the file; False (a reader, e.g. the merge): the
-        torn line is skipped and the file is left as it is."""
+        """True: opening the store cuts a torn last line off the file; False (a reader, e.g. the merge, or a
+        resume that checks its folder before it changes anything): the torn line is skipped and the file is
+        left as it is until `cut_torn_line`."""
         self.keep_bytes = keep_bytes
         """True: keep each pair's line as written (`line_bytes`), for byte-exact comparison and copying."""
         self.line_bytes: dict[tuple[int, int], bytes] = {}
@@ -121,24 +124,24 @@ class CompletionStore:
         """The result of each (prompt_idx, sample_idx) that has one: its first non-error line."""
         self.errors: dict[tuple[int, int], CompletionLine] = {}
         """The latest error line of each pair that has no result yet (to be rolled out again)."""
+        self.fixed_rows: set[int] = set()
+        """Prompts whose data errors are rolled out again: their row changed since it was refused."""
         self.error_lines = 0
         """Error lines in the file (every failed attempt, also those superseded by a later result)."""
         self.duplicates = 0
         """Lines for a pair that already had a result (ignored)."""
-        self._repair_and_read()
+        self._whole_bytes: int | None = None
+        """The file's size without its torn last line, while that line is still on disk (None: no such line)."""
+        self._read()
 
-    def _repair_and_read(self) -> None:
+    def _read(self) -> None:
         if not self.path.exists():
             return
         data = self.path.read_bytes()
         end = data.rfind(b"\n") + 1
-        if end < len(data):  # a torn last line from a killed run: cut it off
+        if end < len(data):  # a torn last line from a killed run: skipped, and cut off when repairing
             self.torn_bytes = len(data) - end
-            if self.repair:
-                with open(self.path, "r+b") as f:
-                    f.truncate(end)
-                    f.flush()
-                    os.fsync(f.fileno())
+            self._whole_bytes = end
             data = data[:end]
         problems: list[str] = []
         for lineno, line, row in json_lines(data, problems):
@@ -151,6 +154,18 @@ class CompletionStore:
                 f"{self.path}: {len(problems)} unreadable line(s), not from a killed run "
                 f"(fix or move the file, or use another eval.save_path):\n{listed(problems)}"
             )
+        if self.repair:
+            self.cut_torn_line()
+
+    def cut_torn_line(self) -> None:
+        """Cut the torn last line that opening found (`torn_bytes`) off the file (once); nothing without one."""
+        if self._whole_bytes is None:
+            return
+        with open(self.path, "r+b") as f:
+            f.truncate(self._whole_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+        self._whole_bytes = None
 
     def _add(self, row: CompletionLine, raw: bytes) -> None:
         key = (row.prompt_idx, row.sample_idx)
@@ -184,18 +199,37 @@ class CompletionStore:
         return self.results.get(key, self.errors.get(key))
 
     def done(self, prompt_idx: int, num_samples: int) -> set[int]:
-        """The sample indices below `num_samples` of a prompt that have a result."""
-        return {s for s in range(num_samples) if (prompt_idx, s) in self.results}
+        """The sample indices below `num_samples` of a prompt that have a result, or whose latest line is a data
+        error (the row was refused as malformed: rolling the unchanged row out again cannot help)."""
+        return {s for s in range(num_samples)
+                if (prompt_idx, s) in self.results or self._data_error(prompt_idx, s)}
 
     def failed(self, prompt_idx: int, num_samples: int) -> set[int]:
-        """The sample indices below `num_samples` of a prompt whose latest line is an error."""
-        return {s for s in range(num_samples) if (prompt_idx, s) in self.errors}
+        """The sample indices below `num_samples` of a prompt whose latest line is an infrastructure error (to be
+        retried)."""
+        return {s for s in range(num_samples) if (prompt_idx, s) in self.errors and not self._data_error(prompt_idx, s)}
+
+    def _data_error(self, prompt_idx: int, sample_idx: int) -> bool:
+        line = self.errors.get((prompt_idx, sample_idx))
+        return line is not None and line.is_data_error and prompt_idx not in self.fixed_rows
+
+    def data_error_rows(self) -> set[int]:
+        """The prompts whose every line is a data error (none has a result): their row was refused whole."""
+        refused = {p for (p, _), line in self.errors.items() if line.is_data_error}
+        return refused - {p for p, _ in self.results} - {p for (p, _), line in self.errors.items()
+                                                          if not line.is_data_error}
+
+    def retry_data_errors(self, prompts: Iterable[int]) -> None:
+        """Roll these prompts' data errors out again (their row changed since it was refused): `failed`, not
+        `done`, from now on."""
+        self.fixed_rows |= set(prompts)
 
     def append(self, rows: Iterable[CompletionLine]) -> int:
         """Write lines with one write, then flush and fsync; returns how many were written."""
         rows = list(rows)
         if not rows:
             return 0
+        self.cut_torn_line()  # a line appended after a torn one would be unreadable
         payload = b"".join(dumps(r.to_json()) + b"\n" for r in rows)
         with open(self.path, "ab") as f:
             f.write(payload)
@@ -220,11 +254,28 @@ def dumps_canonical(obj: Any) -> bytes:
 
 
 def check_dataset(fingerprint: Path, dataset_path: str, digests: Sequence[str], resuming: bool) -> None:
-    """Compare the selected rows with the fingerprint an earlier run recorded, then record the union.
+    """Compare the selected rows with the fingerprint an earlier run recorded, then record the union
+    (`dataset_record`, then `write_dataset_record`)."""
+    write_dataset_record(fingerprint, dataset_record(fingerprint, dataset_path, digests, resuming))
+
+
+def write_dataset_record(fingerprint: Path, record: Mapping[str, Any]) -> None:
+    """Write a `dataset_record` atomically."""
+    tmp = fingerprint.with_name(fingerprint.name + ".tmp")
+    tmp.write_bytes(dumps(record, indent=True) + b"\n")
+    os.replace(tmp, fingerprint)
+
+
+def dataset_record(
+    fingerprint: Path, dataset_path: str, digests: Sequence[str], resuming: bool, may_change: Collection[int] = ()
+) -> dict[str, Any]:
+    """The fingerprint to record for the selected rows (the union with what an earlier run recorded); nothing
+    is written.
 
     When `resuming` (completions are on disk), every row index both runs selected must hold the same
-    content; otherwise ConfigError names the file and the rows that changed. A longer selection (more
-    `num_prompts`) extends the record; a shorter one keeps the recorded tail for a later, longer resume.
+    content, but for the rows of `may_change` (those whose every line is a data error: the user fixed the row
+    that was refused); otherwise ConfigError names the file and the rows that changed. A longer selection
+    (more `num_prompts`) extends the record; a shorter one keeps the recorded tail for a later, longer resume.
     A folder written before fingerprints existed (none recorded) is accepted and gets one.
     """
     recorded: list[str] = []
@@ -236,7 +287,8 @@ def check_dataset(fingerprint: Path, dataset_path: str, digests: Sequence[str], 
                 f"{fingerprint}: unreadable ({type(exc).__name__}: {exc}); move it aside to resume "
                 "without the dataset check"
             ) from None
-        changed = [i for i, (old, new) in enumerate(zip(recorded, digests, strict=False)) if old != new]
+        changed = [i for i, (old, new) in enumerate(zip(recorded, digests, strict=False))
+                   if old != new and i not in may_change]
         if changed:
             shown = ", ".join(map(str, changed[:20])) + (" ..." if len(changed) > 20 else "")
             raise ConfigError(
@@ -246,15 +298,12 @@ def check_dataset(fingerprint: Path, dataset_path: str, digests: Sequence[str], 
                 "eval.save_path."
             )
     merged = list(digests) + recorded[len(digests) :]
-    record = {
+    return {
         "dataset_path": dataset_path,
         "num_rows": len(merged),
         "sha256": hashlib.sha256("".join(merged).encode()).hexdigest(),
         "row_sha256": merged,
     }
-    tmp = fingerprint.with_name(fingerprint.name + ".tmp")
-    tmp.write_bytes(dumps(record, indent=True) + b"\n")
-    os.replace(tmp, fingerprint)
 
 
 def check_resumable(

@@ -4,11 +4,14 @@
     opened = await open_store(checked, generation, shard=cfg.eval.shard_spec)
     # opened.datums, opened.expected, opened.manager (the caller shuts it down), opened.store
 
-`check_store` cuts a torn last line, refuses a resume with a config or dataset rows that changed, loads the rows
-and records config.yaml and dataset_fingerprint.json. `open_store` builds the datums and the `RolloutManager`
-(`experience.build.build_rollouts`), preflights every row, keeps a shard's own datums (dataset indices kept),
-and pins the rows the manager sends (nemo_gym: gym_rows.jsonl; nothing in native mode). Neither branches on
-the rollout mode: the manager answers for its implementation.
+`check_store` refuses a resume with a config or dataset rows that changed and loads the rows; it changes nothing
+on disk. `open_store` builds the datums and the `RolloutManager` (`experience.build.build_rollouts`), preflights
+every row, keeps a shard's own datums (dataset indices kept), pins the rows the manager sends (nemo_gym:
+gym_rows.jsonl, whose resume check comes last; nothing in native mode), and only then, every check passed,
+cuts a torn last line and records config.yaml and dataset_fingerprint.json: a refused resume leaves its folder
+as it was. Gym servers the manager launches keep their logs in `<store>/gym/` unless
+`rollouts.gym.launch.work_dir` says otherwise. Neither branches on the rollout mode: the manager answers for its
+implementation.
 """
 
 from __future__ import annotations
@@ -18,12 +21,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from nemo_rl_ext.config import dump_config
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.evals.config import EvalConfig, dataset_file
 from nemo_rl_ext.evals.gym_eval import prepare_rows
 from nemo_rl_ext.evals.shards import ShardSpec
-from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, check_dataset, check_resumable, row_digests
+from nemo_rl_ext.evals.store import (
+    CompletionStore,
+    EvalPaths,
+    check_resumable,
+    dataset_record,
+    row_digests,
+    write_dataset_record,
+)
 from nemo_rl_ext.experience.build import build_rollouts, load_rollout_rows
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
@@ -51,6 +63,11 @@ def build_rollout_setup(
     )
 
 
+GYM_LOGS = "gym"
+"""The folder in a store where the Gym servers its manager launches write env.yaml and their logs (unless
+`rollouts.gym.launch.work_dir` names another)."""
+
+
 @dataclass(frozen=True)
 class CheckedStore:
     """A store whose files agree with the config (`check_store`)."""
@@ -65,6 +82,8 @@ class CheckedStore:
     """True when it already held completions."""
     rows: list[dict[str, Any]]
     """The selected dataset rows."""
+    dataset_record: dict[str, Any]
+    """The dataset fingerprint to record once every check passed (`record_store`)."""
 
 
 def check_store_config(cfg: EvalConfig, paths: EvalPaths) -> bool:
@@ -82,19 +101,39 @@ def check_store_config(cfg: EvalConfig, paths: EvalPaths) -> bool:
 
 
 def check_store(cfg: EvalConfig, root: Path) -> CheckedStore:
-    """Open (or resume) the store `root` for `cfg`: cut a torn last line; when it holds completions, refuse a
-    config that changed a key that changes completions, or dataset rows that changed (ConfigError); then
-    record config.yaml and the dataset fingerprint."""
+    """Check the store `root` for `cfg` without changing it: when it holds completions, refuse a config that
+    changed a key that changes completions, or dataset rows that changed (ConfigError); a garbage line is a
+    ConfigError too. `record_store` (which `open_store` calls) then repairs and records."""
     paths = EvalPaths(root)
-    store = CompletionStore(paths.completions)  # ConfigError on a garbage line
-    if store.torn_bytes:
-        print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
+    store = CompletionStore(paths.completions, repair=False)  # ConfigError on a garbage line
     resuming = check_store_config(cfg, paths)
     rows = load_rows(cfg)
-    paths.root.mkdir(parents=True, exist_ok=True)  # then at once its two files (a store without them is refused)
-    check_dataset(paths.dataset, cfg.eval.dataset_path, row_digests(rows), resuming)
-    paths.config.write_text(dump_config(cfg))
-    return CheckedStore(cfg, paths, store, resuming, rows)
+    digests = row_digests(rows)
+    refused = store.data_error_rows()  # rows the user may have fixed since Gym refused them
+    record = dataset_record(paths.dataset, cfg.eval.dataset_path, digests, resuming, may_change=refused)
+    if refused:
+        store.retry_data_errors(refused - _recorded_same(paths.dataset, digests, refused))
+    return CheckedStore(cfg, paths, store, resuming, rows, record)
+
+
+def _recorded_same(fingerprint: Path, digests: list[str], rows: set[int]) -> set[int]:
+    """Those of `rows` whose recorded digest equals today's (unchanged rows keep their data errors)."""
+    if not fingerprint.exists():
+        return set(rows)
+    recorded = orjson.loads(fingerprint.read_bytes())["row_sha256"]  # readable: dataset_record checked it
+    return {i for i in rows if i < len(recorded) and i < len(digests) and recorded[i] == digests[i]}
+
+
+def record_store(checked: CheckedStore) -> None:
+    """Once every check passed: cut a torn last line, then record config.yaml and the dataset fingerprint."""
+    paths, store = checked.paths, checked.store
+    paths.root.mkdir(parents=True, exist_ok=True)
+    if store.torn_bytes:
+        store.cut_torn_line()
+        print(f"resume: cut a torn last line ({store.torn_bytes} bytes) from {paths.completions}")
+    # its two files at once (the merge refuses a store without them)
+    write_dataset_record(paths.dataset, checked.dataset_record)
+    paths.config.write_text(dump_config(checked.cfg))
 
 
 @dataclass(frozen=True)
@@ -109,6 +148,8 @@ class OpenStore:
     """prompt_idx -> samples it needs (its agent's count), for each of `datums`."""
     manager: RolloutManager
     """The manager that rolls them out (the caller shuts it down)."""
+    gym_logs: Path | None = None
+    """Where the Gym servers the manager launches write their logs (None: it launches none)."""
 
     @property
     def paths(self) -> EvalPaths:
@@ -132,14 +173,19 @@ async def open_store(
     from instead, e.g. a Ray worker's own Gym folder), preflight every row (also in a shard: each shard reports
     the same missing counts), keep the datums `shard` owns, and pin the rows the manager sends (gym_eval.py).
     The manager is shut down when any of this fails."""
-    datums, manager = build_rollout_setup(build_cfg or checked.cfg, generation, checked.rows)
+    build = build_cfg or checked.cfg
+    build = build.model_copy(update={"rollouts": build.rollouts.with_gym_work_dir(checked.paths.root / GYM_LOGS)})
+    datums, manager = build_rollout_setup(build, generation, checked.rows)
     try:
         manager.preflight(datums)
         if shard is not None:  # the datums keep their dataset index: seeds and the merge key depend on it
             datums = [d for d in datums if shard.owns(d.idx)]
         expected = {d.idx: manager.counts.for_agent(d.agent) for d in datums}
-        prepare_rows(manager, datums, expected, checked.paths.root, checked.resuming)  # before the first is sent
+        checked.paths.root.mkdir(parents=True, exist_ok=True)
+        prepare_rows(manager, datums, expected, checked.paths.root, checked.resuming,
+                     rebuilt=checked.store.fixed_rows)  # before the first is sent
+        record_store(checked)  # every check passed
     except BaseException:
         await manager.shutdown()
         raise
-    return OpenStore(checked, datums, expected, manager)
+    return OpenStore(checked, datums, expected, manager, build.rollouts.gym_work_dir)

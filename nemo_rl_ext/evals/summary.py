@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nemo_rl_ext.data.records import DatumSpec
+from nemo_rl_ext.data.records import PROMPT_TOO_LONG, DatumSpec
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.lines import CompletionLine, JsonView
 from nemo_rl_ext.evals.metrics import PromptSamples, aggregate_eval_metrics, vote_key
@@ -121,10 +121,23 @@ class EvalSummary(JsonView):
     report_metrics: tuple[str, ...] | None = None
     """The metrics the table shows, in order (`eval.metrics`); None: the default (every metric with `in_report`).
     `metrics` has every metric either way."""
+    num_data_errors: int = 0
+    """Of `num_errors`, the pairs whose row was refused as malformed (Gym's HTTP 4xx): not infrastructure,
+    not retried by a resume, and not judged against `max_error_rate` (the CLI exits 2 naming the rows)."""
+    data_error_rows: tuple[int, ...] = ()
+    """The prompts (dataset rows) with a data error, the first MAX_LISTED_ERRORS, ascending."""
+    num_prompts_too_long: int = 0
+    """Prompts with a sample whose prompt alone left no room to generate (`policy.max_model_len`,
+    `rollouts.max_seq_len`): it ended truncated at 0 turns."""
+    longest_prompt_too_long: int | None = None
+    """The longest of those prompts, in tokens (None: none, or lengths unknown)."""
+    gym_logs: str | None = None
+    """nemo_gym mode with `rollouts.gym.launch`: the folder of the Gym servers' logs (relative to the eval
+    folder when inside it); None otherwise."""
 
     def to_json(self) -> dict[str, Any]:
-        """The summary.json object (the older keys in their order; `gym_metrics`, `profile`, `report_metrics`,
-        when set)."""
+        """The summary.json object (the older keys in their order, then the data-error and prompt-length counts;
+        `gym_metrics`, `profile`, `report_metrics`, `gym_logs`, when set)."""
         out: dict[str, Any] = {
             "rollout_mode": self.rollout_mode,
             "model": self.model,
@@ -143,6 +156,10 @@ class EvalSummary(JsonView):
             "truncation_rate": self.truncation_rate,
             "mean_turns": self.mean_turns,
             "metrics": dict(self.metrics),
+            "num_data_errors": self.num_data_errors,
+            "data_error_rows": list(self.data_error_rows),
+            "num_prompts_too_long": self.num_prompts_too_long,
+            "longest_prompt_too_long": self.longest_prompt_too_long,
         }
         if self.gym_metrics is not None:
             out["gym_metrics"] = {agent: m.to_json() for agent, m in self.gym_metrics.items()}
@@ -150,6 +167,8 @@ class EvalSummary(JsonView):
             out["profile"] = self.profile.to_json()
         if self.report_metrics is not None:
             out["report_metrics"] = list(self.report_metrics)
+        if self.gym_logs is not None:
+            out["gym_logs"] = self.gym_logs
         return out
 
     @classmethod
@@ -162,6 +181,7 @@ class EvalSummary(JsonView):
                 "ks": tuple(obj["ks"]),
                 "agents": tuple(obj["agents"]),
                 "error_samples": tuple(ErrorSample(**e) for e in obj["error_samples"]),
+                "data_error_rows": tuple(obj.get("data_error_rows", ())),
                 "profile": None if obj.get("profile") is None else RewardProfile.from_json(obj["profile"]),
                 "report_metrics": None if obj.get("report_metrics") is None else tuple(obj["report_metrics"]),
                 "gym_metrics": None if obj.get("gym_metrics") is None else {
@@ -182,8 +202,9 @@ def summarize(
 
     Each (prompt, sample) counts once, as its result or, when it has none, as its latest error. Metrics,
     truncation rate and mean turns are over the non-error samples; the errors are counted (`num_errors`,
-    per agent in `metrics`), listed (`error_samples`, the first MAX_LISTED_ERRORS) and judged against
-    `eval.max_error_rate` (`status`). The reward profile (`profile`) is computed from the same lines, its
+    per agent in `metrics`), listed (`error_samples`, the first MAX_LISTED_ERRORS) and, but for data errors
+    (malformed rows: `num_data_errors`, `data_error_rows`), judged against `eval.max_error_rate` (`status`).
+    Prompts whose prompt alone left no room to generate are counted (`num_prompts_too_long`). The reward profile (`profile`) is computed from the same lines, its
     latencies from `timings` (None: `read_timings` of the store's folder).
     """
     prompts: list[PromptSamples] = []
@@ -210,11 +231,14 @@ def summarize(
     n = len(lines)
     scored = [x for x in lines if not x.is_error]
     errors = [x for x in lines if x.is_error]
+    too_long = [x for x in lines if x.prompt_too_long]
+    lengths = [t for x in too_long if isinstance(t := x.env_extras[PROMPT_TOO_LONG].get("prompt_tokens"), int)]
+    data_errors = [x for x in errors if x.is_data_error]
     error_rate = len(errors) / n
     status: Status
     if not errors:
         status = "ok"
-    elif error_rate <= cfg.eval.max_error_rate:
+    elif (len(errors) - len(data_errors)) / n <= cfg.eval.max_error_rate:  # data errors: judged by the CLI
         status = "errors_allowed"
     else:
         status = "errors_left"
@@ -233,6 +257,10 @@ def summarize(
         error_rate=error_rate,
         max_error_rate=cfg.eval.max_error_rate,
         error_samples=tuple(ErrorSample.of_line(x) for x in errors[:MAX_LISTED_ERRORS]),
+        num_data_errors=len(data_errors),
+        data_error_rows=tuple(sorted({x.prompt_idx for x in data_errors}))[:MAX_LISTED_ERRORS],
+        num_prompts_too_long=len({x.prompt_idx for x in too_long}),
+        longest_prompt_too_long=max(lengths) if lengths else None,
         truncation_rate=sum(x.truncated for x in scored) / len(scored) if scored else None,
         mean_turns=sum(x.num_turns for x in scored) / len(scored) if scored else None,
         metrics=metrics,

@@ -42,9 +42,19 @@ def load_rollout_rows(
     """The rows of the JSONL file `path` for `cfg`'s mode, every unreadable line and every missing key named
     at once (file and line): a Gym row needs `responses_create_params`; a native row the question and answer
     keys when the environment reads rows with the default adapter (a registered adapter names the rows it
-    can't use itself, in `make_datums`)."""
+    can't use itself, in `make_datums`). A Gym row's `responses_create_params` (with `gym.responses_create_params`
+    merged in, as it is sent) must have the shape Gym accepts (`gym.rows.responses_params_problems`)."""
     if cfg.mode == "nemo_gym":
-        return load_jsonl(path, required=("responses_create_params",))
+        from nemo_rl_ext.gym.rows import gym_row_problem
+
+        overrides = dict(cfg.gym.responses_create_params) if cfg.gym is not None else {}
+
+        def check(row: dict[str, Any]) -> str | None:
+            params = row["responses_create_params"]
+            return gym_row_problem({"responses_create_params": {**params, **overrides}
+                                    if isinstance(params, Mapping) else params})
+
+        return load_jsonl(path, required=("responses_create_params",), check=check)
     from nemo_rl_ext.environments import environment_entry
 
     default_rows = environment_entry(cfg.env.resolved_name).row_adapter is qa_row

@@ -16,6 +16,7 @@ the eval add only their own (GRPO: sampling is never greedy; eval: every k fits 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -107,6 +108,22 @@ class RolloutsConfig(StrictModel):
         if self.mode == "nemo_gym":
             return "nemo_gym"
         return "single_turn" if self.max_rollout_turns == 1 else "multi_turn"
+
+    @property
+    def gym_work_dir(self) -> Path | None:
+        """Where the Gym servers this section launches keep env.yaml and their logs (None: it launches none, or
+        a temp dir of the launcher's when `gym.launch.work_dir` is null)."""
+        launch = self.gym.launch if self.gym is not None and self.mode == "nemo_gym" else None
+        return None if launch is None else launch.work_dir
+
+    def with_gym_work_dir(self, folder: Path) -> RolloutsConfig:
+        """This section with `gym.launch.work_dir` set to `folder` when it launches Gym and sets none: a run
+        keeps its Gym servers' logs in its own folder instead of a temp dir."""
+        launch = self.gym.launch if self.gym is not None and self.mode == "nemo_gym" else None
+        if self.gym is None or launch is None or launch.work_dir is not None:
+            return self
+        launch = launch.model_copy(update={"work_dir": Path(folder)})
+        return self.model_copy(update={"gym": self.gym.model_copy(update={"launch": launch})})
 
 
 def largest_count(value: int | Mapping[str, int]) -> int:

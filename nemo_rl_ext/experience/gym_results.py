@@ -9,6 +9,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.data.records import Completion, Message, StopReason
+from nemo_rl_ext.experience.prompt_length import too_long_extras
 
 TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 GENERATED_TYPES = frozenset({"function_call", "reasoning"})
@@ -31,7 +32,9 @@ def result_to_completion(
 
     A model call the policy server refused for context length comes back from Gym as an empty assistant
     message without token ids and the response `incomplete`: the rollout is a truncated completion (with
-    the calls before it, possibly none, and Gym's reward), not an error.
+    the calls before it, possibly none, and Gym's reward), not an error. Refused at the first call (nothing
+    generated), the prompt alone was too long: the completion carries `records.PROMPT_TOO_LONG` (the prompt's
+    length unknown here: Gym does not pass the refusal on).
     """
     response = result.get("response") or {}
     messages: list[Message] = []
@@ -39,10 +42,11 @@ def result_to_completion(
     last_call: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     previous_type = None
     last_generated_has_ids: bool | None = None  # None: no generated item at all
+    last_generated: Mapping[str, Any] = {}
     for n, item in enumerate(response.get("output") or []):
         has_ids = all(item.get(k) is not None for k in TOKEN_KEYS)
         if _is_generated(item):
-            last_generated_has_ids = has_ids
+            last_generated_has_ids, last_generated = has_ids, item
         else:  # what came in between calls (a tool output, a user message) names the ids in between
             previous_type = item.get("type", previous_type)
         if not has_ids:
@@ -79,6 +83,10 @@ def result_to_completion(
     else:
         reason, error = (StopReason.TRUNCATED if incomplete else StopReason.NATURAL), None
     last_text = next((m.content for m in reversed(messages) if m.role == "assistant"), None)
+    extras: dict[str, Any] = {"answer": _final_answer(last_text), "gym_result": dict(result)}
+    if refused_for_length and turns == 0 and error is None and _is_placeholder(last_generated):
+        # the first call refused (Gym's empty stand-in, not a reply without ids): the prompt alone is too long
+        extras.update(too_long_extras(None, None))
     return Completion(
         message_log=tuple(messages),
         reward=0.0 if error else float(result.get("reward") or 0.0),
@@ -86,8 +94,20 @@ def result_to_completion(
         stop_reason=reason,
         num_turns=turns,
         agent_name=agent_name,
-        env_extras={"answer": _final_answer(last_text), "gym_result": dict(result)},
+        env_extras=extras,
         error=error,
+    )
+
+
+def _is_placeholder(item: Mapping[str, Any]) -> bool:
+    """True for the assistant message Gym puts in place of a refused model call: no text at all."""
+    if item.get("type") != "message":
+        return False
+    content = item.get("content")
+    if content is None or content == "":
+        return True
+    return isinstance(content, list) and not any(
+        isinstance(part, Mapping) and part.get("text") for part in content
     )
 
 

@@ -28,10 +28,18 @@ from pydantic import ValidationError
 
 from nemo_rl_ext.data.datasets import GYM_REPEAT_KEY, GYM_TASK_KEY
 from nemo_rl_ext.data.generation_counts import GenerationCounts
-from nemo_rl_ext.data.records import Completion, DatumSpec, PromptGroupRecord, StopReason
+from nemo_rl_ext.data.records import (
+    DATA_ERROR,
+    ERROR_KIND,
+    Completion,
+    DatumSpec,
+    PromptGroupRecord,
+    StopReason,
+)
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
 from nemo_rl_ext.experience.gym_results import gym_numeric_metrics, result_to_completion
 from nemo_rl_ext.experience.native_rollouts import rollout_seed
+from nemo_rl_ext.experience.prompt_length import prompt_too_long, too_long_extras
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters, effective_counts
 from nemo_rl_ext.gym.client import GymClient, GymRowError, agent_name_of
@@ -182,6 +190,7 @@ class AsyncNemoGymRolloutImpl:
                     row_timeout_s=self.gym.row_timeout_s,
                     max_attempts=self.gym.max_attempts,
                     retry_backoff_s=self.gym.retry_backoff_s,
+                    aggregate_timeout_s=self.gym.aggregate_timeout_s,
                     health_interval_s=self.gym.health_check_interval_s,
                     health_timeout_s=self.gym.health_check_timeout_s,
                     health_failures=self.gym.health_check_failures,
@@ -349,8 +358,14 @@ class AsyncNemoGymRolloutImpl:
         except Exception as exc:
             if self.fault_policy.on_error == "raise":
                 raise RolloutError(f"{label}: {describe(exc)}") from exc
-            extras = {"answer": None, **({"gym_error": exc.record()} if isinstance(exc, GymRowError) else {})}
-            error = Completion((), 0.0, False, StopReason.ERROR, 0, agent, extras, describe(exc))
+            extras: dict[str, Any] = {"answer": None}
+            message = describe(exc)
+            if isinstance(exc, GymRowError):
+                extras["gym_error"] = exc.record()
+                if exc.is_data_error:  # Gym refused the row itself: not retried on resume (records.DATA_ERROR)
+                    extras[ERROR_KIND] = DATA_ERROR
+                    message = f"data error (Gym refused the row; fix it, retrying cannot help): {message}"
+            error = Completion((), 0.0, False, StopReason.ERROR, 0, agent, extras, message)
             return error, False
         result = {**{k: row[k] for k in ROW_KEYS if k in row}, **result}
         try:
@@ -361,4 +376,15 @@ class AsyncNemoGymRolloutImpl:
             completion = Completion((), 0.0, False, StopReason.ERROR, 0, agent, {"answer": None}, describe(exc))
         if completion.stop_reason is StopReason.ERROR and self.fault_policy.on_error == "raise":
             raise RolloutError(f"{label}: {completion.error}")
-        return completion, True
+        return self._with_prompt_length(completion), True
+
+    def _with_prompt_length(self, completion: Completion) -> Completion:
+        """A completion whose prompt was too long, with the context limit and, when our policy server refused
+        it, the longest prompt it had refused by then (Gym's result does not say how long the prompt was; the
+        longest over a run's completions is the longest prompt refused)."""
+        if prompt_too_long(completion) is None:
+            return completion
+        refused = self._server.refused_prompts.longest if self._server is not None else None
+        limit = self.policy_generation.max_model_len if self.policy_generation is not None else None
+        extras = {**completion.env_extras, **too_long_extras(refused, limit)}
+        return dataclasses.replace(completion, env_extras=extras)

@@ -24,6 +24,7 @@ from nemo_rl_ext.data.nemo_rl_datum import message_from_nemo_rl
 from nemo_rl_ext.data.records import Completion, DatumSpec, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
+from nemo_rl_ext.experience.prompt_length import too_long_extras
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters, effective_counts
 from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig, GenerationInterface
@@ -341,6 +342,8 @@ class AsyncRolloutImpl:
         while True:
             room = self.max_seq_len - len(state.token_ids)
             if room <= 0:
+                if state.turns == 0:  # the prompt alone fills the context: counted and warned about
+                    state.extras.update(too_long_extras(len(state.token_ids), self.max_seq_len))
                 return state.finish(StopReason.TRUNCATED, truncated=True)
             message, _, gen_metrics = await self._generate_response(tuple(state.messages), state.stop_strings)
             message, output = self._turn_result(message, gen_metrics)

@@ -25,6 +25,7 @@ from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
 from nemo_rl_ext.experience.nemo_rl_options import RolloutRetryPolicy, RolloutTimeouts, apply_nemo_rl_options
+from nemo_rl_ext.experience.prompt_length import count_prompts_too_long
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType, counts_for_call
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
@@ -259,9 +260,11 @@ class RolloutManager:
 
 
 def batch_metrics(records: Sequence[PromptGroupRecord], wall_time_s: float) -> dict[str, float]:
-    """Rollout metrics over every completion of several groups."""
+    """Rollout metrics over every completion of several groups, with `rollout/num_prompts` and
+    `rollout/prompts_too_long` (prompts that alone left no room to generate, see `prompt_length`)."""
     completions = [c for r in records for c in r.completions]
     prompt_lens = [len(r.prompt) for r in records for _ in r.completions]
     metrics = rollout_metrics(completions, prompt_lens, wall_time_s)
     metrics["rollout/num_prompts"] = float(len(records))
+    metrics["rollout/prompts_too_long"] = float(count_prompts_too_long(records)[0])
     return metrics

@@ -50,10 +50,22 @@ class GymRowError(GymError):
         self.cause = cause
         self.servers = servers
 
+    @property
+    def is_data_error(self) -> bool:
+        """True when Gym refused the row itself (an HTTP 4xx other than 404, 408 and 429: e.g. 422, its
+        request validation): a malformed row, which no retry of the unchanged row can fix. A 404 (no such
+        route: a wrong agent URL), a timeout and a rate limit are not the row's fault."""
+        code = self.status_code
+        return code is not None and 400 <= code < 500 and code not in NOT_DATA_ERRORS
+
     def record(self) -> dict[str, Any]:
         """What a completion keeps of the error (its `env_extras["gym_error"]`): the whole body included."""
         return {"status_code": self.status_code, "cause": self.cause, "servers": list(self.servers),
                 "body": self.body}
+
+
+NOT_DATA_ERRORS = frozenset({404, 408, 429})
+"""HTTP 4xx answers to `/run` that are not the row's fault (see `GymRowError.is_data_error`)."""
 
 
 _INNER_SERVER = re.compile(
@@ -154,6 +166,7 @@ class GymClient:
         row_timeout_s: float = 600.0,
         max_attempts: int = 3,
         retry_backoff_s: float = 1.0,
+        aggregate_timeout_s: float = 30.0,
         health_interval_s: float | None = 1.0,
         health_timeout_s: float = 5.0,
         health_failures: int = 3,
@@ -169,6 +182,7 @@ class GymClient:
         self.row_timeout_s = row_timeout_s
         self.max_attempts = max_attempts
         self.retry_backoff_s = retry_backoff_s
+        self.aggregate_timeout_s = aggregate_timeout_s
         self._semaphore = asyncio.Semaphore(max_concurrency)
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(row_timeout_s, connect=10.0), limits=limits)
@@ -234,9 +248,16 @@ class GymClient:
 
     async def _post(self, url: str, row: Mapping[str, Any], agent: str, label: str) -> httpx.Response:
         """POST the row, bounded by the row timeout and abandoned as soon as a server it needs is down."""
-        post = asyncio.ensure_future(asyncio.wait_for(self._http.post(url, json=dict(row)), self.row_timeout_s))
+        post = asyncio.wait_for(self._http.post(url, json=dict(row)), self.row_timeout_s)
         if self.health is None:
             return await post
+        return await self._post_watched(post, agent, label)
+
+    async def _post_watched(self, call: Any, agent: str, label: str, outcome: str = "not retried") -> httpx.Response:
+        """Await the request `call` unless a server the agent needs is found down first (GymServerDownError
+        ending in `outcome`)."""
+        assert self.health is not None
+        post = asyncio.ensure_future(call)
         watch = asyncio.ensure_future(self.health.wait_down(self.health.closure(agent)))
         try:
             await asyncio.wait({post, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -245,7 +266,7 @@ class GymClient:
                 task.cancel()
         if post.done() and not post.cancelled():
             return post.result()
-        raise GymServerDownError(f"{label} (agent {agent!r}): {watch.result()}; not retried")
+        raise GymServerDownError(f"{label} (agent {agent!r}): {watch.result()}; {outcome}")
 
     async def run(self, row: Mapping[str, Any], label: str = "row") -> dict[str, Any]:
         """POST one row to its agent's `/run` and return the result, retrying failures."""
@@ -277,7 +298,7 @@ class GymClient:
                     last = {"status_code": response.status_code, "body": response.text, "cause": cause,
                             "servers": servers}
                     if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
-                        break  # the row itself is bad; retrying won't help
+                        break  # the row (or its URL) is bad; retrying won't help
             if attempt < self.max_attempts:
                 logger.warning("%s -> %s failed (%s); attempt %d/%d in %.1fs", label, url, _summary(last),
                                attempt + 1, self.max_attempts, delay)
@@ -288,9 +309,26 @@ class GymClient:
                           **last)
 
     async def aggregate_metrics(self, agent: str, results: list[Mapping[str, Any]]) -> dict[str, Any]:
-        """Gym's own aggregate of an agent's results (`POST /aggregate_metrics`)."""
+        """Gym's own aggregate of an agent's results (`POST /aggregate_metrics`), within `aggregate_timeout_s`.
+
+        A server the agent depends on that is known to be down skips the call at once (GymServerDownError
+        naming it); one found down during the call abandons it. A timeout raises GymError."""
         url = f"{await self.url_for(agent)}/aggregate_metrics"
-        response = await self._http.post(url, json={"verify_responses": list(results)})
+        label = "aggregate metrics"
+        if self.health is not None:
+            reason = self.health.down_reason(self.health.closure(agent))
+            if reason is not None:
+                raise GymServerDownError(f"{label} (agent {agent!r}): {reason}; skipped")
+        call = self._http.post(url, json={"verify_responses": list(results)}, timeout=self.aggregate_timeout_s)
+        try:
+            if self.health is None:
+                response = await asyncio.wait_for(call, self.aggregate_timeout_s)
+            else:
+                async with self.health.watching():
+                    post = asyncio.wait_for(call, self.aggregate_timeout_s)
+                    response = await self._post_watched(post, agent, label, "abandoned")
+        except (TimeoutError, httpx.TimeoutException):
+            raise GymError(f"{url} did not answer within gym.aggregate_timeout_s={self.aggregate_timeout_s:g}") from None
         if response.status_code != 200:
             raise GymError(f"{url} answered HTTP {response.status_code}: {response.text[:300]}")
         return response.json()

@@ -46,7 +46,11 @@ class GymLaunchConfig(StrictModel):
     )
     head_server_port: int = Field(default=11000, ge=1, le=65535, description="Port of Gym's head server.")
     startup_timeout_s: float = Field(default=180.0, gt=0, description="Deadline for every server to be healthy.")
-    work_dir: Path | None = Field(default=None, description="Where env.yaml and logs go; a temp dir if None.")
+    work_dir: Path | None = Field(
+        default=None,
+        description="Where env.yaml and the servers' logs go; None: the run's own folder (the eval: "
+        "<eval.save_path>/gym, per store; GRPO: <output_dir>/gym), a temp dir for the launcher alone.",
+    )
 
 
 class GymConfig(StrictModel):
@@ -80,6 +84,11 @@ class GymConfig(StrictModel):
     row_timeout_s: float = Field(default=600.0, gt=0, description="Limit for one /run request.")
     max_attempts: int = Field(default=3, ge=1, description="Attempts per row before it becomes an error.")
     retry_backoff_s: float = Field(default=1.0, ge=0, description="First retry delay; doubles each retry.")
+    aggregate_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="Limit for one /aggregate_metrics call after collection (Gym's own aggregate; the run does "
+        "not fail without it, so it must not wait as long as a row).",
+    )
     health_check_interval_s: float | None = Field(
         default=1.0, gt=0,
         description="While rows are pending, probe the Gym servers they depend on this often; None: never.",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,9 @@ RESOLVER = Path(__file__).with_name("resolve_gym_config.py")
 WATCHDOG = Path(__file__).with_name("watchdog.py")
 DIRECT_TYPES = ("resources_servers", "responses_api_agents", "responses_api_models")
 _LOG_TAIL_CHARS = 3000
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+"""A log line naming an exception, as a traceback's last line does (`module.SomeError: message`)."""
+_ERROR_LINE_CHARS = 300
 
 
 POLICY_MODEL_BLOCK = {
@@ -100,7 +104,13 @@ def undefined_model_servers(config_paths: list[Path]) -> list[str]:
 
 
 class GymLaunchError(RuntimeError):
-    """Gym could not be started; the message carries the servers' log tails."""
+    """Gym could not be started; the message is one line naming the servers, their log files and the error
+    their logs end with (`log_tails`: the logs' last lines)."""
+
+    def __init__(self, message: str, log_tails: str = "") -> None:
+        super().__init__(message)
+        self.log_tails = log_tails
+        """The last lines of the logs of the servers concerned ("" when none)."""
 
 
 class GymLauncher:
@@ -158,7 +168,8 @@ class GymLauncher:
         missing = missing_config_paths(self.cfg)
         if missing:
             raise GymLaunchError("; ".join(missing))
-        self.work_dir = Path(self.cfg.work_dir or tempfile.mkdtemp(prefix="nemo-gym-"))
+        # absolute: the resolver and ng_run run in it and read the paths it holds
+        self.work_dir = Path(self.cfg.work_dir or tempfile.mkdtemp(prefix="nemo-gym-")).absolute()
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._define_model_servers()
         resolved = self._resolve()
@@ -204,7 +215,12 @@ class GymLauncher:
                             else "resolving the Gym config took over 120 s"
                         ) from None
         if proc.returncode != 0:
-            raise GymLaunchError(f"resolving the Gym config failed:\n{stderr[-_LOG_TAIL_CHARS:]}")
+            log = self.work_dir / "resolve_gym_config.log"
+            log.write_text(stderr)
+            raise GymLaunchError(
+                f"resolving the Gym config {[str(p) for p in self.config_paths]} failed: {_last_error(stderr)}; "
+                f"its log: {log}", stderr[-_LOG_TAIL_CHARS:],
+            )
         return json.loads(stdout.strip().splitlines()[-1])
 
     # ---- direct mode ------------------------------------------------------------------------------
@@ -224,7 +240,7 @@ class GymLauncher:
             yaml.safe_load(resolved["yaml"]), urls, {n: p.poll for n, p in self._procs.items()}
         )
         self._servers = {n: s for n, s in self._servers.items() if n in servers}
-        logger.info("NeMo Gym servers up (direct): %s", urls)
+        logger.info("NeMo Gym servers up (direct): %s; their logs in %s", urls, self.work_dir)
         return {n: u for n, u in urls.items() if servers[n]["type"] == "responses_api_agents"}
 
     # ---- ng_run mode ------------------------------------------------------------------------------
@@ -261,7 +277,7 @@ class GymLauncher:
         ng_run = self._procs["ng_run"].poll  # every server dies with ng_run
         urls = {i["config_path"]: i["url"] for i in instances}
         self._servers = servers_from_config(cfg, urls, dict.fromkeys(urls, ng_run))
-        logger.info("NeMo Gym up (ng_run, head %s): agents %s", head, agents)
+        logger.info("NeMo Gym up (ng_run, head %s): agents %s; logs in %s", head, agents, self.work_dir)
         return agents
 
     # ---- processes ----------------------------------------------------------------------------------
@@ -314,22 +330,31 @@ class GymLauncher:
                     procs = dict(self._procs)
                 dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
                 if dead:
-                    raise GymLaunchError(f"Gym server(s) exited during start-up {dead}\n{self._log_tails(dead)}")
+                    raise GymLaunchError(
+                        "; ".join(
+                            f"NeMo Gym server {name!r} exited during start-up (exit code {code}): "
+                            f"{_last_error(self._log_text(name))}; its log: {self._logs.get(name)}"
+                            for name, code in dead.items()
+                        ),
+                        self._log_tails(dead),
+                    )
                 if pending and time.monotonic() > deadline:
                     raise GymLaunchError(
-                        f"Gym server(s) {sorted(pending)} not healthy after {self.cfg.startup_timeout_s:.0f} s\n"
-                        + self._log_tails(self._procs)
+                        f"NeMo Gym server(s) {sorted(pending)} not healthy after {self.cfg.startup_timeout_s:.0f} s "
+                        f"(gym.launch.startup_timeout_s); their logs: {self.work_dir}/<server>.log",
+                        self._log_tails(self._procs),
                     )
                 if pending:
                     self._stopping.wait(0.25)
 
+    def _log_text(self, name: str) -> str:
+        log = self._logs.get(name)
+        return log.read_text(errors="replace") if log and log.exists() else ""
+
     def _log_tails(self, names) -> str:
-        parts = []
-        for name in names:
-            log = self._logs.get(name)
-            text = log.read_text(errors="replace")[-_LOG_TAIL_CHARS:] if log and log.exists() else ""
-            parts.append(f"--- {name} ({log}) ---\n{text}")
-        return "\n".join(parts)
+        return "\n".join(
+            f"--- {name} ({self._logs.get(name)}) ---\n{self._log_text(name)[-_LOG_TAIL_CHARS:]}" for name in names
+        )
 
     def kill(self) -> None:
         """SIGKILL every process group we started, without waiting (a forced stop)."""
@@ -373,6 +398,13 @@ class GymLauncher:
             if self._ray_tmp is not None:  # the private Ray temp dir of ng_run mode (sockets, session logs)
                 shutil.rmtree(self._ray_tmp, ignore_errors=True)
                 self._ray_tmp = None
+
+
+def _last_error(log: str) -> str:
+    """The last line of a log that names an exception (`SomeError: ...`), else its last line; "" when empty."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line.strip() for line in log.splitlines() if _ERROR_LINE.match(line)]  # unindented, as tracebacks end
+    return (errors or lines or ["(empty log)"])[-1][:_ERROR_LINE_CHARS]
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -168,8 +168,10 @@ def build_tiny_model(
     max_position_embeddings: int = 4096,
     initializer_range: float = 0.3,
     seed: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> Path:
-    """Build a random-init Qwen2 causal LM (fp32, tied embeddings) plus tokenizer into `out_dir`.
+    """Build a random-init Qwen2 causal LM (fp32, tied embeddings unless `tie_word_embeddings=False`) plus
+    tokenizer into `out_dir`.
 
     `initializer_range` is larger than the usual 0.02 so logits are far from uniform and greedy decoding
     has no near-ties. The same `seed` gives identical weights; the tokenizer does not depend on `seed`.
@@ -187,7 +189,7 @@ def build_tiny_model(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         initializer_range=initializer_range,
         bos_token_id=None,
         eos_token_id=eos_id,

@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -120,6 +121,23 @@ def server_options(options: ServerOptions | None = None, **fields: Any) -> Serve
     return dataclasses.replace(options or ServerOptions(), **fields)
 
 
+class RefusedPrompts:
+    """The chat prompts a `PolicyService` refused because they alone filled the context (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        """How many were refused."""
+        self.longest: int | None = None
+        """The longest of them, in tokens (None: none yet)."""
+
+    def add(self, prompt_tokens: int) -> None:
+        """Record one refused prompt of `prompt_tokens` tokens."""
+        with self._lock:
+            self.count += 1
+            self.longest = max(self.longest or 0, prompt_tokens)
+
+
 class PolicyService:
     """The request handling behind the HTTP routes; usable without a server (tests, other frontends)."""
 
@@ -137,6 +155,8 @@ class PolicyService:
         self.created = int(time.time())
         self.metrics = ServerMetrics(generation)
         """This service's Prometheus metrics (what `/metrics` serves)."""
+        self.refused_prompts = RefusedPrompts()
+        """The prompts refused for context length (their count and the longest)."""
 
     @property
     def max_model_len(self) -> int:
@@ -196,6 +216,8 @@ class PolicyService:
                 f"{_first_difference(prompt.token_ids, required)})",
                 param="required_prefix_token_ids",
             )
+        if len(prompt.token_ids) >= self.max_model_len:  # refused below: recorded for the rollouts to report
+            self.refused_prompts.add(len(prompt.token_ids))
         configs = request.generation_configs(len(prompt.token_ids), self.max_model_len, self.options.default_config)
         return request, prompt, configs
 
@@ -452,6 +474,11 @@ class PolicyServer(ThreadedServer):
     def base_url(self) -> str:
         """The OpenAI base URL, `http://HOST:PORT/v1`."""
         return f"{self.url}/v1"
+
+    @property
+    def refused_prompts(self) -> RefusedPrompts:
+        """The prompts it refused for context length."""
+        return self.app.state.service.refused_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,6 +62,22 @@ def gym_result(
     }
 
 
+def refused_result(reward: float = 0.0) -> dict[str, Any]:
+    """What Gym 0.7.0 answers when the policy server refused the first model call for context length (a 400 in
+    vLLM's "maximum context length" wording): an empty assistant message without token ids, the response
+    `incomplete`, and the verifier's reward."""
+    empty = {"type": "message", "role": "assistant", "status": "completed", "id": "msg_1",
+             "content": [{"type": "output_text", "text": "", "annotations": []}]}
+    return {"response": {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+                         "output": [empty]},
+            "reward": reward, "failure_kind": None, "failure_reason": None}
+
+
+INVALID_ROW_BODY = {"detail": [{"type": "string_type", "loc": ["body", "responses_create_params", "input"],
+                                "msg": "Input should be a valid string", "input": 5}]}
+"""The HTTP 422 body a Gym agent answers for a row its request model refuses (FastAPI's validation error)."""
+
+
 class FakeAgents:
     """Gym agent servers at `<url>/<agent>/run`, and a head server's `/server_instances`; `with FakeAgents() as
     agents:` serves them on 127.0.0.1.
@@ -73,10 +89,12 @@ class FakeAgents:
     - `hang`: answers after 30 s; `sleep S`: after S seconds;
     - a key of `error_bodies`: HTTP 500 with that raw body (e.g. a captured nested Gym error);
     - `badprefix`: a result whose second prompt does not extend the first call's prompt + generation;
+    - `invalid`: HTTP 422 with `INVALID_ROW_BODY` (Gym refused the row as malformed);
+    - `too long`: `refused_result` (the prompt alone was too long for the policy's context);
     - anything else: `gym_result` with reward 1.0 from `agent_alpha`, 0.5 from `agent_beta`.
 
     A row without `responses_create_params` gets Gym's 422. Every accepted row is kept in `rows` (with its
-    agent under "agent"); `/aggregate_metrics` averages the rewards it is sent.
+    agent under "agent"); `/aggregate_metrics` averages the rewards it is sent, after `aggregate_delay_s`.
     """
 
     def __init__(self, error_bodies: Mapping[str, str] | None = None) -> None:
@@ -88,6 +106,8 @@ class FakeAgents:
         """Message text -> raw body of an HTTP 500 answer (may be added to before a request)."""
         self.url = ""
         """Root URL while serving."""
+        self.aggregate_delay_s = 0.0
+        """Seconds `/aggregate_metrics` waits before answering (a slow or stuck aggregate)."""
         app = FastAPI()
 
         @app.get("/health")
@@ -113,11 +133,16 @@ class FakeAgents:
                 return Response(self.error_bodies[text], status_code=500, media_type="application/json")
             if text == "badprefix":
                 return gym_result(1.0, second_prompt=[7, 7] + GEN_1)
+            if text == "invalid":
+                return JSONResponse(INVALID_ROW_BODY, status_code=422)
+            if text == "too long":
+                return refused_result()
             return gym_result(1.0 if agent == "agent_alpha" else 0.5)
 
         @app.post("/{agent}/aggregate_metrics")
         async def aggregate(agent: str, request: Request):
             body = await request.json()
+            await asyncio.sleep(self.aggregate_delay_s)
             rewards = [r["reward"] for r in body["verify_responses"]]
             return {"agent_metrics": {"mean/reward": sum(rewards) / len(rewards)}, "key_metrics": {}}
 

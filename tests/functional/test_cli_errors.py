@@ -171,3 +171,112 @@ def test_rollouts_example_names_a_missing_model(files: dict[str, Path]) -> None:
     missing = files["folder"] / "no_such_model"
     proc = cli("run_rollouts.py", "--model", missing)
     assert_one_message(proc, f"policy.model_name={str(missing)!r} is neither")
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (relative path -> contents): what a refused run must leave as it was."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("refusal", ["changed config", "changed rows"])
+def test_a_refused_eval_resume_leaves_the_folder_as_it_was(files: dict[str, Path], tmp_path: Path,
+                                                           refusal: str) -> None:
+    from nemo_rl_ext.evals.store import check_dataset, row_digests
+
+    out = tmp_path / "eval_out"
+    out.mkdir()
+    earlier = load_config(files["eval"], [f"eval.save_path={out}"], EvalConfig)
+    (out / "config.yaml").write_text(dump_config(earlier))
+    line = {"prompt_idx": 0, "sample_idx": 0, "reward": 1.0, "agent": "math", "stop_reason": "natural",
+            "truncated": False, "num_turns": 1}
+    # a whole line, then the torn last line a killed run leaves: a resume that goes ahead cuts it
+    (out / "completions.jsonl").write_text(json.dumps(line) + "\n" + json.dumps(line)[:25])
+    rows = [{"question": "1+1", "answer": "3"}, ROWS[1]] if refusal == "changed rows" else ROWS
+    check_dataset(out / "dataset_fingerprint.json", str(files["data"]), row_digests(rows), resuming=False)
+    before = folder_bytes(out)
+    changed = ["policy.generation.temperature=0.5"] if refusal == "changed config" else []
+    proc = cli("run_eval.py", "--config", files["eval"], f"eval.save_path={out}", *changed)
+    needle = ("policy.generation.temperature: 1.0 -> 0.5" if refusal == "changed config"
+              else f"{files['data']} changed since the completions in {out} were written")
+    assert_one_message(proc, needle)
+    assert folder_bytes(out) == before  # the torn line is still there: nothing was repaired, nothing recorded
+
+
+@pytest.mark.timeout(180)
+def test_a_copied_eval_folder_resumes(files: dict[str, Path], tiny_model_dir: Path, generation, tmp_path: Path) -> None:
+    import shutil
+
+    from nemo_rl_ext.evals.driver import run_eval
+
+    common = [f"policy.model_name={tiny_model_dir}", "eval.num_tests_per_prompt=1"]
+    first = tmp_path / "first"
+    cfg = load_config(files["eval"], [*common, f"eval.save_path={first}"], EvalConfig)
+    result = run_eval(cfg, generation=generation, progress=False, stop_after_groups=1)  # one of two prompts
+    assert not result.complete and result.completions_written == 1
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy)
+    proc = cli("run_eval.py", "--config", files["eval"], *common, f"eval.save_path={copy}", "--no-progress")
+    # eval.save_path only says where the folder is: the copy resumes (the other prompt), not refused
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resume: 1 completion(s) already in" in proc.stdout, proc.stdout
+    lines = [json.loads(x) for x in (copy / "completions.jsonl").read_text().splitlines()]
+    assert sorted((x["prompt_idx"], x["sample_idx"]) for x in lines) == [(0, 0), (1, 0)]
+    assert (copy / "completions.jsonl").read_bytes().startswith((first / "completions.jsonl").read_bytes())
+    assert yaml.safe_load((copy / "config.yaml").read_text())["eval"]["save_path"] == str(copy)
+
+
+@pytest.mark.timeout(300)
+def test_grpo_resume_never_overwrites_step_folders_it_cannot_resume(files: dict[str, Path], tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    import shutil
+
+    from nemo_rl_ext.algorithms.checkpoint import MARKER_FILE, list_checkpoints
+    from nemo_rl_ext.algorithms.grpo import GRPO, run_grpo
+    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+    from nemo_rl_ext.algorithms.metrics_logger import read_metrics
+    from nemo_rl_ext.config import ConfigError
+
+    def config(out: Path, *more: str) -> list[str]:
+        return [f"output_dir={out}", f"policy.model_name={tiny_model_dir}", "grpo.save_period=1",
+                "keep_last_checkpoints=null", *more]
+
+    run = tmp_path / "run"
+    run_grpo(load_config(files["grpo"], config(run, "grpo.max_num_steps=2"), GRPOConfig))
+    torn, mixed = tmp_path / "torn", tmp_path / "mixed"
+    shutil.copytree(run, torn)
+    shutil.copytree(run, mixed)
+    for step in (1, 2):  # weights intact, but no save finished: nothing to resume from
+        (checkpoint_dir(torn / "checkpoints", step) / MARKER_FILE).unlink()
+    before = folder_bytes(torn)
+
+    proc = cli("run_grpo.py", "--config", files["grpo"], *config(torn, "resume=true", "grpo.max_num_steps=3"))
+    assert_one_message(
+        proc, f"resume=true, but {torn} holds no complete checkpoint", "2 step folder(s)",
+        "step_00000001, step_00000002", f"no {MARKER_FILE}", "2 step record(s)", "resume=restart",
+    )
+    assert folder_bytes(torn) == before  # nothing overwritten: weights, metrics.jsonl, config.yaml
+    with pytest.raises(ConfigError, match="resume=restart"):  # a fresh run in that folder is refused too
+        GRPO(load_config(files["grpo"], config(torn), GRPOConfig))
+    assert folder_bytes(torn) == before
+
+    # said explicitly: start over at step 0, the earlier run's step folders and metrics gone
+    history = run_grpo(load_config(files["grpo"], config(torn, "resume=restart", "grpo.max_num_steps=1"), GRPOConfig))
+    assert [h["step"] for h in history] == [1]
+    assert [m["step"] for m in read_metrics(torn / "metrics.jsonl")] == [1]
+    assert sorted(p.name for p in (torn / "checkpoints").iterdir()) == ["step_00000001"]
+    assert list_checkpoints(torn / "checkpoints") == [checkpoint_dir(torn / "checkpoints", 1)]
+
+    # step metrics but no checkpoint at all (e.g. save_period 0): refused as well, naming them
+    metrics_only = tmp_path / "metrics_only"
+    metrics_only.mkdir()
+    shutil.copy(run / "metrics.jsonl", metrics_only / "metrics.jsonl")
+    with pytest.raises(ConfigError, match=r"holds no complete checkpoint to continue from, only 2 step record\(s\)"):
+        GRPO(load_config(files["grpo"], config(metrics_only, "resume=true"), GRPOConfig))
+    assert (metrics_only / "metrics.jsonl").read_bytes() == (run / "metrics.jsonl").read_bytes()
+
+    # some complete, some not: today's fallback, from the newest complete checkpoint
+    (checkpoint_dir(mixed / "checkpoints", 2) / MARKER_FILE).unlink()
+    history = run_grpo(load_config(files["grpo"], config(mixed, "resume=true", "grpo.max_num_steps=2"), GRPOConfig))
+    assert [h["step"] for h in history] == [2]
+    assert [m["step"] for m in read_metrics(mixed / "metrics.jsonl")] == [1, 2]

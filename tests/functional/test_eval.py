@@ -119,6 +119,10 @@ SUMMARY_KEYS = {
     "truncation_rate",
     "mean_turns",
     "metrics",
+    "num_data_errors",
+    "data_error_rows",
+    "num_prompts_too_long",
+    "longest_prompt_too_long",
     "profile",
 }
 LINE_KEYS = {

@@ -275,3 +275,23 @@ def test_dynamic_sampling_rolls_out_more_and_skips_steps_without_signal(config_f
     )
     assert metrics[0]["dynamic_sampling/gen_batches"] == 1.0
     assert metrics[0]["dynamic_sampling/kept_groups"] == 4.0 and metrics[0]["train/optimizer_steps"] == 1.0
+
+
+@pytest.mark.timeout(120)
+def test_prompts_too_long_are_in_the_step_metrics_and_warned_about_once(
+    config_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prompt that alone fills grpo.max_seq_len (128) ends truncated at 0 turns: each step counts it in
+    `rollout/prompts_too_long`, and the run logs one warning naming it and the settings to raise."""
+    data = tmp_path / "rows.jsonl"
+    rows = [{"question": f"Say yes. {w}", "answer": "yes"} for w in WORDS[:3]]
+    rows.append({"question": "Say yes. " + "Really, please do. " * 60, "answer": "yes"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.WARNING):
+        metrics = run(config_file, f"output_dir={tmp_path / 'run'}", f"data.train_path={data}",
+                      "grpo.max_num_steps=2", "grpo.num_generations_per_prompt=4")
+    train = [m for m in metrics if m["step"] > 0]
+    assert [m["rollout/prompts_too_long"] for m in train] == [1.0, 1.0]  # 4 prompts a step: the long one each time
+    said = [r.getMessage() for r in caplog.records if "prompt(s) too long" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith("1 of 4 prompt(s) too long") and "policy.max_model_len and rollouts.max_seq_len" in said[0]

@@ -5,6 +5,7 @@ calling our policy server on the tiny model, Gym's rule-based server scores them
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def gym_grpo_config(policy: dict, gym_venv: Path, tmp_path: Path, *, steps: int)
     )
 
 
-def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch):
+def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch, caplog):
     from nemo_rl_ext.algorithms import grpo as grpo_module
     from nemo_rl_ext.models.tiny import build_tiny_model
 
@@ -88,6 +89,7 @@ def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch):
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0, initializer_range=0.05)
     cfg = gym_grpo_config({"model_name": str(model_dir), "max_model_len": 512}, gym_venv, tmp_path, steps=1)
+    caplog.set_level(logging.INFO, logger="nemo_rl_ext.gym.launcher")
     with GRPO(cfg) as grpo:
         before = {k: v.detach().clone() for k, v in grpo.trainer.model.state_dict().items()}
         grpo.run()
@@ -97,6 +99,8 @@ def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch):
     assert changed, "the GRPO step left every weight unchanged"
     assert all(torch.equal(engine[k], after[k]) for k in changed)  # the engine got the new weights (a copy: bit-exact)
     (step,) = read_metrics(Path(cfg.output_dir) / "metrics.jsonl")
+    gym_logs = Path(cfg.output_dir) / "gym"  # the Gym servers' logs stay in the run's folder, and the log says so
+    assert (gym_logs / "agent_alpha.log").is_file() and f"their logs in {gym_logs}" in caplog.text
     # the first two rows alternate agents: 4 + 3 completions, scored by Gym (dense, so they differ)
     assert step["rollout/num_samples"] == 7
     assert step["agent/agent_alpha/num_samples"] == 4 and step["agent/agent_beta/num_samples"] == 3

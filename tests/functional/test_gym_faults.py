@@ -15,7 +15,7 @@ import httpx
 import pytest
 from gym_processes import gone, gym_servers_under
 
-from nemo_rl_ext.data.records import DatumSpec, StopReason
+from nemo_rl_ext.data.records import DATA_ERROR, ERROR_KIND, PROMPT_TOO_LONG, DatumSpec, StopReason
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.testing import ScriptedGeneration, ScriptedRequest
@@ -27,14 +27,14 @@ ROWS = REPO / "examples" / "data" / "gym_arithmetic.jsonl"
 pytestmark = [pytest.mark.gym, pytest.mark.timeout(600)]
 
 
-def slow_arithmetic_policy(tokenizer, delay_s: float) -> ScriptedGeneration:
+def slow_arithmetic_policy(tokenizer, delay_s: float, max_model_len: int = 2048) -> ScriptedGeneration:
     """Answers "What is a + b?" right after `delay_s` (so rows are pending when a server is killed)."""
 
     def answer(request: ScriptedRequest) -> str:
         a, op, b = re.findall(r"What is (\d+) ([-+*]) (\d+)\?", request.prompt_text)[-1]
         return f"{int(a) + int(b) if op == '+' else -1}<|im_end|>"
 
-    return ScriptedGeneration(tokenizer, answer, delay_s=delay_s, max_model_len=2048)
+    return ScriptedGeneration(tokenizer, answer, delay_s=delay_s, max_model_len=max_model_len)
 
 
 def datums(n: int) -> list[DatumSpec]:
@@ -108,3 +108,67 @@ async def test_a_dead_gym_server_fails_the_pending_rows_within_seconds(
         for port in server.ports:
             with pytest.raises(httpx.HTTPError):
                 httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+async def test_real_gym_prompts_too_long_malformed_rows_and_a_dead_server_after_collection(
+    gym_venv, tiny_model_and_tokenizer, tmp_path
+):
+    """One Gym launch, three faults of issue 24 against real NeMo Gym 0.7.0 servers:
+
+    - a prompt longer than the policy's context: our policy server answers Gym's model call 400 ("maximum context
+      length"), Gym ends the rollout with its content:null placeholder; the completion is marked too long, with
+      the length our server refused;
+    - a row whose `responses_create_params.input` is a number (sent past the pre-flight check): Gym answers 422,
+      a data error, not an infrastructure failure;
+    - the resources server killed after collection: Gym's `/aggregate_metrics` for the agent is skipped at once
+      naming it, instead of waiting row_timeout_s (300 s) on an agent that retries the dead server forever."""
+    _, tokenizer = tiny_model_and_tokenizer
+    policy = slow_arithmetic_policy(tokenizer, delay_s=0.0, max_model_len=256)
+    manager = RolloutManager(
+        tokenizer=tokenizer,
+        task_to_env=None,
+        num_generations_per_prompt=2,
+        max_seq_len=256,
+        policy_generation=policy,
+        generation_config=GenerationConfig(max_new_tokens=16, temperature=1.0, seed=0),
+        use_nemo_gym=True,
+        gym_config={
+            "launch": {"gym_venv": str(gym_venv), "config_paths": [str(CONFIG)], "mode": "direct",
+                       "work_dir": str(tmp_path / "gym"), "startup_timeout_s": 240},
+            "row_timeout_s": 300,
+        },
+    )
+    try:
+        short, long_row, bad_row = datums(1)[0], datums(1)[0], datums(1)[0]
+        params = long_row.extra_env_info["responses_create_params"]
+        question = "What is 1 + 1? " + "Think it over once more. " * 80
+        long_row = DatumSpec(1, (), "nemo_gym", {**long_row.extra_env_info, "responses_create_params": {
+            **params, "input": [params["input"][0], {"role": "user", "content": question}]}}, agent_name="agent_alpha")
+        bad_row = DatumSpec(2, (), "nemo_gym", {**bad_row.extra_env_info, "responses_create_params": {"input": 5}},
+                            agent_name="agent_alpha")
+        records, metrics = await asyncio.wait_for(manager.run_rollouts([short, long_row, bad_row], progress=False),
+                                                  240)
+        ok, too_long, refused = records
+        assert all(c.stop_reason is StopReason.NATURAL for c in ok.completions)
+        longest = manager.impl._server.refused_prompts.longest
+        assert longest is not None and longest > 256
+        for c in too_long.completions:
+            assert (c.stop_reason, c.num_turns, c.truncated, c.error) == (StopReason.TRUNCATED, 0, True, None)
+            assert c.env_extras[PROMPT_TOO_LONG] == {"prompt_tokens": longest, "limit": 256}
+        assert metrics["rollout/prompts_too_long"] == 1.0
+        for c in refused.completions:
+            assert c.stop_reason is StopReason.ERROR and c.env_extras[ERROR_KIND] == DATA_ERROR, c.error
+            assert c.env_extras["gym_error"]["status_code"] == 422 and c.error.startswith("data error")
+
+        servers = gym_servers_under(os.getpid())
+        os.kill(servers["arithmetic_equivalence"].pid, signal.SIGKILL)
+        results = [c.env_extras["gym_result"] for c in ok.completions]
+        start = time.perf_counter()
+        aggregate = await asyncio.wait_for(manager.aggregate_metrics({"agent_alpha": results}), 60)
+        took = time.perf_counter() - start
+        print(f"\naggregate with the resources server dead: {took:.2f} s: {aggregate['agent_alpha']}")
+        assert took < 10
+        assert "'arithmetic_equivalence'" in aggregate["agent_alpha"]["error"]
+        assert "is down" in aggregate["agent_alpha"]["error"] and "not retried" not in aggregate["agent_alpha"]["error"]
+    finally:
+        await manager.shutdown()

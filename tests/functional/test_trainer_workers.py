@@ -112,7 +112,9 @@ def test_two_fsdp2_ranks_train_as_one_process_does(runs: dict, tmp_path: Path) -
         assert not off, off
         # the rollouts sampled from the refitted engine are the same tokens (the weights agree closely enough)
         assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
-        assert b["refit/bytes"] > 0 and b["refit/seconds"] > 0 and "refit/bytes" not in a
+        assert b["refit/bytes"] == a["refit/bytes"] > 0  # the same tensors handed to the engine
+        assert b["refit/gathered_bytes"] > 0 and b["timing/refit/gather_seconds"] > 0 and b["refit/buckets"] == 1
+        assert "refit/gathered_bytes" not in a
     for step in (1, 2, 3):
         w1 = load_file(dir_one / "checkpoints" / f"step_{step:08d}" / "policy" / "model.safetensors")
         w2 = load_file(dir_two / "checkpoints" / f"step_{step:08d}" / "policy" / "model.safetensors")
@@ -170,7 +172,7 @@ def test_async_grpo_on_two_ranks_trains_as_one_process_does(config_file: Path, t
             history[workers] = grpo.run()
     assert [m["step"] for m in history[2]] == [1, 2, 3]
     for a, b in zip(history[1], history[2], strict=True):
-        assert b["train/optimizer_steps"] == 2 and b["refit/bytes"] > 0
+        assert b["train/optimizer_steps"] == 2 and b["refit/gathered_bytes"] > 0
         assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
         off = {k: (a[k], b[k]) for k in a if k.startswith("train/") and b[k] != pytest.approx(a[k], rel=1e-4, abs=1e-7)}
         assert not off, off

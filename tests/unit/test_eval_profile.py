@@ -208,7 +208,8 @@ def test_the_profile_matches_values_computed_by_hand(tmp_path: Path) -> None:
 def test_summary_json_appends_the_profile_and_reads_back(tmp_path: Path) -> None:
     summary, _ = summarize_file(tmp_path)
     obj = summary.to_json()
-    assert list(obj)[-2:] == ["metrics", "profile"]  # older consumers read the rest as before
+    assert list(obj)[-6:] == ["metrics", "num_data_errors", "data_error_rows", "num_prompts_too_long",
+                              "longest_prompt_too_long", "profile"]  # older consumers read the rest as before
     assert list(obj["profile"]) == ["overall", "tasks"] and list(obj["profile"]["tasks"]) == ["alpha", "beta"]
     alpha = summary.profile.tasks["alpha"]
     assert obj["profile"]["tasks"]["alpha"]["pass_at_k"] == {str(k): alpha.pass_at_k[k] for k in KS}

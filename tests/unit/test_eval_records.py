@@ -107,7 +107,8 @@ def test_the_summary_has_the_summary_json_keys_in_order_and_reads_back() -> None
     s = summary()
     keys = ["rollout_mode", "model", "dataset_path", "num_prompts", "num_completions", "ks", "reward_threshold",
             "agents", "stop_reasons", "status", "num_errors", "error_rate", "max_error_rate", "error_samples",
-            "truncation_rate", "mean_turns", "metrics"]
+            "truncation_rate", "mean_turns", "metrics",
+            "num_data_errors", "data_error_rows", "num_prompts_too_long", "longest_prompt_too_long"]
     assert list(s.to_json()) == keys
     assert s.to_json()["error_samples"] == [{"prompt_idx": 0, "sample_idx": 2, "agent": "a", "error": "boom"}]
     assert s["metrics"]["pass@2"] == 1.0 and s["ks"] == [1, 2]  # readable by its JSON keys

@@ -49,6 +49,28 @@ def test_store_cuts_a_torn_last_line_and_indexes_samples(tmp_path: Path) -> None
     assert CompletionStore(path).done(1, 2) == {0, 1} and CompletionStore(path).torn_bytes == 0
 
 
+def test_a_store_opened_without_repair_cuts_its_torn_line_only_when_told(tmp_path: Path) -> None:
+    """A resume checks its folder first (repair=False) and cuts the torn line once every check passed; an
+    append never lands after a torn line, and a garbage line refuses the file without cutting anything."""
+    path = tmp_path / "c.jsonl"
+    torn = '{"prompt_idx": 1, "sam'
+    path.write_text(line(0, 0) + torn)
+    store = CompletionStore(path, repair=False)
+    assert store.torn_bytes == len(torn) and path.read_text() == line(0, 0) + torn and store.done(0, 1) == {0}
+    store.cut_torn_line()
+    assert path.read_text() == line(0, 0)
+    store.cut_torn_line()  # once only: nothing more goes
+    assert path.read_text() == line(0, 0)
+    path.write_text(line(0, 0) + torn)
+    CompletionStore(path, repair=False).append([row(1, 0)])
+    again = CompletionStore(path, repair=False)
+    assert path.read_text().startswith(line(0, 0)) and again.torn_bytes == 0 and again.done(1, 1) == {0}
+    path.write_text("not json\n" + torn)
+    with pytest.raises(ConfigError, match="unreadable"):
+        CompletionStore(path)
+    assert path.read_text() == "not json\n" + torn
+
+
 def test_store_ignores_duplicates_and_rejects_unreadable_lines(tmp_path: Path) -> None:
     path = tmp_path / "c.jsonl"
     path.write_text(line(0, 0) + line(0, 0))

@@ -311,14 +311,16 @@ def test_trainer_wait_and_generation_idle_measure_the_timeline() -> None:
                                          token_s=0.002, max_new_tokens=200)
         return asyncio.run(_train(_collector(manager, stream, max_lag=max_lag), engine, 5, train_s=0.3))
 
+    # generation idles while the trainer sleeps its 0.3 s, less the few ms by which the last request's end is
+    # recorded after the step began (0.295 s seen on a loaded machine): 0.25 s still tells idle from busy
     on_policy = timeline(0)  # nothing runs while the trainer steps: it waits a group's time, generation idles
     for s in on_policy[1:]:
         assert s["async/trainer_wait_s"] >= 0.4
-        assert 0.3 <= s["async/generation_idle_s"] < 0.3 + 0.5
+        assert 0.25 <= s["async/generation_idle_s"] < 0.3 + 0.5
     # the next step's groups run during the trainer step (and its refit waits for them); steps 1 and 2 fill the
     # pipeline (the first 4 groups ran at once, so generation idled during step 1's training)
     lagged = timeline(1)
-    assert lagged[1]["async/generation_idle_s"] >= 0.3
+    assert lagged[1]["async/generation_idle_s"] >= 0.25
     for s in lagged[2:]:
         assert s["async/trainer_wait_s"] < 0.2
         assert s["async/generation_idle_s"] < 0.15

@@ -21,6 +21,7 @@ from nemo_rl_ext.gym.client import (
     agent_urls_from_server_instances,
     innermost_gym_error,
 )
+from nemo_rl_ext.gym.config import GymConfig
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.serving.threaded_server import ThreadedServer
 from nemo_rl_ext.testing import FakeAgents, UnusedPolicy
@@ -331,6 +332,17 @@ class FakeGymStack:
                     except httpx.TransportError:
                         await asyncio.sleep(0.1)
 
+        @agents.post("/agent_alpha/aggregate_metrics")
+        async def aggregate(request: Request):  # like Gym's: asks the resources server, retrying forever
+            await request.json()
+            async with httpx.AsyncClient(timeout=60) as http:
+                while True:
+                    try:
+                        await http.post(f"{self.resources.url}/verify")
+                        return {"agent_metrics": {"mean/reward": 1.0}, "key_metrics": {}}
+                    except httpx.TransportError:
+                        await asyncio.sleep(0.1)
+
         @agents.get("/server_instances")
         async def instances():
             return [
@@ -391,6 +403,48 @@ async def test_a_dead_resources_server_fails_its_pending_rows_within_seconds(tin
         assert all("'fake_resources'" in c.error for c in record.completions)
     finally:
         await mgr.shutdown()
+
+
+async def test_gyms_aggregate_skips_a_server_known_dead_and_has_its_own_deadline(
+        tiny_model_and_tokenizer, stack, agents):
+    """After collection the driver asks each agent for Gym's aggregate: a server the monitor knows is dead is not
+    called at all (the agent would wait on it forever), and a slow aggregate stops at gym.aggregate_timeout_s
+    rather than row_timeout_s."""
+    _, tok = tiny_model_and_tokenizer
+    mgr = gym_manager(tok, None, 2, head_server_url=stack.agents.url, row_timeout_s=60)
+    try:
+        healthy = await asyncio.wait_for(mgr.run_rollout(gym_datum(0, "agent_alpha")), 30)
+        results = [c.env_extras["gym_result"] for c in healthy.completions]
+        assert await asyncio.wait_for(mgr.aggregate_metrics({"agent_alpha": results}), 30) == {
+            "agent_alpha": {"agent_metrics": {"mean/reward": 1.0}, "key_metrics": {}, "group_level_metrics": None}}
+        resources_url = stack.resources.url
+        pending = asyncio.ensure_future(mgr.run_rollout(gym_datum(1, "agent_alpha")))
+        while stack.runs < 4:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(stack.resources.stop)  # dies mid-run: the rows fail, the monitor knows
+        await asyncio.wait_for(pending, 30)
+        start = time.perf_counter()
+        # today: the agent waits on the dead server for the full row_timeout_s (60 s here; 300 s shipped)
+        metrics = await asyncio.wait_for(mgr.aggregate_metrics({"agent_alpha": results}), 30)
+        assert time.perf_counter() - start < 1
+        error = metrics["agent_alpha"]["error"]
+        assert "GymServerDownError" in error and "skipped" in error, error
+        assert f"Gym resources server 'fake_resources' at {resources_url} is down" in error
+    finally:
+        await mgr.shutdown()
+
+    slow = gym_manager(tok, agents, 1, row_timeout_s=60, aggregate_timeout_s=0.5)
+    agents.aggregate_delay_s = 20
+    try:
+        record = await slow.run_rollout(gym_datum(0, "agent_alpha"))
+        start = time.perf_counter()
+        metrics = await asyncio.wait_for(
+            slow.aggregate_metrics({"agent_alpha": [record.completions[0].env_extras["gym_result"]]}), 15)
+        assert time.perf_counter() - start < 5
+        assert "did not answer within gym.aggregate_timeout_s=0.5" in metrics["agent_alpha"]["error"]
+    finally:
+        await slow.shutdown()
+    assert GymConfig.model_validate({"agent_urls": {"a": "http://x"}, "policy_port": 1}).aggregate_timeout_s == 30
 
 
 async def test_a_dead_agent_server_is_named(tiny_model_and_tokenizer, agents):

@@ -47,3 +47,12 @@ def test_the_generation_pool_on_the_same_ray_counts_too():
                                           r"cluster has 3"):
         check_trainer_resources(TrainerSettings(workers=2), {"CPU": 3.0}, pool)
     check_trainer_resources(TrainerSettings(workers=2), {"CPU": 4.0}, pool)
+
+
+@pytest.mark.parametrize("override", ["trainer.lora.r=8", "trainer.mixed_precision=bf16",
+                                      "trainer.activation_checkpointing=true"])
+def test_in_process_trainer_features_are_refused_with_workers_by_name(override):
+    key = override.split("=")[0].split(".")[:2]
+    with pytest.raises(ConfigError, match=rf"{'.'.join(key)}: .* with trainer.workers > 1 is not built yet"):
+        load_config(SHIPPED, ["trainer.workers=2", override], GRPOConfig)
+    load_config(SHIPPED, [override], GRPOConfig)  # one worker: built

@@ -1,0 +1,229 @@
+"""`run_grpo.py export RUN_DIR`: a GRPO run's checkpoint as a Hugging Face folder that transformers reloads with the
+trainer's logprobs, that `run_eval.py policy.model_name=DIR` evaluates, whose tokenizer keeps its chat template;
+and its user errors (one `error:` line, exit 2), its fall-back past a damaged checkpoint and its atomic write.
+
+The run: 2 GRPO steps of the tiny Qwen2 on the say-"yes" task (CPU, in-process, a checkpoint after each step).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from child_env import one_thread_env
+from test_cli_errors import assert_one_message
+from tolerances import SAME_MODEL_LOGPROBS
+
+from nemo_rl_ext.algorithms import export as export_module
+from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir
+from nemo_rl_ext.algorithms.export import ExportError, export_checkpoint
+from nemo_rl_ext.algorithms.grpo import GRPO
+from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+from nemo_rl_ext.algorithms.loss import CompletionTensors
+from nemo_rl_ext.config import load_config
+from nemo_rl_ext.models.loading import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+TEMPERATURE = 0.7
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def export_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "examples" / "run_grpo.py"), "export", *map(str, args)],
+                          cwd=REPO, env=one_thread_env(), capture_output=True, text=True, timeout=120)
+
+
+def _items(tokenizer: Any) -> list[CompletionTensors]:
+    """Chat prompts with a reply each: the loss mask on the reply (the tokens the trainer scores)."""
+    items = []
+    for question, reply in [("Say yes. apple", "yes"), ("Say yes. river", "no, maybe yes"), ("Hi", "hello there")]:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]
+        answer = tokenizer(reply + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        ids = torch.tensor(list(prompt) + list(answer), dtype=torch.int64)
+        mask = torch.cat([torch.zeros(len(prompt)), torch.ones(len(answer))])
+        items.append(CompletionTensors(token_ids=ids, loss_mask=mask, generation_logprobs=torch.zeros(len(ids))))
+    return items
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A 2-step GRPO run (checkpoints of steps 1 and 2) and what its trainer said at the end."""
+    from nemo_rl_ext.models.tiny import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("export_run")
+    model_dir = build_tiny_model(folder / "tiny", seed=0, initializer_range=0.05)
+    data = folder / "say_yes.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Say yes. {w}", "answer": "yes"}) + "\n"
+                            for w in ("apple", "river", "blue", "seven")))
+    cfg = {
+        "policy": {"model_name": str(model_dir), "max_model_len": 256,
+                   "generation": {"max_new_tokens": 8, "temperature": TEMPERATURE, "stop_strings": ["yes"]}},
+        "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
+        "data": {"train_path": str(data)},
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 8, "max_num_steps": 2,
+                 "max_seq_len": 128, "seed": 42, "save_period": 1},
+        "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
+        "loss": {"kl_coef": 0.0},
+        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "keep_last_checkpoints": None,
+        "output_dir": str(folder / "run"),
+    }
+    config = folder / "grpo.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    with GRPO(load_config(config, [], GRPOConfig)) as grpo:
+        grpo.run()
+        items = _items(grpo.tokenizer)
+        trained = grpo.trainer.logprobs(items)
+        weights = {k: v.clone() for k, v in grpo.trainer.state_dict().items()}
+    return {"dir": folder / "run", "model_dir": model_dir, "items": items, "trained": trained, "weights": weights}
+
+
+def _reload_logprobs(folder: Path, items: list[CompletionTensors]) -> tuple[list[torch.Tensor], dict]:
+    """transformers' own loading and forward pass: log_softmax(logits / T) of each next token, 0 off the mask."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for item in items:
+            logits = model(input_ids=item.token_ids[None]).logits[0, :-1].float()
+            picked = torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, item.token_ids[1:, None])[:, 0]
+            out.append(torch.cat([torch.zeros(1), picked]) * item.loss_mask)
+    return out, model.state_dict()
+
+
+@pytest.mark.timeout(180)
+def test_export_reloads_with_the_trainers_weights_and_logprobs(run: dict[str, Any], tmp_path: Path) -> None:
+    proc = export_cli(run["dir"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = run["dir"] / "export" / "step_2"  # the default --out, of the newest checkpoint
+    assert f"exported step 2 ({checkpoint_dir(run['dir'] / 'checkpoints', 2)}) to {out}" in proc.stdout
+    names = sorted(p.name for p in out.iterdir())
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja"} <= set(names), names
+    assert not list(out.parent.glob(".*tmp*"))  # nothing left from the atomic write
+
+    got, state = _reload_logprobs(out, run["items"])
+    # a copy of the trainer's final weights: the same bits (tied embeddings appear under both names)
+    assert set(state) == set(run["weights"]), set(state) ^ set(run["weights"])
+    assert all(torch.equal(state[k], v) for k, v in run["weights"].items())
+    # the trainer's logprobs (its own path: only the scored positions through the LM head) from the reloaded folder,
+    # to float rounding: the two paths run other shapes
+    for mine, theirs, item in zip(got, run["trained"], run["items"], strict=True):
+        assert item.loss_mask.sum() > 0
+        torch.testing.assert_close(mine, theirs, rtol=SAME_MODEL_LOGPROBS["rtol"], atol=SAME_MODEL_LOGPROBS["atol"])
+    # and the step-2 weights are not the initial model's: training moved these logprobs far beyond that tolerance
+    initial, _ = _reload_logprobs(run["model_dir"], run["items"])
+    assert max(float((a - b).abs().max()) for a, b in zip(initial, got, strict=True)) > 1e-3
+
+
+@pytest.mark.timeout(60)
+def test_export_keeps_the_tokenizer_and_its_chat_template(run: dict[str, Any], tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    result = export_checkpoint(run["dir"], step=1, out=tmp_path / "hf")
+    assert result.step == 1 and result.out == tmp_path / "hf"
+    exported, original = AutoTokenizer.from_pretrained(result.out), load_tokenizer(run["model_dir"])
+    assert exported.chat_template and exported.chat_template == original.chat_template
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say yes."},
+            {"role": "assistant", "content": "yes"}, {"role": "user", "content": "Again ünïcode 7+5"}]
+    render = {"add_generation_prompt": True, "tokenize": True, "return_dict": True}
+    assert (exported.apply_chat_template(chat, **render)["input_ids"]
+            == original.apply_chat_template(chat, **render)["input_ids"])
+    assert (exported.eos_token, exported.pad_token) == (original.eos_token, original.pad_token)
+
+
+@pytest.mark.timeout(180)
+def test_run_eval_evaluates_the_exported_folder(run: dict[str, Any], tmp_path: Path) -> None:
+    out = export_checkpoint(run["dir"], out=tmp_path / "hf").out
+    save = tmp_path / "eval"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "run_eval.py"), "--config", "examples/configs/evals/eval.yaml",
+         f"policy.model_name={out}", "eval.num_prompts=3", "eval.ks=[1,2]", "rollouts.num_generations_per_prompt=2",
+         "policy.generation.max_new_tokens=4", f"eval.save_path={save}", "--no-progress"],
+        cwd=REPO, env=one_thread_env(), capture_output=True, text=True, timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((save / "summary.json").read_text())
+    lines = [json.loads(line) for line in (save / "completions.jsonl").read_text().splitlines()]
+    assert len(lines) == 6, len(lines)  # 3 prompts x 2 samples, every one rolled out
+    assert str(out) in (save / "config.yaml").read_text()
+    assert summary, summary
+
+
+@pytest.mark.timeout(240)
+def test_export_user_errors_are_one_message(run: dict[str, Any], tmp_path: Path) -> None:
+    # through the CLI: one `error:` line, exit 2, no traceback
+    assert_one_message(export_cli(tmp_path / "nowhere"), f"{tmp_path / 'nowhere'} is not a folder")
+    assert_one_message(export_cli(run["dir"], "--step", "7"), "no checkpoint of step 7", "complete checkpoints: [1, 2]")
+    assert_one_message(export_cli(run["dir"], "--step", "1", "--adapter-only", "--out", tmp_path / "a"),
+                       "this run has no adapters")
+    assert not (tmp_path / "a").exists()
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    assert_one_message(export_cli(run["dir"], "--out", busy), f"--out {busy} already exists", "--force")
+    assert (busy / "keep.txt").read_text() == "mine"
+    # the other cases in-process (the same ExportError the CLI prints)
+    with pytest.raises(ExportError, match="holds no complete checkpoint"):
+        export_checkpoint(tmp_path)
+    for inside in (run["dir"], run["dir"] / "checkpoints" / "step_00000002" / "hf"):  # --force would delete them
+        with pytest.raises(ExportError, match="would overwrite the run's checkpoints"):
+            export_checkpoint(run["dir"], out=inside, force=True)
+    assert (checkpoint_dir(run["dir"] / "checkpoints", 2) / "complete.json").is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExportError, match="is a file"):
+        export_checkpoint(run["dir"], out=tmp_path / "file", force=True)
+    export_checkpoint(run["dir"], step=1, out=busy, force=True)  # replaced as a whole
+    assert not (busy / "keep.txt").exists() and (busy / "model.safetensors").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_checkpoint(run["dir"], out=empty)  # an empty folder is not in the way
+    assert (empty / "config.json").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_checkpoint_falls_back_unless_its_step_is_named(run: dict[str, Any], tmp_path: Path) -> None:
+    damaged = tmp_path / "run"
+    shutil.copytree(run["dir"] / "checkpoints", damaged / "checkpoints")
+    weights = checkpoint_dir(damaged / "checkpoints", 2) / "policy" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF  # same size, other contents
+    weights.write_bytes(bytes(data))
+
+    proc = export_cli(damaged)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exported step 1" in proc.stdout and "sha256 differs" in proc.stderr  # the warning names the file
+    assert (damaged / "export" / "step_1" / "model.safetensors").is_file()
+    assert_one_message(export_cli(damaged, "--step", "2"), "the checkpoint of step 2 can't be exported",
+                       str(weights), "sha256 differs")
+    (checkpoint_dir(damaged / "checkpoints", 1) / "complete.json").unlink()
+    assert_one_message(export_cli(damaged, "--out", tmp_path / "x"), "no usable checkpoint", str(weights))
+
+
+def test_an_interrupted_export_leaves_no_folder(run: dict[str, Any], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    copied: list[str] = []
+
+    def copy_then_fail(src: Path, dst: Path) -> None:
+        if copied:
+            raise KeyboardInterrupt  # the second file: a Ctrl-C mid-export
+        copied.append(str(dst))
+        shutil.copyfile(src, dst)
+
+    monkeypatch.setattr(export_module.shutil, "copyfile", copy_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        export_checkpoint(run["dir"], out=tmp_path / "hf")
+    assert copied and not (tmp_path / "hf").exists()
+    assert list(tmp_path.iterdir()) == []  # the temporary folder went too
+    monkeypatch.undo()
+    with pytest.raises(ExportError, match="this run has no adapters"):
+        export_checkpoint(run["dir"], adapter_only=True, out=tmp_path / "hf")
