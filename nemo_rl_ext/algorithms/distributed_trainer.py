@@ -128,7 +128,7 @@ class DistributedTrainer:
         what = "died" if died else "failed"
         message = (f"trainer worker rank {rank} (pid {where.get('pid', '?')}) on node {where.get('node_id', '?')} "
                    f"({where.get('ip', '?')}) {what}: {type(exc).__name__}: {str(exc).strip()[:2000]}")
-        self.close()
+        self._kill_ranks()  # Ray itself stays up for the others using it (a generation pool) until `close`
         raise TrainerWorkerError(message) from exc
 
     def _slots(self, chunks: Sequence[Any]) -> list[list[Any]]:
@@ -220,6 +220,13 @@ class DistributedTrainer:
                        "refit/buckets": float(len(buckets))}
         return {name: out[name] for name, _, _ in self._layout}
 
+    def _kill_ranks(self) -> None:
+        import ray
+
+        for rank in getattr(self, "_ranks", []):
+            ray.kill(rank, no_restart=True)
+        self._ranks = []
+
     def refit_metrics(self) -> dict[str, float]:
         """The last `state_dict` gather: the bytes gathered (a tied tensor once), its seconds and buckets."""
         return dict(self._refit)
@@ -228,9 +235,7 @@ class DistributedTrainer:
         """Kill the ranks (no process stays behind); ends Ray when this trainer started it."""
         import ray
 
-        for rank in getattr(self, "_ranks", []):
-            ray.kill(rank, no_restart=True)
-        self._ranks = []
+        self._kill_ranks()
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
