@@ -56,6 +56,7 @@ from nemo_rl_ext.algorithms.checkpoint import (
     save_checkpoint,
     step_folders,
 )
+from nemo_rl_ext.algorithms.distributed_trainer import DistributedTrainer, rank_spec
 from nemo_rl_ext.algorithms.grpo_batch import (
     TrainingBatch,
     build_training_batch,
@@ -85,7 +86,7 @@ from nemo_rl_ext.experience.build import build_policy, build_rollouts, load_roll
 from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, count_prompts_too_long
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, InFlightPolicy
-from nemo_rl_ext.models.loading import load_model_and_tokenizer
+from nemo_rl_ext.models.loading import load_model_and_tokenizer, load_tokenizer
 from nemo_rl_ext.models.policy import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,11 @@ def weight_by_loss_multiplier(batch: TrainingBatch, records: Sequence[PromptGrou
         for item, m in zip(batch.items, multipliers, strict=True)
     )
     return dataclasses.replace(batch, items=items)
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else tokenizer.eos_token_id)
 
 
 def seed_everything(seed: int) -> None:
@@ -160,29 +166,37 @@ class GRPO:
         # bf16 mixed precision keeps float32 master weights (the engine keeps policy.dtype)
         train_dtype = torch.float32 if cfg.trainer.mixed_precision == "bf16" else dtype
 
-        model, self.tokenizer = load_model_and_tokenizer(model_path, dtype=train_dtype, device=cfg.policy.device)
-        reference = None
-        if lora is not None:  # its reference is itself with the adapters disabled: no copy
-            model = with_lora(model, lora, adapter_dir=checkpoint.model_dir if checkpoint else None)
-        elif cfg.loss.kl_coef > 0:
-            reference, _ = load_model_and_tokenizer(initial_path, dtype=train_dtype, device=cfg.policy.device)
+        self.trainer: PolicyTrainer | DistributedTrainer | None = None
+        model = reference = None
+        if cfg.trainer.workers > 1:  # FSDP2 ranks on Ray load the policy: this process holds no trainer copy
+            self.tokenizer = load_tokenizer(model_path)
+            self.trainer = DistributedTrainer(
+                rank_spec(cfg, model_path, initial_path if cfg.loss.kl_coef > 0 else None, _pad_id(self.tokenizer)),
+                cfg.trainer, cfg.policy.cluster,
+            )
+        else:
+            model, self.tokenizer = load_model_and_tokenizer(model_path, dtype=train_dtype, device=cfg.policy.device)
+            if lora is not None:  # its reference is itself with the adapters disabled: no copy
+                model = with_lora(model, lora, adapter_dir=checkpoint.model_dir if checkpoint else None)
+            elif cfg.loss.kl_coef > 0:
+                reference, _ = load_model_and_tokenizer(initial_path, dtype=train_dtype, device=cfg.policy.device)
         if not loads_model_folder(cfg.policy):  # an in-process hf engine: its own copy of the weights
             engine_model, _ = load_model_and_tokenizer(model_path, dtype=dtype, device=cfg.policy.device)
             _, engine = build_policy(cfg.policy, model=engine_model, tokenizer=self.tokenizer)
         else:  # vllm, or a Ray pool, loads the initial model folder itself; a resumed run refits it below
             _, engine = build_policy(cfg.policy, tokenizer=self.tokenizer)
         self.generation = SaltedGeneration(engine)
-        pad = self.tokenizer.pad_token_id
-        self.trainer = PolicyTrainer(
-            model,
-            optimizer=cfg.optimizer,
-            loss=cfg.loss.to_loss_config(),
-            temperature=cfg.policy.generation.temperature,
-            pad_token_id=int(pad if pad is not None else self.tokenizer.eos_token_id),
-            reference_model=reference,
-            mixed_precision=cfg.trainer.mixed_precision,
-            activation_checkpointing=cfg.trainer.activation_checkpointing,
-        )
+        if self.trainer is None:
+            self.trainer = PolicyTrainer(
+                model,
+                optimizer=cfg.optimizer,
+                loss=cfg.loss.to_loss_config(),
+                temperature=cfg.policy.generation.temperature,
+                pad_token_id=_pad_id(self.tokenizer),
+                reference_model=reference,
+                mixed_precision=cfg.trainer.mixed_precision,
+                activation_checkpointing=cfg.trainer.activation_checkpointing,
+            )
 
         keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
         train_rows = load_rollout_rows(cfg.rollouts, cfg.data.train_path, **keys) if train_datums is None else ()
@@ -365,6 +379,7 @@ class GRPO:
 
     def _cluster_metrics(self, metrics: dict[str, float]) -> None:
         metrics.update(self.generation.metrics())  # a Ray pool: per-replica counters (cluster/...)
+        metrics.update(self.trainer.refit_metrics())  # trainer ranks: bytes and seconds of the last gather
 
     def validate(self) -> dict[str, float]:
         """Roll out the validation prompts with the current weights; eval metrics under `val/`."""
@@ -602,9 +617,12 @@ class GRPO:
         try:
             self._runner.run(self.manager.shutdown())
         finally:
-            self.generation.shutdown()
-            self._runner.close()
-            self.logger.close()
+            try:
+                self.generation.shutdown()
+            finally:
+                self.trainer.close()  # trainer ranks: killed, none left behind
+                self._runner.close()
+                self.logger.close()
 
     def __enter__(self) -> GRPO:
         return self

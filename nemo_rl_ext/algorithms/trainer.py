@@ -272,6 +272,13 @@ class PolicyTrainer:
             return merged_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
+    def refit_metrics(self) -> dict[str, float]:
+        """Metrics of the last `state_dict` hand-over: none here (the weights are not copied)."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release (the model is freed with this object)."""
+
 
 @torch.no_grad()
 def _gen_kl(trainer_lp: torch.Tensor, gen_lp: torch.Tensor, mask: torch.Tensor) -> float:

@@ -68,8 +68,16 @@ class TrainerSettings(StrictModel):
     worker: TrainerWorkerSettings = Field(default_factory=TrainerWorkerSettings)
 
 
+WITH_WORKERS_UNBUILT: dict[str, tuple[Any, str]] = {
+    "sharding": ("fsdp2", "replicated ranks (sharding: none)"),
+    "mixed_precision": (None, "bf16 mixed precision"),
+    "activation_checkpointing": (False, "activation checkpointing"),
+    "cpu_offload": (False, "CPU offload"),
+    "lora": (None, "LoRA adapters"),
+}
+"""Settings not built yet for `workers > 1` (FSDP2 ranks): the only value accepted there, and the feature."""
+
 UNBUILT: dict[str, tuple[Any, str]] = {
-    "workers": (1, "more than one trainer rank (FSDP2 workers on Ray)"),
     "cpu_offload": (False, "CPU offload"),
 }
 """Settings whose feature is not built yet: the only value accepted, and what the feature is. A feature that
@@ -87,6 +95,13 @@ def trainer_rule_problems(data: Mapping[str, Any], device: str) -> list[RuleProb
         value = raw_field(TrainerSettings, trainer, name)
         if value is not INVALID and value != accepted:
             problems.append((("trainer", name), f"{feature} is not built yet: only {accepted!r} is accepted", value))
+    workers = raw_field(TrainerSettings, trainer, "workers")
+    if workers is not INVALID and workers > 1:
+        for name, (accepted, feature) in WITH_WORKERS_UNBUILT.items():
+            value = raw_field(TrainerSettings, trainer, name)
+            if value is not INVALID and value != accepted and name not in UNBUILT:
+                problems.append((("trainer", name), f"{feature} with trainer.workers > 1 is not built yet: only "
+                                 f"{accepted!r} is accepted there", value))
     offload = raw_field(TrainerSettings, trainer, "cpu_offload")
     if offload is True and str(device).startswith("cpu") and "cpu_offload" not in UNBUILT:
         problems.append(

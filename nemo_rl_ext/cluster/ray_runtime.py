@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 from nemo_rl_ext.models.config import ClusterConfig
 
@@ -26,6 +31,23 @@ def init_ray(cfg: ClusterConfig | None = None) -> bool:
 
     if ray.is_initialized():
         return False
+    with _keeping_sigterm_handler():
+        _start_or_join(ray, cfg)
+    return True
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """Keep the caller's own SIGTERM handler (e.g. `lifecycle.stop_on_signals`: checkpoint, then exit):
+    `ray.init` replaces it with one that exits at once. A default handler is left to Ray's."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    yield
+    if main and callable(previous):
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _start_or_join(ray: Any, cfg: ClusterConfig) -> None:
     if cfg.address is None:
         ray.init(
             num_cpus=cfg.local_num_cpus,
@@ -38,7 +60,6 @@ def init_ray(cfg: ClusterConfig | None = None) -> bool:
     else:
         ray.init(address=cfg.address, log_to_driver=True, configure_logging=False)
         logger.info("joined the Ray cluster at %s: %s", cfg.address, ray.cluster_resources())
-    return True
 
 
 def keep_ray_on_loopback() -> None:

@@ -62,7 +62,10 @@ GRPO_RESUME_MAY_CHANGE: tuple[str, ...] = (
     "validation",
     "data.val_path",
     "logger",
+    "trainer.workers",
+    "trainer.worker",
 )
 """Keys (and sections) that may differ between a GRPO run and its resumption: how long to train, when to
-checkpoint and validate and on what, where logs and outputs go, the hf batch size, and where the Gym servers
-listen. None of them changes a training step's rollouts or update."""
+checkpoint and validate and on what, where logs and outputs go, the hf batch size, where the Gym servers
+listen, and how many trainer ranks train (a checkpoint holds full weights and the optimizer state in torch's
+layout, whatever the count). None of them changes a training step's rollouts or update."""

@@ -1,0 +1,309 @@
+"""One trainer rank: a Ray actor that holds an FSDP2 shard of the policy (and of the reference model) and runs
+the micro-batches the driver (`distributed_trainer.DistributedTrainer`) hands it.
+
+Every rank runs the same collectives in the same order, or the ranks hang: FSDP2 all-gathers each decoder
+layer in every forward and reduce-scatters its gradient in every backward. So the driver gives every rank
+the same number of micro-batch slots per pass (a rank without a micro-batch runs a dummy one whose loss is
+0), and the forward of a slot always runs the model exactly once (the in-process trainer's prompt-prefix
+sharing runs the decoder once or twice depending on the data, so ranks do not use it). The loss of each
+micro-batch is divided by the GLOBAL token (or sequence) count the driver computed over the whole
+minibatch, and FSDP sums the gradients over ranks (divide factor 1), so the ranks' update is the one the
+in-process trainer computes on the whole minibatch. Collectives time out (`COLLECTIVE_TIMEOUT_S`), so a
+dead peer never hangs a rank for ever; the driver notices a dead actor at once anyway.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
+from nemo_rl_ext.algorithms.logprobs import right_pad, token_logprobs
+from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
+from nemo_rl_ext.algorithms.trainer import _gen_kl
+from nemo_rl_ext.models.loading import load_model_and_tokenizer
+
+COLLECTIVE_TIMEOUT_S = 300.0
+"""How long a rank waits in one collective (gloo / NCCL) before it fails instead of hanging."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank builds: the model folders, the optimizer and the loss."""
+
+    model_path: str
+    """The policy's weights (the initial model, or a checkpoint's `policy/` folder)."""
+    reference_path: str | None
+    """The KL reference model's folder (the initial policy); None without a KL term."""
+    dtype: str
+    """The policy's torch dtype name (`policy.dtype`)."""
+    device: str
+    """`cpu` or `cuda` (each GPU rank sees the one GPU Ray gave it)."""
+    optimizer: OptimizerSettings
+    """The AdamW and batching settings."""
+    loss: ClippedPGLossConfig
+    """The clipped policy-gradient loss."""
+    temperature: float
+    """The sampling temperature the logprobs divide the logits by."""
+    pad_token_id: int
+    """The id that right-pads a micro-batch."""
+
+
+Slot = Sequence[CompletionTensors] | None
+"""One micro-batch of a pass, or None: the rank runs a dummy micro-batch (its peers have a real one)."""
+
+
+class _LogprobPass(torch.nn.Module):
+    """The FSDP root module: one forward = the scored-token logprobs of a micro-batch; it always runs the
+    decoder once and the LM head (every rank runs the same collectives, whatever its micro-batch holds)."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
+        super().__init__()
+        self.model = model
+        self.temperature = temperature
+
+    def forward(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] >= 2 and bool((mask[:, 1:] != 0).any()):
+            return token_logprobs(self.model, ids, attention, self.temperature, score_mask=mask)
+        states = self.model.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False)
+        head = self.model.get_output_embeddings()(states.last_hidden_state[:, :1])
+        return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device) + 0.0 * head.float().sum()
+
+
+def shard_model(model: torch.nn.Module, temperature: float) -> _LogprobPass:
+    """FSDP2: `fully_shard` on each decoder layer, then on the root (the logprob pass around the model);
+    gradients summed over ranks (each rank's loss is already divided by the global count)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder `layers` to shard")
+    units = [fully_shard(layer) for layer in layers]
+    root = fully_shard(_LogprobPass(model, temperature))
+    for unit in [*units, root]:  # per module: a root's setting does not reach its children
+        unit.set_gradient_divide_factor(1.0)
+        if hasattr(unit, "set_force_sum_reduction_for_comms"):  # torch >= 2.8
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return root
+
+
+class TrainerRank:
+    """One rank of the distributed trainer (hosted by `ray.remote`); the driver calls every rank alike."""
+
+    def __init__(self, rank: int, world_size: int, torch_threads: int | None = 1) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)  # Ray does not cap torch threads
+        self.rank, self.world_size = rank, world_size
+        self.policy: Any = None
+        self.reference: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def where(self) -> dict[str, Any]:
+        """This rank's node, IP address and pid, and (for rank 0) a free port for the rendezvous."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "ip": ip,
+                                "node_id": ray.get_runtime_context().get_node_id()}
+        if self.rank == 0:
+            with socket.socket() as sock:
+                sock.bind((ip, 0))
+                info["port"] = sock.getsockname()[1]
+        return info
+
+    def setup(self, master: str, port: int, spec: RankSpec) -> int:
+        """Join the process group, load and shard the policy (and the reference); returns the parameter count."""
+        import torch.distributed as dist
+
+        self.spec = spec
+        self.device = torch.device("cuda", 0) if spec.device.startswith("cuda") else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo", init_method=f"tcp://{master}:{port}",
+            rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        dtype = getattr(torch, spec.dtype)
+        model, _ = load_model_and_tokenizer(spec.model_path, dtype=dtype, device=str(self.device))
+        self.model = model
+        self.policy = shard_model(model, spec.temperature)
+        if spec.reference_path is not None:
+            reference, _ = load_model_and_tokenizer(spec.reference_path, dtype=dtype, device=str(self.device))
+            self.reference = shard_model(reference.eval().requires_grad_(False), spec.temperature)
+        self.parameters = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = spec.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.parameters, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+            fused=True if self.device.type in ("cpu", "cuda") else None,
+        )
+        return sum(p.numel() for p in model.parameters())
+
+    # ---- passes -----------------------------------------------------------------------------------
+
+    def _batch(self, items: Slot) -> tuple[torch.Tensor, ...]:
+        """(ids, attention, loss mask, generation logprobs), right-padded on the device; a dummy for None."""
+        if items is None:
+            ids = torch.full((1, 2), self.spec.pad_token_id, dtype=torch.int64)
+            return tuple(t.to(self.device) for t in (ids, torch.ones_like(ids), torch.zeros(1, 2), torch.zeros(1, 2)))
+        ids = right_pad([x.token_ids for x in items], self.spec.pad_token_id, torch.int64)
+        attention = right_pad([torch.ones_like(x.token_ids) for x in items], 0, torch.int64)
+        mask = right_pad([x.loss_mask for x in items], 0.0, torch.float32)
+        gen = right_pad([x.generation_logprobs for x in items], 0.0, torch.float32)
+        return tuple(t.to(self.device) for t in (ids, attention, mask, gen))
+
+    @torch.no_grad()
+    def logprobs(self, slots: Sequence[Slot], reference: bool = False) -> list[list[torch.Tensor] | None]:
+        """Per-token logprobs (on the loss mask, 0 elsewhere) of each item of each slot, under the policy or
+        the reference model; None for a dummy slot."""
+        module = self.reference if reference else self.policy
+        was_training = module.training
+        module.eval()
+        out: list[list[torch.Tensor] | None] = []
+        for items in slots:
+            ids, attention, mask, _ = self._batch(items)
+            lp = module(ids, attention, mask).cpu()
+            out.append(None if items is None else [lp[b, : x.token_ids.numel()].clone() for b, x in enumerate(items)])
+        module.train(was_training)
+        return out
+
+    def train_minibatch(
+        self,
+        slots: Sequence[tuple[Sequence[CompletionTensors], torch.Tensor, list | None, list | None] | None],
+        count: float,
+    ) -> tuple[list[dict[str, float] | None], float | None]:
+        """Accumulate this rank's share of one minibatch's gradients (each loss divided by the global `count`),
+        then one optimizer step on the global gradient; returns each slot's loss metrics and the global grad
+        norm (None: no step: nothing trained, or a non-finite gradient)."""
+        assert self.optimizer is not None
+        self.policy.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        out: list[dict[str, float] | None] = []
+        for slot in slots:
+            items, advantages, old, ref = slot if slot is not None else (None, None, None, None)
+            ids, attention, mask, gen = self._batch(items)
+            logprobs = self.policy(ids, attention, mask)
+            if slot is None:
+                if count > 0:
+                    logprobs.sum().backward()  # zero gradients: this rank's share of the collectives
+                out.append(None)
+                continue
+            old_lp = right_pad(old, 0.0, torch.float32).to(self.device) if old else logprobs.detach()
+            ref_lp = right_pad(ref, 0.0, torch.float32).to(self.device) if ref else None
+            loss, metrics = clipped_pg_loss(
+                logprobs, old_lp, advantages.to(self.device), mask, self.spec.loss, generation_logprobs=gen,
+                reference_logprobs=ref_lp, global_normalization_count=count,
+            )
+            metrics["gen_kl/mean"] = _gen_kl(old_lp, gen, mask)
+            if count > 0:
+                loss.backward()
+            out.append(metrics)
+        self.policy.eval()
+        if count == 0:
+            return out, None
+        norm = self._clip_gradients()
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return out, None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return out, norm
+
+    def _clip_gradients(self) -> float:
+        """Clip by the norm of the whole (global) gradient, as `clip_grad_norm_` does on one process: each rank's
+        shards' squared norms, summed over ranks; every rank then scales its shards by the same factor."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.parameters if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for grad in local:
+            squares += grad.detach().float().pow(2).sum()
+        dist.all_reduce(squares)
+        total = squares.sqrt()
+        max_norm = self.spec.optimizer.max_grad_norm
+        if max_norm is not None:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_(local, coef.to(local[0].dtype))
+        return float(total)
+
+    # ---- weights and optimizer state --------------------------------------------------------------
+
+    def tensor_sizes(self) -> list[tuple[str, int, str | None]]:
+        """The policy's state-dict entries in order: (name, bytes, the earlier name it is tied to, or None)."""
+        first: dict[int, str] = {}
+        alias = {}  # tied parameters (an LM head sharing the embedding): the state dict holds two DTensor views
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            alias[name] = first.setdefault(id(param), name)
+        out = []
+        for name, tensor in self.model.state_dict().items():
+            tied = alias.get(name, name)
+            out.append((name, tensor.numel() * tensor.element_size(), None if tied == name else tied))
+        return out
+
+    def trained_names(self) -> list[str]:
+        """The names of the trained parameters, in the order an optimizer over `model.parameters()` numbers them."""
+        return [name for name, param in self.model.named_parameters() if param.requires_grad]
+
+    def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor] | None:
+        """The full tensors of `names` (one all-gather each): on rank 0, on the CPU; None on the others."""
+        from torch.distributed.tensor import DTensor
+
+        state = self.model.state_dict()
+        out = {}
+        for name in names:
+            tensor = state[name].detach()
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if self.rank == 0:
+                out[name] = full.to("cpu", copy=True)
+            del full
+        return out if self.rank == 0 else None
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        """The full AdamW state keyed by parameter name, gathered tensor by tensor (rank 0; None on the others):
+        {"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [hyperparameters]}."""
+        from torch.distributed.tensor import DTensor
+
+        assert self.optimizer is not None
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for name, param in self.model.named_parameters():
+            for key, value in self.optimizer.state.get(param, {}).items():
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                if self.rank == 0:
+                    state.setdefault(name, {})[key] = full.detach().to("cpu", copy=True)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"state": state, "param_groups": groups} if self.rank == 0 else None
+
+    def load_optimizer_state(self, saved: Mapping[str, Any]) -> None:
+        """Load `optimizer_state`'s full state: each rank keeps its shard of every tensor (no communication)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        assert self.optimizer is not None
+        for name, param in self.model.named_parameters():
+            entry = saved["state"].get(name)
+            if entry is None:
+                continue
+            self.optimizer.state[param] = {
+                key: distribute_tensor(value.to(self.device), param.device_mesh, param.placements, src_data_rank=None)
+                if isinstance(param, DTensor) and key != "step" else value.to(self.device)
+                for key, value in entry.items()
+            }
+        for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
+            group.update(hyper)
+
+    def lr(self) -> float:
+        assert self.optimizer is not None
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

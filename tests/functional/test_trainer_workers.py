@@ -1,0 +1,319 @@
+"""`trainer.workers: 2` (FSDP2 ranks as Ray actors, gloo on the CPU) against the in-process trainer on the say-"yes"
+task: the same metrics and weights, no trainer model in the driver, a killed rank named within seconds, and
+impossible resources refused before any model loads. The ranks run on the session's one local Ray (2 CPUs).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from child_env import one_thread_env
+from safetensors.torch import load_file
+from transformers import PreTrainedModel
+
+from nemo_rl_ext.algorithms.distributed_trainer import DistributedTrainer, TrainerWorkerError
+from nemo_rl_ext.algorithms.grpo import GRPO
+from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+from nemo_rl_ext.algorithms.metrics_logger import read_metrics
+from nemo_rl_ext.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "local_ray")
+WORDS = ("apple", "river", "blue", "seven", "cat", "hello", "tree", "water")
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The say-"yes" GRPO config on the soft tiny Qwen2, with a KL term (so the reference model is sharded too)
+    and two minibatches per step (so the old-logprob pass runs on the ranks too)."""
+    from nemo_rl_ext.models.tiny import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("workers_cfg")
+    model = build_tiny_model(folder / "model", seed=0, initializer_range=0.05)
+    data = folder / "say_yes.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Say yes. {w}", "answer": "yes"}) + "\n" for w in WORDS))
+    cfg = {
+        "policy": {
+            "model_name": str(model),
+            "max_model_len": 256,
+            "generation": {"max_new_tokens": 8, "temperature": 1.0, "stop_strings": ["yes"]},
+            "hf": {"scheduler": "static"},
+        },
+        "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
+        "data": {"train_path": str(data)},
+        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": 3, "max_seq_len": 128,
+                 "seed": 42, "save_period": 1},
+        # share_prompt_prefix off: the in-process trainer then runs the forward the ranks run (its prompt-sharing
+        # path differs by float rounding, which Adam's first steps amplify to ~1e-4 on weights whose gradient is
+        # near 0); micro_batch_size 8: each rank one micro-batch of a 16-sample minibatch
+        "optimizer": {"lr": 3.0e-3, "micro_batch_size": 8, "max_grad_norm": 1.0, "minibatches_per_step": 2,
+                      "share_prompt_prefix": False},
+        # truncated importance sampling as in test_grpo.py (with it off, is_weight/truncated_fraction counts the
+        # tokens whose trainer/engine ratio is above 1: float rounding flips those that sit at 1)
+        "loss": {"kl_coef": 0.01, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
+        "trainer": {"worker": {"num_cpus": 1}},
+        "keep_last_checkpoints": None,
+        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+    }
+    path = folder / "grpo_workers.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _trainer_models_in_this_process() -> int:
+    """Causal LMs alive in this process (their inner decoders, PreTrainedModels too, not counted)."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, PreTrainedModel) and type(o).__name__.endswith("ForCausalLM"))
+
+
+def _run(config_file: Path, out: Path, workers: int) -> tuple[list[dict], int]:
+    """Train 3 steps; returns the step metrics and the number of models this process held."""
+    cfg = load_config(config_file, [f"output_dir={out}", f"trainer.workers={workers}"], GRPOConfig)
+    with GRPO(cfg) as grpo:
+        models = _trainer_models_in_this_process()
+        grpo.run()
+    return read_metrics(out / "metrics.jsonl"), models
+
+
+@pytest.fixture(scope="module")
+def runs(config_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, list[dict], int]]:
+    """3 steps with 1 worker and with 2: {workers: (output_dir, step metrics, causal LMs in this process)}."""
+    out = {}
+    for workers in (1, 2):
+        folder = tmp_path_factory.mktemp(f"workers_{workers}")
+        out[workers] = (folder, *_run(config_file, folder, workers))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_two_fsdp2_ranks_train_as_one_process_does(runs: dict, tmp_path: Path) -> None:
+    (dir_one, one, models_one), (dir_two, two, models_two) = runs[1], runs[2]
+    # the driver of 2 ranks holds the engine's model only; the in-process run holds policy, reference and engine
+    assert (models_one, models_two) == (3, 1)
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two, strict=True):
+        keys = [k for k in a if k.startswith("train/")]
+        assert keys and set(keys) <= set(b)
+        # float32 sums in another order (the gradient summed over ranks, the global norm from shard norms):
+        # measured differences of 1e-7 relative (grad_norm 4e-6); 1e-4 relative holds that and nothing coarser
+        off = {k: (a[k], b[k]) for k in keys if b[k] != pytest.approx(a[k], rel=1e-4, abs=1e-7)}
+        assert not off, off
+        # the rollouts sampled from the refitted engine are the same tokens (the weights agree closely enough)
+        assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
+        assert b["refit/bytes"] == a["refit/bytes"] > 0  # the same tensors handed to the engine
+        assert b["refit/gathered_bytes"] > 0 and b["timing/refit/gather_seconds"] > 0 and b["refit/buckets"] == 1
+        assert "refit/gathered_bytes" not in a
+    for step in (1, 2, 3):
+        w1 = load_file(dir_one / "checkpoints" / f"step_{step:08d}" / "policy" / "model.safetensors")
+        w2 = load_file(dir_two / "checkpoints" / f"step_{step:08d}" / "policy" / "model.safetensors")
+        assert w1.keys() == w2.keys()
+        initial = load_file(Path(load_config(dir_one / "config.yaml", [], GRPOConfig).policy.model_name)
+                            / "model.safetensors")
+        moved = [k for k in w1 if not torch.equal(w1[k], initial[k])]
+        assert len(moved) > len(w1) // 2  # trained: the comparison below compares updates
+        for name in w1:
+            if name.endswith("k_proj.bias"):
+                # its true gradient is 0 (a constant added to every key shifts all of a query's scores alike,
+                # which the softmax ignores): what it gets is float noise, which Adam normalises into steps of
+                # up to lr, different for any change in summation order (measured 2.6e-5 apart at step 3)
+                torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=2 * 3.0e-3 * step)
+                continue
+            # weights up to 0.23; measured at most 1.2e-6 apart (elsewhere much less): 1e-5 relative, plus
+            # 2e-6 absolute for the weights near 0 (lr is 3e-3: a wrong update would be ~1e-3 off)
+            torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=2e-6, msg=lambda m, step=step: f"step {step}: {m}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_onto_another_worker_count(runs: dict, saved_by: int, resumed_by: int,
+                                                        tmp_path: Path) -> None:
+    """Step 2's checkpoint of one run, resumed with the other worker count: its step 3 is the uninterrupted
+    runs' step 3 (the same rollouts; train/ metrics as close as 1 and 2 workers always are)."""
+    source, _, _ = runs[saved_by]
+    out = tmp_path / "resumed"
+    shutil.copytree(source, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    cfg = load_config(out / "config.yaml", [f"output_dir={out}", "resume=true", f"trainer.workers={resumed_by}"],
+                      GRPOConfig)
+    with GRPO(cfg) as grpo:
+        assert grpo.step == 2
+        grpo.run()
+    (resumed,) = [m for m in read_metrics(out / "metrics.jsonl") if m["step"] == 3]
+    for workers in (1, 2):
+        (expected,) = [m for m in runs[workers][1] if m["step"] == 3]
+        for key, value in expected.items():
+            if key.startswith("train/"):
+                assert resumed[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (workers, key)
+            elif key.startswith("rollout/") and "time_s" not in key:  # what the sampled tokens decide
+                assert resumed[key] == value, (workers, key)
+
+
+@pytest.mark.timeout(300)
+def test_async_grpo_on_two_ranks_trains_as_one_process_does(config_file: Path, tmp_path: Path) -> None:
+    """`grpo.async` (max_lag 1): the trainer thread drives the ranks; the steps match one worker's."""
+    history = {}
+    for workers in (1, 2):
+        cfg = load_config(config_file, [f"output_dir={tmp_path / str(workers)}", f"trainer.workers={workers}",
+                                        "grpo.async.enabled=true", "grpo.async.max_lag=1", "grpo.save_period=0"],
+                          GRPOConfig)
+        with GRPO(cfg) as grpo:
+            history[workers] = grpo.run()
+    assert [m["step"] for m in history[2]] == [1, 2, 3]
+    for a, b in zip(history[1], history[2], strict=True):
+        assert b["train/optimizer_steps"] == 2 and b["refit/gathered_bytes"] > 0
+        assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
+        off = {k: (a[k], b[k]) for k in a if k.startswith("train/") and b[k] != pytest.approx(a[k], rel=1e-4, abs=1e-7)}
+        assert not off, off
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_mid_step_stops_the_run_naming_it(config_file: Path, tmp_path: Path) -> None:
+    cfg = load_config(config_file, [f"output_dir={tmp_path}", "trainer.workers=2", "grpo.max_num_steps=20"],
+                      GRPOConfig)
+    killed: dict[str, float] = {}
+    with GRPO(cfg) as grpo:
+        trainer = grpo.trainer
+        assert isinstance(trainer, DistributedTrainer)
+        victim = trainer.workers[1]
+        train_step = trainer.train_step
+
+        def kill_during(items, advantages):  # SIGKILL rank 1 while this step's passes run on the ranks
+            def kill() -> None:
+                time.sleep(0.2)
+                killed["at"] = time.monotonic()
+                os.kill(victim["pid"], signal.SIGKILL)
+
+            threading.Thread(target=kill, daemon=True).start()
+            return train_step(items, advantages)
+
+        trainer.train_step = kill_during
+        with pytest.raises(TrainerWorkerError) as err:
+            grpo.run()
+        raised = time.monotonic()
+    assert raised - killed["at"] < 30
+    message = str(err.value)
+    assert "rank 1" in message and str(victim["pid"]) in message and victim["node_id"] in message
+    assert "died" in message, message
+
+
+def test_more_ranks_than_the_cluster_has_cpus_is_refused_before_any_model_loads(
+    config_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nemo_rl_ext.algorithms.grpo as grpo_module
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(grpo_module, "load_model_and_tokenizer", no_model)
+    cfg = load_config(config_file, [f"output_dir={tmp_path}", "trainer.workers=3"], GRPOConfig)
+    with pytest.raises(ConfigError, match=r"trainer.workers=3 x trainer.worker.num_cpus=1 needs 3 CPUs, the Ray "
+                                          r"cluster has 2"):
+        GRPO(cfg)
+
+
+@pytest.mark.timeout(300)
+def test_uneven_micro_batches_logprobs_and_optimizer_state_match_the_in_process_trainer(config_file: Path) -> None:
+    """11 completions in micro-batches of 4: 3 micro-batches, so rank 1 runs a dummy one in its second slot; a
+    sequence without trained tokens and a completion shorter than its peers ride along."""
+    from nemo_rl_ext.algorithms.distributed_trainer import rank_spec
+    from nemo_rl_ext.algorithms.loss import CompletionTensors
+    from nemo_rl_ext.algorithms.trainer import PolicyTrainer
+    from nemo_rl_ext.models.loading import load_model_and_tokenizer
+
+    cfg = load_config(config_file, ["trainer.workers=2", "optimizer.micro_batch_size=4",
+                                    "optimizer.minibatches_per_step=1"], GRPOConfig)
+    path = cfg.policy.model_name
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for i in range(11):
+        ids = torch.randint(0, 1000, (6 + 2 * i,), generator=g)
+        mask = torch.zeros(ids.numel())
+        mask[5:] = 0.0 if i == 4 else 1.0
+        items.append(CompletionTensors(ids, mask, -torch.rand(ids.numel(), generator=g) * mask))
+    advantages = torch.randn(11, generator=g)
+    model, _ = load_model_and_tokenizer(path)
+    reference, _ = load_model_and_tokenizer(path)
+    local = PolicyTrainer(model, optimizer=cfg.optimizer, loss=cfg.loss.to_loss_config(), temperature=1.0,
+                          pad_token_id=0, reference_model=reference)
+    ranks = DistributedTrainer(rank_spec(cfg, path, path, 0), cfg.trainer, cfg.policy.cluster)
+    try:
+        for _ in range(2):
+            expected, got = local.train_step(items, advantages), ranks.train_step(items, advantages)
+            assert got.keys() == expected.keys()
+            assert got == pytest.approx(expected, rel=1e-4, abs=1e-7)
+        for a, b in zip(local.logprobs(items), ranks.logprobs(items), strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)  # logprobs down to -10
+        weights = local.state_dict()
+        gathered = ranks.state_dict()
+        assert gathered.keys() == weights.keys()
+        assert gathered["lm_head.weight"] is gathered["model.embed_tokens.weight"]  # tied: gathered once
+        state = ranks.optimizer.state_dict()
+        local_state = local.optimizer.state_dict()  # torch's layout: the same on one process and on ranks
+        assert state["state"].keys() == local_state["state"].keys()
+        assert state["param_groups"] == local_state["param_groups"]
+        for i, entry in state["state"].items():
+            assert entry.keys() == local_state["state"][i].keys()
+            assert torch.equal(entry["step"], local_state["state"][i]["step"])
+        local.optimizer.load_state_dict(state)  # what a resume from 2 workers onto 1 does
+        ranks.train_step(items, advantages)  # moves the optimizer state on; loading puts it back
+        ranks.optimizer.load_state_dict(state)
+        again = ranks.optimizer.state_dict()
+        for name, entry in state["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(again["state"][name][key], value), (name, key)
+    finally:
+        ranks.close()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_checkpoints_and_leaves_no_trainer_rank_behind(config_file: Path, tmp_path: Path) -> None:
+    """examples/run_grpo.py with 2 ranks on its own local Ray (2 cores here): SIGTERM after step 1 exits 143 with a resumable
+    checkpoint, and every rank process (and the rest of that Ray) is gone."""
+    import psutil
+    from gym_processes import descendants, wait_until_gone
+
+    from nemo_rl_ext.algorithms.checkpoint import latest_checkpoint, load_checkpoint
+
+    cmd = [sys.executable, str(REPO / "examples" / "run_grpo.py"), "--config", str(config_file),
+           f"output_dir={tmp_path}", "trainer.workers=2",  # policy.cluster null: a local Ray of every core
+           "grpo.max_num_steps=100", "grpo.save_period=0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics_file = tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not any(m.get("step", 0) >= 1 for m in read_metrics(metrics_file)):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no step 1 after 180 s"
+            time.sleep(0.05)
+        ranks = [pid for pid in descendants(proc.pid) if "TrainerRank" in " ".join(_cmdline(psutil, pid))]
+        everything = descendants(proc.pid)
+        assert len(ranks) == 2, [(pid, _cmdline(psutil, pid)) for pid in everything]
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert wait_until_gone(ranks, [], within_s=10) < 10, [pid for pid in ranks if psutil.pid_exists(pid)]
+    assert wait_until_gone(everything, [], within_s=20) < 20
+    assert load_checkpoint(latest_checkpoint(tmp_path / "checkpoints")).step >= 1
+
+
+def _cmdline(psutil, pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []

@@ -1,0 +1,58 @@
+"""`trainer.workers > 1`: what the config accepts, what it refuses by name, and the resource check made before
+any model loads (the ranks themselves: tests/functional/test_trainer_workers.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_rl_ext.algorithms.distributed_trainer import check_trainer_resources
+from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+from nemo_rl_ext.algorithms.trainer_config import TrainerSettings
+from nemo_rl_ext.config import ConfigError, load_config
+
+SHIPPED = "examples/configs/grpo_smollm2.yaml"
+
+
+def test_two_fsdp2_workers_are_accepted():
+    cfg = load_config(SHIPPED, ["trainer.workers=2", "trainer.worker.num_cpus=0.5"], GRPOConfig)
+    assert (cfg.trainer.workers, cfg.trainer.sharding, cfg.trainer.worker.num_cpus) == (2, "fsdp2", 0.5)
+
+
+def test_replicated_ranks_are_refused_by_name_with_workers():
+    with pytest.raises(ConfigError, match=r"trainer.sharding: replicated ranks .* trainer.workers > 1 is not built"):
+        load_config(SHIPPED, ["trainer.workers=2", "trainer.sharding=none"], GRPOConfig)
+    assert load_config(SHIPPED, ["trainer.sharding=none"], GRPOConfig).trainer.sharding == "none"  # 1 worker
+
+
+def test_more_ranks_than_the_cluster_holds_is_one_error_naming_every_short_resource():
+    settings = TrainerSettings(workers=4, worker={"num_cpus": 1, "num_gpus": 1})
+    with pytest.raises(ConfigError) as err:
+        check_trainer_resources(settings, {"CPU": 2.0, "GPU": 1.0})
+    text = str(err.value)
+    assert "trainer.workers=4 x trainer.worker.num_cpus=1 needs 4 CPUs, the Ray cluster has 2" in text
+    assert "trainer.workers=4 x trainer.worker.num_gpus=1 needs 4 GPUs, the Ray cluster has 1" in text
+
+
+def test_ranks_that_fit_pass_the_resource_check():
+    check_trainer_resources(TrainerSettings(workers=4, worker={"num_cpus": 0.5}), {"CPU": 2.0})
+    check_trainer_resources(TrainerSettings(workers=2, worker={"num_cpus": 1, "num_gpus": 1}), {"CPU": 8, "GPU": 2})
+
+
+def test_the_generation_pool_on_the_same_ray_counts_too():
+    from nemo_rl_ext.cluster import ClusterConfig
+
+    pool = ClusterConfig(num_replicas=2, replica={"num_cpus": 1})
+    with pytest.raises(ConfigError, match=r"trainer.workers=2 x trainer.worker.num_cpus=1 \+ policy.cluster."
+                                          r"num_replicas=2 x policy.cluster.replica.num_cpus=1 needs 4 CPUs, the Ray "
+                                          r"cluster has 3"):
+        check_trainer_resources(TrainerSettings(workers=2), {"CPU": 3.0}, pool)
+    check_trainer_resources(TrainerSettings(workers=2), {"CPU": 4.0}, pool)
+
+
+@pytest.mark.parametrize("override", ["trainer.lora.r=8", "trainer.mixed_precision=bf16",
+                                      "trainer.activation_checkpointing=true"])
+def test_in_process_trainer_features_are_refused_with_workers_by_name(override):
+    key = override.split("=")[0].split(".")[:2]
+    with pytest.raises(ConfigError, match=rf"{'.'.join(key)}: .* with trainer.workers > 1 is not built yet"):
+        load_config(SHIPPED, ["trainer.workers=2", override], GRPOConfig)
+    load_config(SHIPPED, [override], GRPOConfig)  # one worker: built
