@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_status(summary, retry: str) -> int:
-    """2 when rows were refused as malformed (data errors: fix the rows), else 3 when more samples ended as
+    """2 when rows were refused as malformed (data errors: fix the rows and re-run), else 3 when more samples ended as
     infrastructure errors than eval.max_error_rate allows (`retry` says how to retry them), else 0."""
     from nemo_rl_ext.evals.report import data_error_note
 

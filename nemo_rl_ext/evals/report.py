@@ -120,8 +120,8 @@ def data_error_note(summary: EvalSummary) -> str:
     return (
         f"{summary.num_data_errors} sample(s) are data errors: NeMo Gym refused dataset row(s) {rows}{more} of "
         f"{summary.dataset_path} as malformed (an HTTP 4xx; completions.jsonl has its answer). They are not "
-        "scored and not retried (the same rows would be refused again): fix the rows and evaluate them into a new "
-        "eval.save_path."
+        "scored and not retried while the rows are unchanged (they would be refused again): fix the rows in the "
+        "dataset and re-run the same command; only those rows are rolled out again."
     )
 
 

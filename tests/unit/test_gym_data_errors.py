@@ -10,9 +10,11 @@ import json
 from pathlib import Path
 
 import orjson
+import pytest
 from test_gym_collection import row
 from test_gym_rollouts import gym_datum, gym_manager
 
+from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.data.records import DATA_ERROR, ERROR_KIND, StopReason
 from nemo_rl_ext.evals.config import EvalConfig, input_problems
 from nemo_rl_ext.evals.driver import run_eval_async
@@ -177,11 +179,8 @@ async def test_a_refused_row_that_was_fixed_is_rolled_out_again_on_resume(
     # another row changed too (one with results): refused as a changed dataset, nothing sent or written
     before, sent = (tmp_path / "out" / "completions.jsonl").read_bytes(), len(agents.rows)
     data.write_text("".join(json.dumps(r) + "\n" for r in [row("changed", "agent_alpha"), row("fixed", "agent_alpha")]))
-    try:
+    with pytest.raises(ConfigError, match=r"1 of the 2 rows they cover differ \(rows 0\)"):
         await run_eval_async(cfg, generation=policy, progress=False)
-        raise AssertionError("a changed row with results must refuse the resume")
-    except Exception as exc:  # ConfigError
-        assert "1 of the 2 rows they cover differ (rows 0)" in str(exc)
     assert (tmp_path / "out" / "completions.jsonl").read_bytes() == before and len(agents.rows) == sent
 
     # only the refused row fixed: the resume rolls its 2 samples out again, from the fixed row
