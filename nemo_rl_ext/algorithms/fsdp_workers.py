@@ -104,6 +104,7 @@ class TrainerRank:
         self.policy: Any = None
         self.reference: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self._listen: socket.socket | None = None  # rank 0: the rendezvous socket (`where`, else `setup`)
 
     def where(self) -> dict[str, Any]:
         """This rank's node, IP address and pid, and (for rank 0) a free port for the rendezvous."""
@@ -112,10 +113,11 @@ class TrainerRank:
         ip = ray.util.get_node_ip_address()
         info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "ip": ip,
                                 "node_id": ray.get_runtime_context().get_node_id()}
-        if self.rank == 0:
-            with socket.socket() as sock:
-                sock.bind((ip, 0))
-                info["port"] = sock.getsockname()[1]
+        if self.rank == 0:  # the rendezvous listens on this socket, bound to the node's address only (no race)
+            self._listen = socket.socket()
+            self._listen.bind((ip, 0))
+            self._listen.listen()
+            info["port"] = self._listen.getsockname()[1]
         return info
 
     def setup(self, master: str, port: int, spec: RankSpec) -> int:
@@ -126,9 +128,17 @@ class TrainerRank:
         self.device = torch.device("cuda", 0) if spec.device.startswith("cuda") else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        # torch's own TCPStore server would listen on every interface; rank 0's listens on the socket `where`
+        # bound to the node's address (127.0.0.1 on a local Ray)
+        if self.rank == 0 and self._listen is None:  # set up without `where` (no Ray: scripts/gpu_check.py)
+            self._listen = socket.create_server((master, port))
+        listen_fd = self._listen.fileno() if self._listen is not None else None
+        store = dist.TCPStore(master, port, self.world_size, self.rank == 0, timeout, wait_for_workers=False,
+                              master_listen_fd=listen_fd)
         dist.init_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo", init_method=f"tcp://{master}:{port}",
-            rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            "nccl" if self.device.type == "cuda" else "gloo", store=store,
+            rank=self.rank, world_size=self.world_size, timeout=timeout,
         )
         dtype = getattr(torch, spec.dtype)
         model, _ = load_model_and_tokenizer(spec.model_path, dtype=dtype, device=str(self.device))
@@ -307,3 +317,6 @@ class TrainerRank:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._listen is not None:
+            self._listen.close()
+            self._listen = None

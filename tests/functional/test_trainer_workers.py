@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -72,17 +73,39 @@ def config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _trainer_models_in_this_process() -> int:
-    """Causal LMs alive in this process (their inner decoders, PreTrainedModels too, not counted)."""
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, PreTrainedModel) and type(o).__name__.endswith("ForCausalLM"))
+class _CausalLMs:
+    """Records every causal LM built in this process while active (weak references), to count those alive.
+    Not `gc.get_objects()`: it takes a reference to every object, tuples that another thread is still building
+    included, and a grading pool's manager thread then died with "SystemError: bad argument to internal
+    function" (seen in this test's xdist worker)."""
+
+    def __init__(self) -> None:
+        self.built: list[weakref.ref] = []
+
+    def __enter__(self) -> _CausalLMs:
+        original = self.original = PreTrainedModel.__init__
+
+        def init(model, *args, **kwargs):
+            original(model, *args, **kwargs)
+            if type(model).__name__.endswith("ForCausalLM"):  # their inner decoders are PreTrainedModels too
+                self.built.append(weakref.ref(model))
+
+        PreTrainedModel.__init__ = init
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PreTrainedModel.__init__ = self.original
+
+    def alive(self) -> int:
+        gc.collect()
+        return sum(1 for ref in self.built if ref() is not None)
 
 
 def _run(config_file: Path, out: Path, workers: int) -> tuple[list[dict], int]:
     """Train 3 steps; returns the step metrics and the number of models this process held."""
     cfg = load_config(config_file, [f"output_dir={out}", f"trainer.workers={workers}"], GRPOConfig)
-    with GRPO(cfg) as grpo:
-        models = _trainer_models_in_this_process()
+    with _CausalLMs() as lms, GRPO(cfg) as grpo:
+        models = lms.alive()
         grpo.run()
     return read_metrics(out / "metrics.jsonl"), models
 
