@@ -45,11 +45,30 @@ def events(root: Path) -> list[dict]:
     return [json.loads(x) for x in (root / EVENTS_FILE).read_text().splitlines()]
 
 
+def wait_for_each_other(folder: Path, deadline_s: float = 120.0):
+    """A worker hook (pickled by value): after its first prompt is on disk, a worker waits (at most `deadline_s`)
+    until the other worker has written one too. Workers start seconds apart (a new Ray process, torch, the model,
+    the grading pool), and the tiny model's 24 prompts take one worker about as long: without the wait, which
+    worker pulls what is a race (one worker pulled all 24 once on a loaded machine)."""
+
+    def on_written(worker: str, group: int, prompt: int) -> None:
+        mine = folder / worker
+        if mine.exists():
+            return
+        mine.write_text(f"{prompt}\n")
+        end = time.monotonic() + deadline_s
+        while len(list(folder.iterdir())) < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+
+    return on_written
+
+
 @pytest.mark.timeout(400)
 def test_two_ray_workers_merge_to_the_bytes_of_one_shard(local_ray, tiny_model_dir, one_shard, tmp_path) -> None:
-    root = tmp_path / "ray"
-    result = run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", "eval.max_concurrent_prompts=1",
-                             WORKER_CPUS), progress=False)
+    root, met = tmp_path / "ray", tmp_path / "first-prompts"
+    met.mkdir()
+    result = run_ray_eval(config(tiny_model_dir, root, "eval.ray_workers=2", "eval.max_concurrent_prompts=1",
+                                 WORKER_CPUS), progress=False, on_written=wait_for_each_other(met))
     assert result.complete and result.summary is not None
     assert result.groups_generated == NUM_PROMPTS and result.completions_written == NUM_PROMPTS * SAMPLES
 
