@@ -142,17 +142,17 @@ def save_checkpoint(
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         files = {}
         for file in sorted(f for f in tmp.rglob("*") if f.is_file()):
-            _fsync(file)
+            fsync_path(file)
             files[file.relative_to(tmp).as_posix()] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
         (tmp / MARKER_FILE).write_text(json.dumps({"step": int(step), "files": files}, indent=2))
-        _fsync(tmp / MARKER_FILE)
+        fsync_path(tmp / MARKER_FILE)
         tmp.chmod(0o755)
         if final.exists():  # replacing a checkpoint of the same step: move the old one aside first
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-old", dir=root))
             final.rename(old / final.name)
             shutil.rmtree(old, ignore_errors=True)
         tmp.rename(final)
-        _fsync(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -167,7 +167,7 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush a file's (or a folder's entries') data to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:

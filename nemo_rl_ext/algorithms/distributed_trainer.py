@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from nemo_rl_ext.algorithms.fsdp_workers import RankSpec, TrainerRank
-from nemo_rl_ext.algorithms.trainer import _MetricSums
+from nemo_rl_ext.algorithms.trainer import _MetricSums, minibatch_bounds
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings
 from nemo_rl_ext.cluster import ClusterConfig, init_ray
 from nemo_rl_ext.config import ConfigError
@@ -157,12 +157,8 @@ class DistributedTrainer:
 
     def train_step(self, items: Sequence[Any], advantages: torch.Tensor) -> dict[str, float]:
         """One GRPO update (as `PolicyTrainer.train_step`), its micro-batches spread over the ranks."""
-        if len(items) != advantages.numel():
-            raise ValueError(f"{len(items)} completions but {advantages.numel()} advantages")
-        if not items:
-            raise ValueError("train_step needs at least one completion")
-        n_mini = min(self.settings.minibatches_per_step, len(items))
-        bounds = [round(i * len(items) / n_mini) for i in range(n_mini + 1)]
+        bounds = minibatch_bounds(len(items), advantages, self.settings.minibatches_per_step)
+        n_mini = len(bounds) - 1
         old = self.logprobs(items) if n_mini > 1 else None
         ref = self.logprobs(items, reference=True) if self.spec.reference_path is not None else None
         sums, grad_norms, skipped = _MetricSums(), [], 0

@@ -18,7 +18,6 @@ a checkpoint with LoRA adapters (a peft `adapter_config.json` in `policy/`) will
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from nemo_rl_ext.algorithms.checkpoint import (
     Checkpoint,
     CheckpointError,
     checkpoint_dir,
+    fsync_path,
     list_checkpoints,
     load_checkpoint,
     resumable_checkpoint,
@@ -130,7 +130,7 @@ def export_checkpoint(
         for name in names:
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(checkpoint.model_dir / name, tmp / name)
-            _fsync(tmp / name)
+            fsync_path(tmp / name)
         tmp.chmod(0o755)
         _replace(tmp, out)
     except BaseException:
@@ -175,15 +175,7 @@ def _replace(tmp: Path, out: Path) -> None:
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-old", dir=out.parent))
         out.rename(old / out.name)
     tmp.rename(out)
-    _fsync(out.parent)
+    fsync_path(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
-
-def _fsync(path: Path) -> None:
-    """Flush a file's (or a folder's entries') data to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -45,6 +45,17 @@ _MAX_METRICS = ("policy_ratio/max", "importance_ratio/max")
 _SUM_METRICS = ("loss", "loss/pg", "loss/kl", "num_tokens", "num_sequences")
 
 
+def minibatch_bounds(num_items: int, advantages: torch.Tensor, minibatches_per_step: int) -> list[int]:
+    """The item index where each of a step's minibatches starts, then `num_items` (as even as rounding allows);
+    ValueError unless there is one advantage per item and at least one item."""
+    if num_items != advantages.numel():
+        raise ValueError(f"{num_items} completions but {advantages.numel()} advantages")
+    if not num_items:
+        raise ValueError("train_step needs at least one completion")
+    n_mini = min(minibatches_per_step, num_items)
+    return [round(i * num_items / n_mini) for i in range(n_mini + 1)]
+
+
 class _MetricSums:
     """Combines per-micro-batch loss metrics: token-weighted means, maxima and sums."""
 
@@ -173,12 +184,8 @@ class PolicyTrainer:
         logprobs come from a no-grad pass before the first update. A minibatch without trained tokens
         takes no optimizer step.
         """
-        if len(items) != advantages.numel():
-            raise ValueError(f"{len(items)} completions but {advantages.numel()} advantages")
-        if not items:
-            raise ValueError("train_step needs at least one completion")
-        n_mini = min(self.settings.minibatches_per_step, len(items))
-        bounds = [round(i * len(items) / n_mini) for i in range(n_mini + 1)]
+        bounds = minibatch_bounds(len(items), advantages, self.settings.minibatches_per_step)
+        n_mini = len(bounds) - 1
         old = self.logprobs(items) if n_mini > 1 else None
         has_reference = self.reference_model is not None or (self.lora and self.loss_config.kl_coef != 0.0)
         ref = self.reference_logprobs(items) if has_reference else None
