@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the committed page is stale")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))  # document this checkout's models, whatever the venv has installed
     text = render()
     if args.check:
         if not PAGE.is_file() or PAGE.read_text() != text:
