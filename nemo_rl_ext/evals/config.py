@@ -110,7 +110,7 @@ class EvalSettings(StrictModel):
         ge=1,
         description="Evaluate on N Ray workers (Ray from `policy.cluster`; null there: a local Ray), each with its "
         "own engine and store `<save_path>/[seeds/<seed>/]shards/worker-<k>/`, pulling prompts from a shared "
-        "queue; this process merges when the queue is empty (evals/ray_shards.py). In nemo_gym mode each worker "
+        "queue; this process merges when the queue is empty (evals/ray_lease_queue.py). In nemo_gym mode each worker "
         "serves its own policy server and, with rollouts.gym.launch (mode direct), launches its own Gym.",
     )
     ray_lease_timeout_s: float | None = Field(
@@ -147,7 +147,7 @@ class EvalSettings(StrictModel):
 
     @property
     def on_ray(self) -> bool:
-        """True when the run's prompts are pulled by `ray_workers` Ray workers (ray_shards.py)."""
+        """True when the run's prompts are pulled by `ray_workers` Ray workers (ray_lease_queue.py)."""
         return self.ray_workers is not None
 
     @property
