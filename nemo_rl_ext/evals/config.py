@@ -33,6 +33,7 @@ from nemo_rl_ext.config import (
 from nemo_rl_ext.evals.metrics import metric_defs
 from nemo_rl_ext.evals.shards import ShardSpec
 from nemo_rl_ext.experience.config import RolloutsConfig, largest_count, rollouts_rule_problems
+from nemo_rl_ext.experience.input_checks import dataset_problems, rollouts_problems
 from nemo_rl_ext.gym.config import GymConfig, resolve_gym_path
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import SEED_LIMIT
@@ -371,8 +372,6 @@ def _gym_worker_problems(data: Mapping[str, Any], workers: int) -> list[RuleProb
 def input_problems(cfg: EvalConfig) -> list[str]:
     """What a run of `cfg` would stop on once its model is loaded, found without loading it: a missing model
     folder, a missing or unreadable dataset, rows whose agent has no count in `num_generations_per_prompt`."""
-    from nemo_rl_ext.experience.input_checks import dataset_problems, rollouts_problems
-
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
     problems += rollouts_problems(cfg.rollouts)
     problems += dataset_problems(
