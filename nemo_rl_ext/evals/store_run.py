@@ -86,8 +86,11 @@ async def run_store_async(
     elif complete:
         summary = _summarize(cfg, opened)
         _report(summary, opened)
-    return EvalResult(opened.paths, complete, summary, len(rolled.records), rolled.written, plan.skipped, wall,
-                      metrics, rolled.errors, plan.retried)
+    return EvalResult(
+        paths=opened.paths, complete=complete, summary=summary, groups_generated=len(rolled.records),
+        completions_written=rolled.written, skipped_completions=plan.skipped, wall_time_s=wall,
+        rollout_metrics=metrics, errors_written=rolled.errors, retried=plan.retried,
+    )
 
 
 def _plan(cfg: EvalConfig, opened: OpenStore) -> StorePlan:
