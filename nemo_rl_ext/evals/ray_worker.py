@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.prompt_queue import Item
 from nemo_rl_ext.evals.rollout import roll_out
@@ -71,8 +73,6 @@ class EvalWorker:
     def __init__(self, name: str, cfg: EvalConfig, engine_factory: EngineFactory | None = None,
                  torch_threads: int | None = 1, on_written: OnWritten | None = None) -> None:
         if torch_threads:
-            import torch  # lazy: the heavy import happens in the worker's process, not when this module loads
-
             torch.set_num_threads(torch_threads)  # Ray does not cap torch threads
         self.name = name
         self.on_written = on_written
