@@ -16,7 +16,7 @@ from nemo_rl_ext.evals.merge import merge_run, unfinished_jobs
 from nemo_rl_ext.evals.plan import job_configs, job_root
 from nemo_rl_ext.evals.result import EvalResult
 from nemo_rl_ext.evals.store import EvalPaths
-from nemo_rl_ext.evals.store_run import own_generation, run_store_async
+from nemo_rl_ext.evals.store_run import generation_for, run_store_async
 from nemo_rl_ext.evals.summary import EvalSummary
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
@@ -37,7 +37,7 @@ async def run_jobs_async(
     start = time.perf_counter()
     jobs = job_configs(cfg)
     results: list[EvalResult] = []
-    async with own_generation(jobs[0], generation) as gen:
+    async with generation_for(jobs[0], generation) as gen:
         for job in jobs:
             if len(jobs) > 1:
                 print(f"job {job_root(job).relative_to(cfg.eval.save_path)}")

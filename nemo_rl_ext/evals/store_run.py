@@ -37,11 +37,11 @@ from nemo_rl_ext.experience.build import build_policy
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
-__all__ = ["own_generation", "run_store_async"]
+__all__ = ["generation_for", "run_store_async"]
 
 
 @contextlib.asynccontextmanager
-async def own_generation(cfg: EvalConfig, generation: GenerationInterface | None) -> AsyncIterator[GenerationInterface]:
+async def generation_for(cfg: EvalConfig, generation: GenerationInterface | None) -> AsyncIterator[GenerationInterface]:
     """`generation`, or `cfg.policy`'s engine built here and shut down on exit."""
     if generation is not None:
         yield generation
@@ -65,7 +65,7 @@ async def run_store_async(
     (`cfg.eval.shard` set: only the prompts the shard owns, a shard.json beside them, no summary)."""
     start = time.perf_counter()
     checked = check_store(cfg, root)  # before the engine is built: a changed config or dataset fails fast
-    async with own_generation(cfg, generation) as gen:
+    async with generation_for(cfg, generation) as gen:
         opened = await open_store(checked, gen, shard=cfg.eval.shard_spec)
         try:
             plan = _plan(cfg, opened)
