@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from nemo_rl_ext.models.generation.interfaces import MAX_TOP_K, SEED_LIMIT, GenerationConfig
+from nemo_rl_ext.serving.response_format import ResponseFormat
 
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 """Content part types whose `text` the server reads; any other part type is refused."""
@@ -348,7 +349,7 @@ class ChatCompletionRequest(PromptParams):
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     tool_choice: str | dict[str, Any] | None = None
     required_prefix_token_ids: list[int] | None = None
 
@@ -422,10 +423,6 @@ class ChatCompletionRequest(PromptParams):
             )
         if self.logit_bias:
             unsupported.append(("logit_bias", self.logit_bias, "logit_bias is not supported"))
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            unsupported.append(
-                ("response_format", self.response_format, "only response_format type 'text' is supported")
-            )
         if self.tool_choice not in (None, "auto", "none"):
             unsupported.append(
                 (
@@ -477,6 +474,9 @@ class ChatCompletionRequest(PromptParams):
             "stop_strings": base.stop_strings + self.stop_strings(),
             "stop_token_ids": base.stop_token_ids + tuple(self.stop_token_ids or ()),
             "seed": base.seed if self.seed is None else self.seed,
+            "structured_output": (
+                self.response_format.structured_output() if self.response_format else base.structured_output
+            ),
         }
         try:
             config = GenerationConfig(**fields)

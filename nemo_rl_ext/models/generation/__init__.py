@@ -6,6 +6,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationConfig,
     GenerationInterface,
     GenerationOutput,
+    StructuredOutput,
 )
 
-__all__ = ["EngineLoad", "FinishReason", "GenerationConfig", "GenerationInterface", "GenerationOutput"]
+__all__ = ["EngineLoad", "FinishReason", "GenerationConfig", "GenerationInterface", "GenerationOutput", "StructuredOutput"]

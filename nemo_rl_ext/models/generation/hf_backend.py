@@ -37,6 +37,7 @@ from typing import Literal
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from nemo_rl_ext.models.generation.grammar import Grammars
 from nemo_rl_ext.models.generation.hf_batch import KvBatch, Request, Row
 from nemo_rl_ext.models.generation.interfaces import (
     EngineLoad,
@@ -113,6 +114,7 @@ class HfGeneration(GenerationInterface):
         self._eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else next(iter(self._eos_ids)))
+        self._grammars = Grammars(tokenizer, self._vocab_size, self._eos_ids)  # built on first use
         self._cond = threading.Condition()
         self._pending: collections.deque[Request] = collections.deque()
         self._updates: collections.deque[_Update] = collections.deque()
@@ -172,10 +174,14 @@ class HfGeneration(GenerationInterface):
     async def generate_async(self, prompt_token_ids: Sequence[int], config: GenerationConfig) -> GenerationOutput:
         if self._closed:
             raise RuntimeError("HfGeneration was shut down")
+        arrived = time.monotonic()
         prompt = [int(t) for t in prompt_token_ids]
         check_prompt(prompt, self._max_model_len, self._vocab_size)
+        grammar = None  # compiled here, off the engine thread; a bad schema is a ValueError
+        if config.structured_output is not None:
+            grammar = await asyncio.to_thread(self._grammars.row, config.structured_output)
         loop = asyncio.get_running_loop()
-        request = Request(prompt, config, loop, loop.create_future())
+        request = Request(prompt, config, loop, loop.create_future(), arrived=arrived, grammar=grammar)
         with self._cond:
             if self._closed:
                 raise RuntimeError("HfGeneration was shut down")
@@ -376,6 +382,7 @@ class HfGeneration(GenerationInterface):
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Select and append one token per row (a failed row gets its error instead); returns the tokens."""
+        logits = Grammars.mask(logits, [row.request.grammar for row in rows])
         tokens, logprobs = self._select(logits, rows)
         for pos, row in enumerate(rows):
             if row.error is None:
@@ -482,6 +489,8 @@ class HfGeneration(GenerationInterface):
         row.logprobs.append(logprob)
         self.num_generated_tokens += 1
         try:
+            if row.request.grammar is not None:
+                row.request.grammar.accept(token)
             self._check_finished(row, token)
         except Exception as exc:
             self._fail(row, "checking its stop conditions", exc)

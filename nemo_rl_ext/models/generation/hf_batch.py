@@ -12,11 +12,15 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 
 from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig, GenerationOutput
+
+if TYPE_CHECKING:
+    from nemo_rl_ext.models.generation.grammar import RowGrammar
 
 
 @dataclass
@@ -32,6 +36,8 @@ class Request:
     """Set on the caller's loop when the caller stopped waiting; the engine then drops the row."""
     arrived: float = field(default_factory=time.monotonic)
     """`time.monotonic()` when `generate_async` accepted it (the start of its time to first token)."""
+    grammar: RowGrammar | None = None
+    """Its structured output's matcher (`config.structured_output`); None: unconstrained."""
 
 
 @dataclass

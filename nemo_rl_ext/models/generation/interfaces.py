@@ -20,6 +20,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+class StructuredOutput(BaseModel):
+    """A constraint on a generation's text: JSON that matches a JSON Schema (see `grammar`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    json_schema: str = Field(
+        default='{"type": "object"}',
+        description="The JSON Schema, as JSON text, that the generated text must match; the default accepts "
+        "any JSON object (OpenAI's response_format json_object).",
+    )
+
+
 class GenerationConfig(BaseModel):
     """Sampling parameters of one request; validated on construction (every bad field in one error)."""
 
@@ -47,6 +59,11 @@ class GenerationConfig(BaseModel):
         exclude=True,
         description="Routing key, e.g. (prompt index, sample index): a replica pool keeps a session's turns on "
         "one replica (its prefix cache); engines ignore it, and it is left out of dumped configs.",
+    )
+    structured_output: StructuredOutput | None = Field(
+        default=None,
+        description="Constrain the generation to JSON matching a schema (a per-row token mask on the hf backend, "
+        "vLLM's structured outputs on vllm); its logprobs are then those of the masked distribution. None: free.",
     )
 
     @field_validator("stop_strings")

@@ -11,6 +11,9 @@
   greedy, whenever top_k/top_p are off; with them on, vLLM renormalizes over the kept tokens. A small
   hook in the worker (`vllm_worker.WorkerExtension.nemo_rl_install_logprob_hook`) makes vLLM report the
   pre-filter value in that case too, so both backends agree for every sampling setting.
+- **Structured output.** `config.structured_output` becomes vLLM's `StructuredOutputsParams(json=schema)`, what
+  vLLM's own OpenAI server makes of a `response_format` (`structured_outputs_params`); vLLM's structured-output
+  backend (`auto`: xgrammar, falling back to guidance) masks the logits, so its logprobs are the masked ones too.
 - **Stops.** Prompt ids go in as `TokensPrompt`; EOS, `stop_token_ids` and `stop_strings` end a request and
   the stopping token(s) stay in `output_ids` (`include_stop_str_in_output=True`; stop strings are matched
   on text decoded with special tokens, as in the hf backend). `max_tokens = min(max_new_tokens,
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import logging
 import threading
 import uuid
@@ -54,6 +58,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     InFlightPolicy,
+    StructuredOutput,
     check_in_flight,
     check_prompt,
     check_state_dict,
@@ -107,6 +112,9 @@ class VllmGeneration(GenerationInterface):
         filter; `engine_kwargs` are further `AsyncEngineArgs` fields and override the ones set here.
         """
         AsyncEngineArgs, self._AsyncLLM, self._SamplingParams, self._TokensPrompt, kind = _import_vllm()
+        from vllm.sampling_params import StructuredOutputsParams
+
+        self._StructuredOutputsParams = StructuredOutputsParams
         self._final_only = kind.FINAL_ONLY
         self.model_path = str(model_path)
         self._tokenizer = load_tokenizer(self.model_path)
@@ -241,6 +249,7 @@ class VllmGeneration(GenerationInterface):
             detokenize=bool(config.stop_strings),  # text is only needed to find stop strings
             logprobs=0,
             output_kind=self._final_only,
+            structured_outputs=structured_outputs_params(config.structured_output, self._StructuredOutputsParams),
         )
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
@@ -396,6 +405,14 @@ def to_generation_output(
     if last in eos_ids or not isinstance(stop, str):
         return GenerationOutput(ids, logprobs, FinishReason.EOS, last, v)
     return GenerationOutput(ids, logprobs, FinishReason.STOP_STRING, stop, v)
+
+
+def structured_outputs_params(spec: StructuredOutput | None, params_class):
+    """vLLM's `StructuredOutputsParams` (`params_class`) for `spec`, None for None: the schema goes as `json` (a
+    dict), as vLLM's OpenAI server passes a response_format's `json_schema.schema` (vLLM 0.32)."""
+    if spec is None:
+        return None
+    return params_class(json=json.loads(spec.json_schema))
 
 
 def weight_version_of(completion) -> int:
