@@ -174,8 +174,10 @@ async def test_the_engine_refuses_an_invalid_schema_before_queueing_it(backend, 
     bad = StructuredOutput(json_schema='{"type": "integer", "minimum": 5, "maximum": 1}')
     with pytest.raises(ValueError, match="invalid JSON schema: .*minimum"):
         await backend.generate_async([1, 2, 3], GenerationConfig(structured_output=bad))
-    with pytest.raises(ValueError, match="invalid JSON schema"):
-        grammar_of(StructuredOutput(json_schema="[1, 2]"))
+    with pytest.raises(ValueError, match="invalid JSON schema: .*objectt"):
+        grammar_of(StructuredOutput(json_schema='{"type": "objectt"}'))
+    with pytest.raises(ValueError, match="json_schema must be a JSON object, got list"):
+        StructuredOutput(json_schema="[1, 2]")
     assert backend.num_requests == requests_before
 
 

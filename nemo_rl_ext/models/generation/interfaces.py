@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class StructuredOutput(BaseModel):
-    """A constraint on a generation's text: JSON that matches a JSON Schema (see `grammar`)."""
+    """A constraint on a generation's text: JSON that matches a JSON Schema (compiled by llguidance)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -30,6 +31,17 @@ class StructuredOutput(BaseModel):
         description="The JSON Schema, as JSON text, that the generated text must match; the default accepts "
         "any JSON object (OpenAI's response_format json_object).",
     )
+
+    @field_validator("json_schema")
+    @classmethod
+    def _a_json_object(cls, value: str) -> str:
+        try:
+            schema = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"json_schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        return value
 
 
 class GenerationConfig(BaseModel):
