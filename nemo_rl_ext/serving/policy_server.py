@@ -4,7 +4,8 @@ Endpoints, shaped like vLLM's OpenAI server as NeMo-RL extends it:
 
 - `POST /v1/chat/completions`: messages (+ tools) through the tokenizer's chat template, sampling
   parameters, `logprobs` (`return_tokens_as_token_ids` gives `"token_id:<int>"` tokens), Qwen/Hermes
-  `<tool_call>` blocks parsed into OpenAI `tool_calls`. Each choice's message also carries
+  `<tool_call>` blocks parsed into OpenAI `tool_calls`, `response_format` json_object / json_schema (structured
+  output: `response_format`, `models.generation.grammar`). Each choice's message also carries
   `prompt_token_ids`, `generation_token_ids` and `generation_log_probs`; an assistant message in the request
   that carries them makes the new prompt start with exactly those ids (see `chat_prompt`).
 - `POST /tokenize`: the prompt ids a completion with the same messages would use (`{tokens, count,
