@@ -21,8 +21,9 @@ run alternately over `--rounds` rounds after one warm-up each (who goes first ro
   matcher) is also measured inside the engine and reported per constrained token.
 
 Reported per contender: requests/s (burst size / burst wall time), p50 and p95 time to first token over every
-request of every round, ms per decoded token (burst wall time / tokens), and the ratios to its baseline (medians
-of per-round ratios, min-max). Client, server and engine share this process and its cores, for every contender
+request of every round, ms per decoded token (burst wall time / tokens) and CPU ms per decoded token (this
+process's CPU time: the figure a loaded machine disturbs least), and the ratios to its baseline (medians of
+per-round ratios, min-max). Client, server and engine share this process and its cores, for every contender
 alike.
 """
 
@@ -91,6 +92,8 @@ class Burst:
     """One contender's burst: its wall time, each request's time to first token, tokens generated."""
 
     wall_s: float
+    cpu_s: float
+    """CPU time of this process (client, server and engine) during the burst."""
     ttft_s: list[float]
     tokens: list[int]
     """Tokens each request generated."""
@@ -102,6 +105,10 @@ class Burst:
     @property
     def ms_per_token(self) -> float:
         return 1000 * self.wall_s / sum(self.tokens)
+
+    @property
+    def cpu_ms_per_token(self) -> float:
+        return 1000 * self.cpu_s / sum(self.tokens)
 
 
 @dataclass
@@ -137,7 +144,7 @@ class GrammarClock:
 
 async def burst(client: httpx.AsyncClient, url: str, bodies: list[dict], stream: bool) -> Burst:
     """Send every body at once; time each one's first token (the answer, or the first content chunk)."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
 
     async def one(body: dict) -> tuple[float, int]:
         if not stream:
@@ -159,7 +166,8 @@ async def burst(client: httpx.AsyncClient, url: str, bodies: list[dict], stream:
         return (first if first is not None else time.perf_counter() - start), tokens
 
     results = await asyncio.gather(*(one(b) for b in bodies))
-    return Burst(time.perf_counter() - start, [t for t, _ in results], [n for _, n in results])
+    return Burst(time.perf_counter() - start, time.process_time() - cpu_start, [t for t, _ in results],
+                 [n for _, n in results])
 
 
 async def streams(client: httpx.AsyncClient, url: str, body: dict) -> bool:
@@ -237,17 +245,21 @@ def main() -> None:
     for name, runs in results.items():
         baseline = results[BASELINES[name]]
         if not runs:
-            table.append([name, BASELINES[name], *[NOT_BUILT] * 6])
+            table.append([name, BASELINES[name], *[NOT_BUILT] * 8])
             continue
         ttft = [t for b in runs for t in b.ttft_s]
         rate_ratios = [b.requests_per_s / a.requests_per_s for a, b in zip(baseline, runs, strict=True)]
         token_ratios = [b.ms_per_token / a.ms_per_token for a, b in zip(baseline, runs, strict=True)]
+        cpu_ratios = [b.cpu_ms_per_token / a.cpu_ms_per_token for a, b in zip(baseline, runs, strict=True)]
         table.append([name, BASELINES[name], f"{median([b.requests_per_s for b in runs]):.2f}", f"{1000 * percentile(ttft, 50):.0f}",
                       f"{1000 * percentile(ttft, 95):.0f}", f"{median([b.ms_per_token for b in runs]):.2f}",
+                      f"{median([b.cpu_ms_per_token for b in runs]):.2f}",
                       f"{median(rate_ratios):.2f} ({spread(rate_ratios)})",
-                      f"{median(token_ratios):.2f} ({spread(token_ratios)})"])
+                      f"{median(token_ratios):.2f} ({spread(token_ratios)})",
+                      f"{median(cpu_ratios):.2f} ({spread(cpu_ratios)})"])
     print_table(["contender", "against", "requests/s", "TTFT p50 ms", "TTFT p95 ms", "ms / decoded token",
-                 "requests/s ratio (min-max)", "ms/token ratio (min-max)"],
+                 "CPU ms / token", "requests/s ratio (min-max)", "ms/token ratio (min-max)",
+                 "CPU ms/token ratio (min-max)"],
                 table, title=f"Policy server over HTTP, {args.model} (medians of {args.rounds} rounds)")
     schema_ms = median([b.ms_per_token for b in results["json_schema"]])
     per_token_us = 1e6 * clock.seconds / max(clock.tokens, 1)
