@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -62,6 +61,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationOutput,
 )
 from nemo_rl_ext.serving.chat_prompt import ChatPrompt, build_chat_prompt
+from nemo_rl_ext.serving.chat_stream import ChatStream, tool_call_dict
 from nemo_rl_ext.serving.openai_schemas import (
     ApiError,
     ChatCompletionRequest,
@@ -181,8 +181,9 @@ class PolicyService:
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
-    async def chat_completion(self, body: dict[str, Any], received_at: float | None = None) -> dict[str, Any]:
-        """`/v1/chat/completions`: build the prompt, generate `n` choices concurrently, shape the answer.
+    async def chat_completion(self, body: dict[str, Any], received_at: float | None = None) -> dict[str, Any] | Response:
+        """`/v1/chat/completions`: build the prompt, generate `n` choices concurrently, shape the answer (an SSE
+        response with `stream: true`).
 
         The prompt is built and the answer shaped in worker threads, so a huge or slow request never
         holds up the event loop (and the other requests and `/health` behind it). `received_at`
@@ -190,6 +191,13 @@ class PolicyService:
         """
         received_at = time.monotonic() if received_at is None else received_at
         request, prompt, configs = await asyncio.to_thread(self._prepare, body)
+        if request.stream:  # Server-Sent Events cut from the same answers (chat_stream)
+            as_ids = request.return_tokens_as_token_ids
+            return ChatStream(
+                self, request, prompt.token_ids, configs, received_at,
+                answer=lambda index, out: self._choice(index, out, prompt, request),
+                logprobs=lambda ids, lps: self._logprobs(ids, [_finite(lp) for lp in lps], as_ids),
+            ).response()
         generate_started_at = time.monotonic()
         outputs = await self._generate(prompt.token_ids, configs)
         answer = await asyncio.to_thread(self._answer, request, prompt, outputs)
@@ -294,7 +302,7 @@ class PolicyService:
             parsed = parse_tool_calls(text)
             if parsed.calls:
                 content = parsed.content or None
-                tool_calls = [_tool_call(c.name, c.arguments) for c in parsed.calls]
+                tool_calls = [tool_call_dict(c.name, c.arguments) for c in parsed.calls]
                 finish_reason = "tool_calls"
         message = {
             "role": "assistant",
@@ -348,14 +356,6 @@ def _parse(model: type, body: dict[str, Any]):
         raise validation_api_error(err) from None
 
 
-def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-    }
-
-
 def _finite(logprob: float) -> float:
     return float(logprob) if math.isfinite(logprob) else MIN_LOGPROB
 
@@ -388,7 +388,8 @@ def create_app(
             check_api_key(request, api_key)
             raw = await read_body(request, max_request_bytes)
             body = await asyncio.to_thread(parse_json_object, raw)
-            result = JSONResponse(await cancel_on_disconnect(request, handler(body, received_at)))
+            result = await cancel_on_disconnect(request, handler(body, received_at))
+            result = result if isinstance(result, Response) else JSONResponse(result)
             metrics.answered(route, 200)
             return result
         except (ClientDisconnected, ClientDisconnect):  # while generating, or while the body streamed in
