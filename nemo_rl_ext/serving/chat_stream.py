@@ -128,7 +128,7 @@ class _ChoiceStream:
         return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def delta(self, event: TokenDelta, logprobs: Callable[..., dict]) -> dict[str, Any] | None:
+    def delta(self, event: TokenDelta, logprobs: Callable[[TokenDelta], dict]) -> dict[str, Any] | None:
         """The choice of one delta's chunk; None when it has nothing to say yet."""
         self._ids.extend(event.output_ids)
         text = self._text.add(event.output_ids)
@@ -145,7 +145,7 @@ class _ChoiceStream:
         if not (delta or request.logprobs or request.return_token_ids):
             return None
         choice = {"index": self.index, "delta": delta, "finish_reason": None,
-                  "logprobs": logprobs(list(event.output_ids), list(event.logprobs)) if request.logprobs else None}
+                  "logprobs": logprobs(event) if request.logprobs else None}
         if request.return_token_ids:
             choice["token_ids"] = list(event.output_ids)
         return choice
@@ -192,10 +192,10 @@ class ChatStream:
         received_at: float,
         *,
         answer: Callable[[int, GenerationOutput], dict[str, Any]],
-        logprobs: Callable[[list[int], list[float]], dict[str, Any]],
+        logprobs: Callable[[TokenDelta], dict[str, Any]],
     ) -> None:
         """`service`: the `PolicyService` (its generation, tokenizer, options, metrics); `answer(index, output)`:
-        the non-streamed choice of an output; `logprobs(ids, logprobs)`: the `logprobs` object of some tokens."""
+        the non-streamed choice of an output; `logprobs(delta)`: the choice `logprobs` of a delta's tokens."""
         self._service, self._request, self._prompt_ids, self._configs = service, request, prompt_ids, configs
         self._received_at = received_at
         self._answer, self._logprobs = answer, logprobs

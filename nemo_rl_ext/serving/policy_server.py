@@ -6,7 +6,8 @@ Endpoints, shaped like vLLM's OpenAI server as NeMo-RL extends it:
   parameters, `logprobs` (`return_tokens_as_token_ids` gives `"token_id:<int>"` tokens), Qwen/Hermes
   `<tool_call>` blocks parsed into OpenAI `tool_calls`. Each choice's message also carries
   `prompt_token_ids`, `generation_token_ids` and `generation_log_probs`; an assistant message in the request
-  that carries them makes the new prompt start with exactly those ids (see `chat_prompt`).
+  that carries them makes the new prompt start with exactly those ids (see `chat_prompt`). `stream: true`
+  answers with Server-Sent Events, chunks cut from the same answer (see `chat_stream`).
 - `POST /tokenize`: the prompt ids a completion with the same messages would use (`{tokens, count,
   max_model_len}`), or the ids of a plain `prompt` string.
 - `GET /v1/models`, `GET /health`.
@@ -182,8 +183,7 @@ class PolicyService:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
     async def chat_completion(self, body: dict[str, Any], received_at: float | None = None) -> dict[str, Any] | Response:
-        """`/v1/chat/completions`: build the prompt, generate `n` choices concurrently, shape the answer (an SSE
-        response with `stream: true`).
+        """`/v1/chat/completions`: build the prompt, generate `n` choices concurrently, shape the answer.
 
         The prompt is built and the answer shaped in worker threads, so a huge or slow request never
         holds up the event loop (and the other requests and `/health` behind it). `received_at`
@@ -191,12 +191,12 @@ class PolicyService:
         """
         received_at = time.monotonic() if received_at is None else received_at
         request, prompt, configs = await asyncio.to_thread(self._prepare, body)
-        if request.stream:  # Server-Sent Events cut from the same answers (chat_stream)
+        if request.stream:
             as_ids = request.return_tokens_as_token_ids
             return ChatStream(
                 self, request, prompt.token_ids, configs, received_at,
                 answer=lambda index, out: self._choice(index, out, prompt, request),
-                logprobs=lambda ids, lps: self._logprobs(ids, [_finite(lp) for lp in lps], as_ids),
+                logprobs=lambda d: self._logprobs(list(d.output_ids), [_finite(lp) for lp in d.logprobs], as_ids),
             ).response()
         generate_started_at = time.monotonic()
         outputs = await self._generate(prompt.token_ids, configs)
