@@ -220,6 +220,7 @@ class ChatStream:
         first = {"prompt_token_ids": list(self._prompt_ids)} if self._request.return_token_ids else {}
         outputs: list[GenerationOutput | None] = [None] * len(choices)
         started, ended = time.monotonic(), False
+        self._service.metrics.in_progress.inc()  # the route counted it until it returned this response
         try:
             for choice in choices:
                 yield self._chunk([choice.role()], **(first if choice.index == 0 else {}))
@@ -233,6 +234,7 @@ class ChatStream:
             yield SSE_DONE
             return
         finally:
+            self._service.metrics.in_progress.dec()
             if not ended:  # the client went away (or the server is stopping): the generations were cancelled
                 self._service.metrics.cancel(ROUTE, "client_disconnect", time.monotonic() - self._received_at)
         if self._include_usage:

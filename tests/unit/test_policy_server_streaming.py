@@ -22,7 +22,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.serving.policy_server import PolicyServer
-from nemo_rl_ext.testing import ScriptedGeneration, forward_logprobs
+from nemo_rl_ext.testing import Fault, ScriptedGeneration, forward_logprobs
 
 CHAT = "/v1/chat/completions"
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
@@ -225,3 +225,21 @@ async def test_malformed_stream_options_are_400_and_other_streams_go_on(server) 
         *chunks, usage = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length" and usage["usage"]["completion_tokens"] == 8
 
+
+
+# ---- failures after the stream started: an error event, then [DONE] -------------------------------------
+
+
+def test_a_failed_or_late_generation_ends_its_stream_with_an_error_event(tiny_model_and_tokenizer) -> None:
+    gen = ScriptedGeneration(tiny_model_and_tokenizer[1], [RuntimeError("engine died"), Fault.HANG], pick="call")
+    with PolicyServer(gen, tiny_model_and_tokenizer[1], request_timeout_s=0.5) as server:
+        answers = [httpx.post(server.url + CHAT, json={"messages": QUESTION, "stream": True}, timeout=60)
+                   for _ in range(2)]
+        for answer, code, words in zip(answers, (500, 504), ("engine died", "request_timeout_s=0.5"), strict=True):
+            assert answer.status_code == 200  # the stream had started
+            events = [e[len("data: "):] for e in answer.text.split("\n\n") if e]
+            assert events[-1] == "[DONE]" and json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+            error = json.loads(events[-2])["error"]
+            assert error["code"] == code and words in error["message"], error
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert re.search(r'requests_cancelled_total\{reason="timeout",route="/v1/chat/completions"\} 1\.0', metrics)
