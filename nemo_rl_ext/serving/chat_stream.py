@@ -124,9 +124,9 @@ class _ChoiceStream:
         self._calls: list[dict[str, Any]] = []
 
     def role(self) -> dict[str, Any]:
-        """The first chunk's choice."""
-        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
+        """The first chunk's choice. Its delta has no `content`: the joined content then stays null for an answer
+        of tool calls alone, as in the non-streamed message (an empty content is sent as "" by `last`)."""
+        return {"index": self.index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
 
     def delta(self, event: TokenDelta, logprobs: Callable[[TokenDelta], dict]) -> dict[str, Any] | None:
         """The choice of one delta's chunk; None when it has nothing to say yet."""
@@ -154,13 +154,12 @@ class _ChoiceStream:
         """The last chunk's choice: `answer` (the non-streamed choice of the output) minus what was sent."""
         message, sent = answer["message"], len(self._ids)
         delta: dict[str, Any] = {}
-        content = message["content"] or ""
-        if content.startswith(self._content):
-            if len(content) > len(self._content):
-                delta["content"] = content[len(self._content) :]
-        else:
+        content = message["content"]  # None: tool calls alone
+        if not (content or "").startswith(self._content):
             logger.warning("choice %d: streamed content %r is not a prefix of the final content %r",
-                           self.index, self._content[-80:], content[-80:])
+                           self.index, self._content[-80:], (content or "")[-80:])
+        elif content is not None and (len(content) > len(self._content) or not self._content):
+            delta["content"] = content[len(self._content) :]  # "" when the answer is empty text
         calls = message["tool_calls"]
         if [c["function"] for c in calls[: len(self._calls)]] != [c["function"] for c in self._calls]:
             logger.warning("choice %d: streamed tool calls differ from the final ones", self.index)

@@ -107,7 +107,7 @@ class ScriptedGeneration(GenerationInterface):
     `expected_weights` (if given), each update is recorded in `updates` and bumps `weight_version`, which
     every later output carries. A scripted reply is made at once, so no generation is ever in flight
     across an update. With a backend, updates and shutdown go to it. After `shutdown` (idempotent) calls
-    raise RuntimeError.
+    raise RuntimeError. `generate_stream` sends each reply one token per delta, as an engine streams.
     """
 
     def __init__(

@@ -61,7 +61,7 @@ def summary(choice: Any) -> dict[str, Any]:
     message = choice.message
     extra = message.model_extra or {}
     return {
-        "content": message.content or None,
+        "content": message.content,
         "tool_calls": [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []],
         "finish_reason": choice.finish_reason,
         "logprobs": None if choice.logprobs is None else [(e.token, e.logprob) for e in choice.logprobs.content],
