@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,8 @@ class Request:
     """`time.monotonic()` when `generate_async` accepted it (the start of its time to first token)."""
     grammar: RowGrammar | None = None
     """Its structured output's matcher (`config.structured_output`); None: unconstrained."""
+    on_token: Callable[[int, float], None] | None = None
+    """Streamed requests: called on the engine thread with each sampled (id, logprob); must not raise."""
 
 
 @dataclass
