@@ -19,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from tolerances import ENGINE_LOGPROBS, approx
 
 from nemo_rl_ext.models.generation import GenerationConfig, StructuredOutput
@@ -79,23 +80,33 @@ def allowed_tokens(tokenizer, vocab_size: int, eos_id: int, schema: dict, ids: l
     return allowed
 
 
-def test_thirty_generations_under_three_schemas_validate_with_masked_logprobs(
+def test_thirty_generations_under_three_schemas_validate_streamed_and_not_with_masked_logprobs(
     server, tiny_model_and_tokenizer
 ) -> None:
-    """10 sampled choices per schema all parse and validate, end naturally (EOS once the grammar is complete),
-    and their logprobs are log_softmax over the allowed tokens of a separate forward pass."""
+    """10 sampled choices per schema all parse and validate, streamed and not (the same choices), end naturally
+    (EOS once the grammar is complete), and their logprobs are log_softmax over the allowed tokens of a separate
+    forward pass."""
     model, tokenizer = tiny_model_and_tokenizer
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
     for name, schema in SCHEMAS.items():
         jsonschema.Draft202012Validator.check_schema(schema)
-        response = client.chat.completions.create(
+        kwargs = dict(
             model="tiny", messages=MESSAGES, n=10, seed=7, temperature=1.0, max_tokens=96, logprobs=True,
             response_format=json_schema_format(name, schema, strict=name != "enum"),
         )
-        assert len(response.choices) == 10
-        for choice in response.choices:
-            assert choice.finish_reason == "stop", (name, choice.message.content)
-            jsonschema.validate(json.loads(choice.message.content), schema)
+        response = client.chat.completions.create(**kwargs)
+        state = ChatCompletionStreamState()
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            state.handle_chunk(chunk)
+        streamed = state.current_completion_snapshot.choices
+        assert len(response.choices) == len(streamed) == 10
+        for choice, streamed_choice in zip(response.choices, streamed, strict=True):
+            assert choice.finish_reason == streamed_choice.finish_reason == "stop", (name, choice.message.content)
+            for content in (choice.message.content, streamed_choice.message.content):
+                jsonschema.validate(json.loads(content), schema)
+            assert streamed_choice.message.content == choice.message.content
+            assert streamed_choice.message.model_extra["generation_token_ids"] == \
+                choice.message.model_extra["generation_token_ids"]
         choice = response.choices[0]  # one per schema against the forward pass (fp32)
         prompt, ids = (choice.message.model_extra[k] for k in ("prompt_token_ids", "generation_token_ids"))
         assert ids[-1] == tokenizer.eos_token_id
