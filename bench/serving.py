@@ -160,9 +160,10 @@ async def burst(client: httpx.AsyncClient, url: str, bodies: list[dict], stream:
                     continue
                 chunk = json.loads(line[6:])
                 for choice in chunk.get("choices") or ():
-                    if first is None and (choice.get("delta") or {}).get("content"):
+                    delta = choice.get("delta") or {}
+                    if first is None and delta.get("content"):
                         first = time.perf_counter() - start
-                    tokens = len(choice.get("generation_token_ids") or ()) or tokens
+                    tokens = len(delta.get("generation_token_ids") or ()) or tokens  # in the last chunk
         return (first if first is not None else time.perf_counter() - start), tokens
 
     results = await asyncio.gather(*(one(b) for b in bodies))
