@@ -13,6 +13,8 @@ backend runs its own decode loop, on one engine thread:
   else is in the batch, and its logprobs are those of a separate forward pass.
 - **Streaming**: `generate_stream` hands each sampled token to its caller's loop as it is decoded (a
   per-request hook on the row; requests nobody streams skip it).
+- **Structured output**: a request's `config.structured_output` is compiled (llguidance, `grammar`) before it
+  joins; each step masks that row's logits to what its grammar allows next (rows without one are untouched).
 - **Faults**: a row that fails alone (its sampler cannot be built, its logits cannot be sampled, its
   stop check raises) gets its own error and leaves while the others go on; a cancelled `generate_async`
   call (a client that went away, a rollout past its deadline) leaves at the next decode step.

@@ -138,6 +138,9 @@ class VllmGeneration(GenerationInterface):
         }
         self.engine_args = AsyncEngineArgs(**(args | dict(engine_kwargs or {})))
         self._start_engine_loop()
+        from vllm.exceptions import VLLMClientError
+
+        self._client_errors = (VLLMClientError,)
         try:
             self._engine = self._call(self._start_engine(), timeout=startup_timeout_s)
             self.logprobs_definition: str = (
@@ -171,6 +174,8 @@ class VllmGeneration(GenerationInterface):
         self._closed = False
         self._engine = None
         self._weight_version = 0
+        self._client_errors: tuple[type[BaseException], ...] = ()
+        """vLLM's errors for a request it refuses (not ValueErrors in vLLM 0.32): raised as ValueError."""
         self._update_lock = threading.Lock()  # one update at a time, whichever thread calls
         # engine loop only: request id -> whether an abort-mode update has hit it; the flag is set for the
         # requests in flight when such an update starts and for those sent while it runs
@@ -349,6 +354,8 @@ class VllmGeneration(GenerationInterface):
                     final = output
                     if on_tokens is not None:
                         sent = _send_new_tokens(output.outputs[0], sent, on_tokens)
+            except self._client_errors as exc:  # e.g. a structured-output schema vLLM cannot compile
+                raise ValueError(f"vLLM refused the request: {exc}") from exc
             except asyncio.CancelledError:
                 await self._engine.abort(request_id)  # the caller went away: free the request's slot now
                 raise
