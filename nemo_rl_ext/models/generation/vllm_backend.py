@@ -5,7 +5,8 @@
   request over with `run_coroutine_threadsafe`. vLLM batches concurrent requests itself (continuous
   batching). Cancelling a `generate_async` call aborts its vLLM request.
 - **Logprobs.** The engine runs with `logprobs_mode="processed_logprobs"` and each request asks for
-  `logprobs=0` (the sampled token only). vLLM's modes: `raw_logprobs` = log_softmax(logits) (no
+  `logprobs=config.top_logprobs` (the sampled token, plus that many alternatives: `vllm_logprobs`) and
+  `prompt_logprobs=config.prompt_logprobs`. vLLM's modes: `raw_logprobs` = log_softmax(logits) (no
   temperature); `processed_logprobs` = log_softmax after temperature *and* top-k/top-p masking. So
   `processed_logprobs` is exactly the hf backend's definition, log_softmax(logits / T) with T = 1 for
   greedy, whenever top_k/top_p are off; with them on, vLLM renormalizes over the kept tokens. A small
@@ -58,6 +59,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     check_prompt,
     check_state_dict,
 )
+from nemo_rl_ext.models.generation.vllm_logprobs import with_extra_logprobs
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict
 from nemo_rl_ext.models.loading import load_tokenizer
 
@@ -213,7 +215,7 @@ class VllmGeneration(GenerationInterface):
             future.cancel()  # aborts the vLLM request on the engine loop
             raise
         completion = output.outputs[0]
-        return to_generation_output(
+        out = to_generation_output(
             completion,
             config,
             budget,
@@ -223,6 +225,7 @@ class VllmGeneration(GenerationInterface):
             weight_version=weight_version_of(completion) if completion.token_ids else self._weight_version,
             aborted_by_update=aborted_by_update,
         )
+        return with_extra_logprobs(out, completion, config, prompt, getattr(output, "prompt_logprobs", None))
 
     def sampling_params(self, config: GenerationConfig, max_tokens: int):
         """vLLM `SamplingParams` for one request of `config` with `max_tokens` to generate."""
@@ -239,7 +242,8 @@ class VllmGeneration(GenerationInterface):
             skip_special_tokens=False,
             spaces_between_special_tokens=False,
             detokenize=bool(config.stop_strings),  # text is only needed to find stop strings
-            logprobs=0,
+            logprobs=config.top_logprobs,  # the sampled token's, plus this many alternatives
+            prompt_logprobs=config.prompt_logprobs,
             output_kind=self._final_only,
         )
 
