@@ -17,7 +17,12 @@ import torch
 from transformers import DynamicCache
 
 from nemo_rl_ext.models.generation.extra_logprobs import PromptScores
-from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig, GenerationOutput, TopLogprobs
+from nemo_rl_ext.models.generation.interfaces import (
+    FinishReason,
+    GenerationConfig,
+    GenerationOutput,
+    TopLogprobs,
+)
 
 
 @dataclass
