@@ -359,11 +359,13 @@ class HfGeneration(GenerationInterface):
             [row.request.prompt_ids for row in rows], self._pad_id, self.model.device
         )
         cache = DynamicCache()
-        scored = any(row.request.config.prompt_logprobs is not None for row in rows)
-        logits = self._forward(input_ids, attention_mask, position_ids, cache, all_positions=scored)
-        if scored:  # logits of every position: score the prompts that ask, then sample from the last
+        if any(row.request.config.prompt_logprobs is not None for row in rows):
+            # logits of every position: score the prompts that ask, then sample from the last
+            logits = self._forward(input_ids, attention_mask, position_ids, cache, all_positions=True)
             score_prompts(rows, logits, input_ids, self._fail)
             logits = logits[:, -1, :]
+        else:
+            logits = self._forward(input_ids, attention_mask, position_ids, cache)
         tokens = self._sample(logits, rows)
         joining = self._settle(KvBatch(rows, cache, attention_mask, position_ids[:, -1:], tokens))
         if batch is None or joining is None:
