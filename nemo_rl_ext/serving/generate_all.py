@@ -20,7 +20,7 @@ async def generate_all(
     `param` is `prompt_param`."""
     tasks = [asyncio.ensure_future(generation.generate_async(list(ids), config)) for ids, config in jobs]
     try:
-        return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout_s))
+        outputs = list(await asyncio.wait_for(asyncio.gather(*tasks), timeout_s))
     except TimeoutError:
         raise ApiError(f"generation did not finish within request_timeout_s={timeout_s}", status_code=504) from None
     except ValueError as exc:  # the backend's "bad input" (e.g. ids outside the vocabulary)
@@ -28,3 +28,18 @@ async def generate_all(
     finally:
         for task in tasks:
             task.cancel()  # no-op for finished ones
+    for (_, config), out in zip(jobs, outputs, strict=True):
+        _check_extras(generation, config, out)
+    return outputs
+
+
+def _check_extras(generation: GenerationInterface, config: GenerationConfig, out: GenerationOutput) -> None:
+    """A 400 when the backend left out the top or prompt logprobs the request asked for (a backend that does not
+    compute them), rather than an answer silently without them."""
+    backend = type(generation).__name__
+    if config.top_logprobs and out.top_logprobs is None:
+        raise ApiError(f"top logprobs (chat top_logprobs, completions logprobs = {config.top_logprobs}) are not "
+                       f"supported by the {backend} backend: it returned none")
+    if config.prompt_logprobs is not None and out.prompt_logprobs is None:
+        raise ApiError(f"prompt logprobs (completions echo with logprobs) are not supported by the {backend} "
+                       "backend: it returned none", param="echo")

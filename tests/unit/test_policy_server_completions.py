@@ -190,3 +190,18 @@ def test_completions_guards_key_body_limit_and_metrics(backend, tiny_model_and_t
         metrics = httpx.get(srv.url + "/metrics").text
     for status in ("200", "401", "413"):
         assert f'nemo_rl_ext_requests_total{{route="/v1/completions",status="{status}"}} 1.0' in metrics
+
+
+def test_a_backend_without_top_or_prompt_logprobs_is_a_400_not_a_silent_answer(tiny_model_and_tokenizer) -> None:
+    from nemo_rl_ext.testing import ScriptedGeneration
+
+    _, tokenizer = tiny_model_and_tokenizer
+    scripted = ScriptedGeneration(tokenizer, lambda request: "4<|im_end|>")  # reports the sampled logprob only
+    with PolicyServer(scripted, tokenizer) as srv:
+        chat = httpx.post(srv.url + "/v1/chat/completions", json={"messages": QUESTION, "logprobs": True,
+                                                                 "top_logprobs": 2}, timeout=60)
+        echo = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 0}, timeout=60)
+        plain = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "logprobs": 0}, timeout=60)
+    assert chat.status_code == 400 and "not supported by the ScriptedGeneration backend" in chat.text
+    assert echo.status_code == 400 and echo.json()["error"]["param"] == "echo"
+    assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == "4"
