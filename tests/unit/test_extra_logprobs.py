@@ -21,7 +21,7 @@ def _reference_tops(model, context: list[int], output: tuple[int, ...], temperat
     return logprobs, logprobs.topk(k, dim=-1).indices
 
 
-async def test_top_logprobs_are_the_top_of_a_forward_pass_and_cost_only_the_rows_that_ask(tiny_model_and_tokenizer):
+async def test_top_logprobs_are_the_top_of_a_forward_pass_and_change_no_sampled_token(tiny_model_and_tokenizer):
     model, tokenizer = tiny_model_and_tokenizer
     prompts = chat_prompts(tokenizer, 3)
     asks = [
