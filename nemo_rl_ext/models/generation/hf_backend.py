@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -189,8 +190,9 @@ class HfGeneration(GenerationInterface):
         tokens = TokenQueue()
         request = self._submit(prompt_token_ids, config, on_token=tokens.put_token)
         try:
-            async for event in tokens.events(request.future):
-                yield event
+            async with contextlib.aclosing(tokens.events(request.future)) as events:
+                async for event in events:
+                    yield event
         finally:
             if not request.future.done():
                 request.cancelled = True  # the reader left: the engine drops the row at its next step

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import threading
 import uuid
@@ -224,8 +225,9 @@ class VllmGeneration(GenerationInterface):
 
         task = asyncio.ensure_future(result())
         try:
-            async for event in tokens.events(task):
-                yield event
+            async with contextlib.aclosing(tokens.events(task)) as events:
+                async for event in events:
+                    yield event
         finally:
             if not task.done():
                 task.cancel()
