@@ -2,12 +2,11 @@
 
 Endpoints, shaped like vLLM's OpenAI server as NeMo-RL extends it:
 
-- `POST /v1/chat/completions`: messages (+ tools) through the tokenizer's chat template, sampling
-  parameters, `logprobs` (`return_tokens_as_token_ids` gives `"token_id:<int>"` tokens), Qwen/Hermes
-  `<tool_call>` blocks parsed into OpenAI `tool_calls`. Each choice's message also carries
-  `prompt_token_ids`, `generation_token_ids` and `generation_log_probs`; an assistant message in the request
-  that carries them makes the new prompt start with exactly those ids (see `chat_prompt`). `stream: true`
-  answers with Server-Sent Events, chunks cut from the same answer (see `chat_stream`).
+- `POST /v1/chat/completions`: messages (+ tools) through the tokenizer's chat template, sampling parameters,
+  `logprobs` (`return_tokens_as_token_ids` gives `"token_id:<int>"` tokens), Qwen/Hermes `<tool_call>` blocks
+  parsed into OpenAI `tool_calls`. Each choice's message also carries `prompt_token_ids`,
+  `generation_token_ids` and `generation_log_probs`; an assistant message in the request that carries them
+  makes the new prompt start with exactly those ids (see `chat_prompt`). `stream: true`: SSE (`chat_stream`).
 - `POST /tokenize`: the prompt ids a completion with the same messages would use (`{tokens, count,
   max_model_len}`), or the ids of a plain `prompt` string.
 - `GET /v1/models`, `GET /health`.
