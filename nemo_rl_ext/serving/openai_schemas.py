@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from nemo_rl_ext.models.generation.interfaces import MAX_TOP_K, MAX_TOP_LOGPROBS, SEED_LIMIT, GenerationConfig
+from nemo_rl_ext.serving.streaming import StreamOptions
 
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 """Content part types whose `text` the server reads; any other part type is refused."""
@@ -344,6 +345,7 @@ class ChatCompletionRequest(PromptParams):
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
+    stream_options: StreamOptions | None = None
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = None
@@ -398,8 +400,8 @@ class ChatCompletionRequest(PromptParams):
     def check_supported(self) -> None:
         """Refuse (400) every valid OpenAI value this server cannot honour, naming field and value."""
         unsupported: list[tuple[str, Any, str]] = []
-        if self.stream:
-            unsupported.append(("stream", self.stream, "streaming is not supported; send stream=false"))
+        if self.stream_options is not None and not self.stream:
+            unsupported.append(("stream_options", self.stream_options, "only allowed with stream=true"))
         if self.top_logprobs and not self.logprobs:
             unsupported.append(("top_logprobs", self.top_logprobs, "top_logprobs needs logprobs=true (as OpenAI)"))
         for key, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("min_p", 0.0)):

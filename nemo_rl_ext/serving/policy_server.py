@@ -2,13 +2,12 @@
 
 Endpoints, shaped like vLLM's OpenAI server as NeMo-RL extends it:
 
-- `POST /v1/chat/completions`: messages (+ tools) through the tokenizer's chat template, sampling
-  parameters, `logprobs` (`return_tokens_as_token_ids` gives `"token_id:<int>"` tokens), Qwen/Hermes
-  `<tool_call>` blocks parsed into OpenAI `tool_calls`. Each choice's message also carries
-  `prompt_token_ids`, `generation_token_ids` and `generation_log_probs`; an assistant message in the request
-  that carries them makes the new prompt start with exactly those ids (see `chat_prompt`).
-- `POST /v1/completions`: OpenAI text completions (a string, strings, token ids or lists of them as `prompt`;
-  `logprobs: k`, `echo` with prompt logprobs), each choice with the same token fields (see `completions`).
+- `POST /v1/chat/completions`: messages (+ tools) through the tokenizer's chat template, sampling parameters,
+  `logprobs` (`return_tokens_as_token_ids` gives `"token_id:<int>"` tokens), Qwen/Hermes `<tool_call>` blocks
+  parsed into OpenAI `tool_calls`. Each choice's message also carries `prompt_token_ids`,
+  `generation_token_ids` and `generation_log_probs`; an assistant message in the request that carries them
+  makes the new prompt start with exactly those ids (see `chat_prompt`). `stream: true`: SSE (`chat_stream`).
+- `POST /v1/completions`: OpenAI text completions (see `completions`), each choice with the same token fields.
 - `POST /tokenize`: the prompt ids a completion with the same messages would use (`{tokens, count,
   max_model_len}`), or the ids of a plain `prompt` string.
 - `GET /v1/models`, `GET /health`.
@@ -37,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -62,6 +60,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationOutput,
 )
 from nemo_rl_ext.serving.chat_prompt import ChatPrompt, build_chat_prompt
+from nemo_rl_ext.serving.chat_stream import ChatStream, tool_call_dict
 from nemo_rl_ext.serving.choice_format import chat_logprobs, finite, generated_text, stop_reason
 from nemo_rl_ext.serving.completions import text_completion
 from nemo_rl_ext.serving.generate_all import generate_all
@@ -182,7 +181,7 @@ class PolicyService:
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
-    async def chat_completion(self, body: dict[str, Any], received_at: float | None = None) -> dict[str, Any]:
+    async def chat_completion(self, body: dict[str, Any], received_at: float | None = None) -> dict[str, Any] | Response:
         """`/v1/chat/completions`: build the prompt, generate `n` choices concurrently, shape the answer.
 
         The prompt is built and the answer shaped in worker threads, so a huge or slow request never
@@ -191,13 +190,22 @@ class PolicyService:
         """
         received_at = time.monotonic() if received_at is None else received_at
         request, prompt, configs = await asyncio.to_thread(self._prepare, body)
+        if request.stream:
+            as_ids = request.return_tokens_as_token_ids
+            return ChatStream(
+                self, request, prompt.token_ids, configs, received_at,
+                answer=lambda index, out: self._choice(index, out, prompt, request),
+                logprobs=lambda delta: chat_logprobs(self.tokenizer, delta, as_ids),
+            ).response()
         generate_started_at = time.monotonic()
         outputs = await self._generate(prompt.token_ids, configs)
         answer = await asyncio.to_thread(self._answer, request, prompt, outputs)
         self.metrics.completion(received_at, generate_started_at, outputs, len(prompt.token_ids))
         return answer
 
-    async def text_completion(self, body: dict[str, Any], received_at: float | None = None) -> dict[str, Any]:
+    async def text_completion(
+        self, body: dict[str, Any], received_at: float | None = None
+    ) -> dict[str, Any] | Response:
         """`/v1/completions` (OpenAI text completions): see `completions.text_completion`."""
         return await text_completion(self, body, received_at)
 
@@ -280,7 +288,7 @@ class PolicyService:
             parsed = parse_tool_calls(text)
             if parsed.calls:
                 content = parsed.content or None
-                tool_calls = [_tool_call(c.name, c.arguments) for c in parsed.calls]
+                tool_calls = [tool_call_dict(c.name, c.arguments) for c in parsed.calls]
                 finish_reason = "tool_calls"
         message = {
             "role": "assistant",
@@ -311,12 +319,6 @@ def _parse(model: type, body: dict[str, Any]):
         raise validation_api_error(err) from None
 
 
-def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-    }
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
@@ -347,7 +349,8 @@ def create_app(
             check_api_key(request, api_key)
             raw = await read_body(request, max_request_bytes)
             body = await asyncio.to_thread(parse_json_object, raw)
-            result = JSONResponse(await cancel_on_disconnect(request, handler(body, received_at)))
+            result = await cancel_on_disconnect(request, handler(body, received_at))
+            result = result if isinstance(result, Response) else JSONResponse(result)
             metrics.answered(route, 200)
             return result
         except (ClientDisconnected, ClientDisconnect):  # while generating, or while the body streamed in

@@ -504,7 +504,7 @@ def test_replay_of_gym_vllm_model_requests(server) -> None:
         ({"top_p": 0}, ["top_p", "0"]),
         ({"max_tokens": 0}, ["max_tokens", "0"]),
         ({"n": 0}, ["n", "0"]),
-        ({"stream": True}, ["stream=True"]),
+        ({"stream_options": {"include_usage": True}}, ["stream_options", "only allowed with stream=true"]),
         ({"stop": [""]}, ["stop", "empty"]),
         ({"top_k": -5}, ["top_k", "-5"]),
         ({"tool_choice": "required"}, ["tool_choice='required'"]),

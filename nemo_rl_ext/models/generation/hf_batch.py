@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,8 @@ class Request:
     """Set on the caller's loop when the caller stopped waiting; the engine then drops the row."""
     arrived: float = field(default_factory=time.monotonic)
     """`time.monotonic()` when `generate_async` accepted it (the start of its time to first token)."""
+    on_token: Callable[[int, float, TopLogprobs | None], None] | None = None
+    """Streamed requests: called on the engine thread with each sampled (id, logprob); must not raise."""
 
 
 @dataclass

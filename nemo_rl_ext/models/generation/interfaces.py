@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -141,6 +141,22 @@ class GenerationOutput:
 
 
 @dataclass(frozen=True)
+class TokenDelta:
+    """Tokens a streamed generation (`GenerationInterface.generate_stream`) sampled since its previous delta."""
+
+    output_ids: tuple[int, ...]
+    """The new ids, in order (one or more)."""
+    logprobs: tuple[float, ...]
+    """The logprob of each new id, as in `GenerationOutput.logprobs`."""
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Each new id's top alternatives when the config asks (`GenerationOutput.top_logprobs`); None otherwise."""
+
+
+StreamEvent = TokenDelta | GenerationOutput
+"""What `generate_stream` yields: deltas, then the whole output."""
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """What an engine holds right now (a snapshot: `GenerationInterface.engine_load`)."""
 
@@ -175,6 +191,18 @@ class GenerationInterface(abc.ABC):
         Cancelling the call stops its generation (a batching backend drops the request from its batch at
         the next decode step), and one request's failure never fails the others it is batched with.
         """
+
+    async def generate_stream(
+        self, prompt_token_ids: Sequence[int], config: GenerationConfig
+    ) -> AsyncIterator[StreamEvent]:
+        """`generate_async`, delivered as it is decoded: `TokenDelta`s, then the `GenerationOutput` (last).
+
+        The deltas' ids, joined, are a prefix of the output's `output_ids` (the rest arrives with the output);
+        the output is the one `generate_async` would return. Closing the iterator early (or cancelling the
+        task that reads it) cancels the generation, as cancelling `generate_async` does. This default sends
+        no delta: the whole output at the end; backends that decode step by step override it.
+        """
+        yield await self.generate_async(prompt_token_ids, config)
 
     @abc.abstractmethod
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:

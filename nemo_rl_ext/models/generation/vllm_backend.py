@@ -4,6 +4,9 @@
   called from any event loop (a trainer's, a test's, the policy server's uvicorn thread) and hands the
   request over with `run_coroutine_threadsafe`. vLLM batches concurrent requests itself (continuous
   batching). Cancelling a `generate_async` call aborts its vLLM request.
+- **Streaming.** `generate_stream` asks for `RequestOutputKind.CUMULATIVE` outputs (one per engine step,
+  with every token so far) and hands the new tokens to the caller's loop; the final output is converted
+  as in `generate_async`. Closing the stream aborts the vLLM request.
 - **Logprobs.** The engine runs with `logprobs_mode="processed_logprobs"` and each request asks for
   `logprobs=config.top_logprobs` (the sampled token, plus that many alternatives: `vllm_logprobs`) and
   `prompt_logprobs=config.prompt_logprobs`. vLLM's modes: `raw_logprobs` = log_softmax(logits) (no
@@ -38,10 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -55,11 +59,13 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     InFlightPolicy,
+    StreamEvent,
     check_in_flight,
     check_prompt,
     check_state_dict,
 )
-from nemo_rl_ext.models.generation.vllm_logprobs import with_extra_logprobs
+from nemo_rl_ext.models.generation.token_stream import TokenQueue
+from nemo_rl_ext.models.generation.vllm_logprobs import top_of, with_extra_logprobs
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict
 from nemo_rl_ext.models.loading import load_tokenizer
 
@@ -109,7 +115,7 @@ class VllmGeneration(GenerationInterface):
         filter; `engine_kwargs` are further `AsyncEngineArgs` fields and override the ones set here.
         """
         AsyncEngineArgs, self._AsyncLLM, self._SamplingParams, self._TokensPrompt, kind = _import_vllm()
-        self._final_only = kind.FINAL_ONLY
+        self._final_only, self._cumulative = kind.FINAL_ONLY, kind.CUMULATIVE
         self.model_path = str(model_path)
         self._tokenizer = load_tokenizer(self.model_path)
         args: dict[str, Any] = {
@@ -197,6 +203,42 @@ class VllmGeneration(GenerationInterface):
     async def generate_async(
         self, prompt_token_ids: Sequence[int], config: GenerationConfig
     ) -> GenerationOutput:
+        prompt, params, budget, budget_reason = self._request(prompt_token_ids, config, stream=False)
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompt, params), self._loop)
+        try:
+            output, aborted_by_update = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.cancel()  # aborts the vLLM request on the engine loop
+            raise
+        return self._output(output, aborted_by_update, config, budget, budget_reason, prompt)
+
+    async def generate_stream(
+        self, prompt_token_ids: Sequence[int], config: GenerationConfig
+    ) -> AsyncIterator[StreamEvent]:
+        """Tokens as the engine reports them (`RequestOutputKind.CUMULATIVE`: each step's output holds every
+        token so far; the new ones are sent on), then the output `generate_async` would return."""
+        prompt, params, budget, budget_reason = self._request(prompt_token_ids, config, stream=True)
+        tokens = TokenQueue()
+        future = asyncio.run_coroutine_threadsafe(
+            self._generate(prompt, params, tokens.put, config.top_logprobs), self._loop
+        )
+
+        async def result() -> GenerationOutput:
+            output, aborted_by_update = await asyncio.wrap_future(future)
+            return self._output(output, aborted_by_update, config, budget, budget_reason, prompt)
+
+        task = asyncio.ensure_future(result())
+        try:
+            async with contextlib.aclosing(tokens.events(task)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            if not task.done():
+                task.cancel()
+                future.cancel()  # aborts the vLLM request on the engine loop
+
+    def _request(self, prompt_token_ids: Sequence[int], config: GenerationConfig, *, stream: bool):
+        """(prompt ids, SamplingParams, max_tokens, the FinishReason of reaching it) of one request."""
         if self._closed:
             raise RuntimeError("VllmGeneration was shut down")
         prompt = [int(t) for t in prompt_token_ids]
@@ -207,13 +249,12 @@ class VllmGeneration(GenerationInterface):
             if room < config.max_new_tokens
             else (config.max_new_tokens, FinishReason.MAX_NEW_TOKENS)
         )
-        params = self.sampling_params(config, budget)
-        future = asyncio.run_coroutine_threadsafe(self._generate(prompt, params), self._loop)
-        try:
-            output, aborted_by_update = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            future.cancel()  # aborts the vLLM request on the engine loop
-            raise
+        return prompt, self.sampling_params(config, budget, stream=stream), budget, budget_reason
+
+    def _output(
+        self, output, aborted_by_update: bool, config, budget: int, budget_reason, prompt: list[int]
+    ) -> GenerationOutput:
+        """Our `GenerationOutput` of a request's final vLLM `RequestOutput` for `prompt`."""
         completion = output.outputs[0]
         out = to_generation_output(
             completion,
@@ -227,8 +268,9 @@ class VllmGeneration(GenerationInterface):
         )
         return with_extra_logprobs(out, completion, config, prompt, getattr(output, "prompt_logprobs", None))
 
-    def sampling_params(self, config: GenerationConfig, max_tokens: int):
-        """vLLM `SamplingParams` for one request of `config` with `max_tokens` to generate."""
+    def sampling_params(self, config: GenerationConfig, max_tokens: int, *, stream: bool = False):
+        """vLLM `SamplingParams` for one request of `config` with `max_tokens` to generate (`stream`: an output
+        per step with every token so far, else only the final one)."""
         return self._SamplingParams(
             n=1,
             max_tokens=max_tokens,
@@ -244,7 +286,7 @@ class VllmGeneration(GenerationInterface):
             detokenize=bool(config.stop_strings),  # text is only needed to find stop strings
             logprobs=config.top_logprobs,  # the sampled token's, plus this many alternatives
             prompt_logprobs=config.prompt_logprobs,
-            output_kind=self._final_only,
+            output_kind=self._cumulative if stream else self._final_only,
         )
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
@@ -293,8 +335,11 @@ class VllmGeneration(GenerationInterface):
         kinds = set(await self._engine.collective_rpc("nemo_rl_install_logprob_hook"))
         return kinds.pop() if len(kinds) == 1 else "mixed: " + ", ".join(sorted(kinds))
 
-    async def _generate(self, prompt: list[int], params):
-        """The final `RequestOutput` and whether an abort-mode weight update ended it."""
+    async def _generate(self, prompt: list[int], params, on_tokens: Callable | None = None, top_k: int = 0):
+        """The final `RequestOutput` and whether an abort-mode weight update ended it; a streamed request's
+        new tokens (and their logprobs, and their `top_k` alternatives) go to `on_tokens` as each cumulative
+        output arrives."""
+        sent = 0
         while True:
             final = None
             request_id = f"nemo-rl-{uuid.uuid4().hex}"
@@ -304,6 +349,8 @@ class VllmGeneration(GenerationInterface):
                     self._TokensPrompt(prompt_token_ids=prompt), params, request_id
                 ):
                     final = output
+                    if on_tokens is not None:
+                        sent = _send_new_tokens(output.outputs[0], sent, on_tokens, top_k)
             except asyncio.CancelledError:
                 await self._engine.abort(request_id)  # the caller went away: free the request's slot now
                 raise
@@ -400,6 +447,21 @@ def to_generation_output(
     if last in eos_ids or not isinstance(stop, str):
         return GenerationOutput(ids, logprobs, FinishReason.EOS, last, v)
     return GenerationOutput(ids, logprobs, FinishReason.STOP_STRING, stop, v)
+
+
+def _send_new_tokens(completion, sent: int, on_tokens: Callable, top_k: int = 0) -> int:
+    """Pass the tokens of a cumulative `CompletionOutput` beyond the first `sent` to `on_tokens(ids, logprobs,
+    tops)` (tops: each token's `top_k` alternatives, None for 0); returns how many are sent now."""
+    ids = completion.token_ids
+    if len(ids) <= sent:
+        return sent
+    steps = completion.logprobs or ()
+    new = [int(t) for t in ids[sent:]]
+    logprobs = [float(step[t].logprob) for step, t in zip(steps[sent:], new, strict=False)]
+    if len(logprobs) != len(new):  # never seen: the final output's check names the mismatch
+        return sent
+    on_tokens(new, logprobs, [top_of(step, top_k) for step in steps[sent:]] if top_k else None)
+    return len(ids)
 
 
 def weight_version_of(completion) -> int:
