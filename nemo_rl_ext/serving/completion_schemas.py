@@ -20,6 +20,7 @@ from nemo_rl_ext.serving.openai_schemas import (
     ChatCompletionRequest,
     _Lenient,
 )
+from nemo_rl_ext.serving.streaming import StreamOptions
 
 MAX_PROMPTS = 256
 """Most prompts one request may hold."""
@@ -82,6 +83,7 @@ class CompletionRequest(_Lenient):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
     suffix: str | None = None
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
@@ -135,12 +137,14 @@ class CompletionRequest(_Lenient):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def check_supported(self, stream_supported: bool = False) -> None:
+    def check_supported(self) -> None:
         """Refuse (400) every valid OpenAI value this server cannot honour, naming field and value."""
         unsupported: list[tuple[str, Any, str]] = []
-        if self.stream and not stream_supported:
-            unsupported.append(("stream", self.stream, "streaming text completions is not supported yet; "
-                                "send stream=false"))
+        if self.stream_options is not None and not self.stream:
+            unsupported.append(("stream_options", self.stream_options, "only allowed with stream=true"))
+        if self.stream and self.echo and self.logprobs is not None:
+            unsupported.append(("echo", self.echo, "echo with logprobs is not supported with stream=true (the "
+                                "prompt is scored with the finished output); send stream=false"))
         if self.suffix:
             unsupported.append(("suffix", self.suffix, "suffix (insertion) is not supported"))
         if self.best_of not in (None, self.n):

@@ -12,6 +12,8 @@
 - Each choice also carries our token fields, as chat's message does: `prompt_token_ids`,
   `generation_token_ids`, `generation_log_probs` (and vLLM's `token_ids` with `return_token_ids`), so that a
   token-in RL client (NeMo Gym's `vllm_model` with `use_completions_api: true`) gets exact ids and logprobs.
+- `stream: true` streams the choices as Server-Sent Events (`completion_stream`), `stream_options.include_usage`
+  as in chat; echo with logprobs is refused when streaming (the prompt is scored with the finished output).
 - Parsing, tokenizing and shaping run in worker threads; generations are cancelled together (`generate_all`).
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,9 +31,11 @@ from pydantic import ValidationError
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationOutput
 from nemo_rl_ext.serving.choice_format import finite, generated_text, stop_reason, token_text
 from nemo_rl_ext.serving.completion_schemas import CompletionRequest
+from nemo_rl_ext.serving.completion_stream import CompletionStream
 from nemo_rl_ext.serving.generate_all import generate_all
 from nemo_rl_ext.serving.openai_schemas import ApiError, validation_api_error
 from nemo_rl_ext.serving.request_sampling import generation_configs
+from nemo_rl_ext.serving.streaming import SseResponse
 
 if TYPE_CHECKING:
     from nemo_rl_ext.serving.policy_server import PolicyService
@@ -48,10 +53,20 @@ class TextPrompt:
     """One generation config per choice (`n`)."""
 
 
-async def text_completion(service: PolicyService, body: dict[str, Any], received_at: float | None = None) -> dict:
-    """Answer one `/v1/completions` body for `service` (its backend, tokenizer, options and metrics)."""
+async def text_completion(
+    service: PolicyService, body: dict[str, Any], received_at: float | None = None
+) -> dict | SseResponse:
+    """Answer one `/v1/completions` body for `service` (its backend, tokenizer, options and metrics); with
+    `stream: true`, the SSE response of `completion_stream`."""
     received_at = time.monotonic() if received_at is None else received_at
     request, prompts = await asyncio.to_thread(_prepare, service, body)
+    if request.stream:
+        return CompletionStream(
+            service, request, prompts, received_at,
+            answer=lambda index, out: _choice(service, request, index, prompts[index // request.n], out),
+            logprobs=lambda rows, offset: completion_logprobs(
+                service.tokenizer, list(rows), request.return_tokens_as_token_ids, offset),
+        ).response()
     started = time.monotonic()
     jobs = [(p.token_ids, c) for p in prompts for c in p.configs]
     outputs = await generate_all(service.generation, jobs, service.options.request_timeout_s, "prompt")
@@ -139,9 +154,7 @@ def _choice(
 
 
 def _logprobs(service: PolicyService, request: CompletionRequest, prompt: TextPrompt, out: GenerationOutput) -> dict:
-    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs (the k likeliest plus the chosen
-    token, as OpenAI and vLLM give), text_offset; with echo the prompt's tokens first (the first unscored)."""
-    spell = lambda token_id: token_text(service.tokenizer, token_id, request.return_tokens_as_token_ids)  # noqa: E731
+    """OpenAI's completions logprobs of a choice; with echo the prompt's tokens first (the first unscored)."""
     rows: list[tuple[int, float | None, Any]] = []
     if request.echo:
         scores = out.prompt_logprobs or ()
@@ -149,9 +162,18 @@ def _logprobs(service: PolicyService, request: CompletionRequest, prompt: TextPr
         rows.append((prompt.token_ids[0], None, None))
         rows.extend(zip(prompt.token_ids[1:], scores, tops, strict=True))
     rows.extend(zip(out.output_ids, out.logprobs, out.top_logprobs or ((),) * len(out.output_ids), strict=True))
-    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+    return completion_logprobs(service.tokenizer, rows, request.return_tokens_as_token_ids)[0]
+
+
+def completion_logprobs(
+    tokenizer: Any, rows: Sequence[tuple[int, float | None, Any]], as_token_ids: bool, offset: int = 0
+) -> tuple[dict, int]:
+    """OpenAI's completions `logprobs` of (token id, logprob or None, top alternatives) rows: tokens,
+    token_logprobs, top_logprobs (the alternatives plus the chosen token, as OpenAI and vLLM give; None where
+    the logprob is None) and text_offset (from `offset`); and the offset after the last token."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, logprob, top in rows:
-        token = spell(token_id)
+        token = token_text(tokenizer, token_id, as_token_ids)
         tokens.append(token)
         offsets.append(offset)
         offset += len(token)
@@ -159,7 +181,8 @@ def _logprobs(service: PolicyService, request: CompletionRequest, prompt: TextPr
         if logprob is None:
             top_logprobs.append(None)
             continue
-        alternatives = {spell(t): finite(lp) for t, lp in top}
+        alternatives = {token_text(tokenizer, t, as_token_ids): finite(lp) for t, lp in top or ()}
         alternatives.setdefault(token, finite(logprob))
         top_logprobs.append(alternatives)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    return logprobs, offset

@@ -148,7 +148,9 @@ BAD = [
     ("/v1/completions", {"prompt": []}, "prompt", "non-empty"),
     ("/v1/completions", {"prompt": [[1, -2]]}, "prompt", "positions [0]"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "21"),
-    ("/v1/completions", {"prompt": "hi", "stream": True}, "stream", "not supported yet"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "echo": True, "logprobs": 1}, "echo", "stream=true"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"x": 1}}, "stream_options.x", "Extra inputs"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature", "-1"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n", "0"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
@@ -205,3 +207,41 @@ def test_a_backend_without_top_or_prompt_logprobs_is_a_400_not_a_silent_answer(t
     assert chat.status_code == 400 and "not supported by the ScriptedGeneration backend" in chat.text
     assert echo.status_code == 400 and echo.json()["error"]["param"] == "echo"
     assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == "4"
+
+
+def test_streamed_chat_chunks_carry_the_top_logprobs_of_the_answer(client) -> None:
+    kwargs = dict(model="tiny", messages=QUESTION, max_tokens=6, temperature=0.9, seed=4, logprobs=True,
+                  top_logprobs=3)
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [e for chunk in client.chat.completions.create(**kwargs, stream=True) for c in chunk.choices
+                if c.logprobs is not None for e in c.logprobs.content or ()]
+    assert len(whole) == len(streamed) > 0
+    for a, b in zip(whole, streamed, strict=True):  # seeded: the same tokens; logprobs up to batch rounding
+        assert (a.token, [t.token for t in a.top_logprobs]) == (b.token, [t.token for t in b.top_logprobs])
+        assert [t.logprob for t in b.top_logprobs] == approx([t.logprob for t in a.top_logprobs], SAME_MODEL_LOGPROBS)
+
+
+def test_streamed_text_completions_join_to_the_non_streamed_answer(client) -> None:
+    kwargs = dict(model="tiny", prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=1.0, seed=9, logprobs=2,
+                  stop=[" the"])
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    for index, answer in enumerate(whole.choices):
+        mine = [c for chunk in chunks[:-1] for c in chunk.choices if c.index == index]
+        assert "".join(c.text for c in mine) == answer.text
+        assert [c.finish_reason for c in mine][-1] == answer.finish_reason
+        assert all(c.finish_reason is None for c in mine[:-1])
+        last = mine[-1].model_extra
+        for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+            assert last[key] == answer.model_extra[key], key
+        logprobs = [c.logprobs for c in mine if c.logprobs is not None]
+        assert sum((lp.tokens for lp in logprobs), []) == answer.logprobs.tokens
+        assert sum((lp.text_offset for lp in logprobs), []) == answer.logprobs.text_offset
+        assert sum((lp.token_logprobs for lp in logprobs), []) == approx(answer.logprobs.token_logprobs,
+                                                                         SAME_MODEL_LOGPROBS)
+        assert [sorted(t) for lp in logprobs for t in lp.top_logprobs] == [sorted(t) for t in
+                                                                           answer.logprobs.top_logprobs]
+    echoed = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, echo=True, stream=True))
+    assert echoed[0].choices[0].text == PROMPTS[0]
+    assert "".join(c.text for chunk in echoed for c in chunk.choices).startswith(PROMPTS[0])
