@@ -175,3 +175,15 @@ def test_top_and_prompt_logprobs_are_read_from_vllms_dicts(stand_in_vllm):
     _, gen = stand_in_vllm
     assert (gen.sampling_params(plain, 2)["logprobs"], gen.sampling_params(plain, 2)["prompt_logprobs"]) == (0, None)
     assert (gen.sampling_params(config, 2)["logprobs"], gen.sampling_params(config, 2)["prompt_logprobs"]) == (2, 1)
+
+
+def test_a_streams_new_tokens_carry_their_top_alternatives_when_asked():
+    from nemo_rl_ext.models.generation.vllm_logprobs import send_new_tokens
+
+    steps = [{5: _lp(-0.1, 1), 8: _lp(-2.0, 2)}, {9: _lp(-3.0, 3), 6: _lp(-0.2, 1), 7: _lp(-1.5, 2)}]
+    sent = []
+    cumulative = SimpleNamespace(token_ids=[5, 9], logprobs=steps)
+    assert send_new_tokens(SimpleNamespace(token_ids=[5], logprobs=steps[:1]), 0, lambda *a: sent.append(a), 2) == 1
+    assert send_new_tokens(cumulative, 1, lambda *a: sent.append(a), 2) == 2
+    assert sent == [([5], [-0.1], [((5, -0.1), (8, -2.0))]), ([9], [-3.0], [((6, -0.2), (7, -1.5))])]
+    assert send_new_tokens(cumulative, 0, lambda *a: sent.append(a)) == 2 and sent[-1] == ([5, 9], [-0.1, -3.0], None)

@@ -65,7 +65,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     check_state_dict,
 )
 from nemo_rl_ext.models.generation.token_stream import TokenQueue
-from nemo_rl_ext.models.generation.vllm_logprobs import top_of, with_extra_logprobs
+from nemo_rl_ext.models.generation.vllm_logprobs import send_new_tokens, with_extra_logprobs
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict
 from nemo_rl_ext.models.loading import load_tokenizer
 
@@ -350,7 +350,7 @@ class VllmGeneration(GenerationInterface):
                 ):
                     final = output
                     if on_tokens is not None:
-                        sent = _send_new_tokens(output.outputs[0], sent, on_tokens, top_k)
+                        sent = send_new_tokens(output.outputs[0], sent, on_tokens, top_k)
             except asyncio.CancelledError:
                 await self._engine.abort(request_id)  # the caller went away: free the request's slot now
                 raise
@@ -447,21 +447,6 @@ def to_generation_output(
     if last in eos_ids or not isinstance(stop, str):
         return GenerationOutput(ids, logprobs, FinishReason.EOS, last, v)
     return GenerationOutput(ids, logprobs, FinishReason.STOP_STRING, stop, v)
-
-
-def _send_new_tokens(completion, sent: int, on_tokens: Callable, top_k: int = 0) -> int:
-    """Pass the tokens of a cumulative `CompletionOutput` beyond the first `sent` to `on_tokens(ids, logprobs,
-    tops)` (tops: each token's `top_k` alternatives, None for 0); returns how many are sent now."""
-    ids = completion.token_ids
-    if len(ids) <= sent:
-        return sent
-    steps = completion.logprobs or ()
-    new = [int(t) for t in ids[sent:]]
-    logprobs = [float(step[t].logprob) for step, t in zip(steps[sent:], new, strict=False)]
-    if len(logprobs) != len(new):  # never seen: the final output's check names the mismatch
-        return sent
-    on_tokens(new, logprobs, [top_of(step, top_k) for step in steps[sent:]] if top_k else None)
-    return len(ids)
 
 
 def weight_version_of(completion) -> int:

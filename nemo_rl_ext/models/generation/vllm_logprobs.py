@@ -1,4 +1,4 @@
-"""vLLM's logprob dicts as our `GenerationOutput` fields: top alternatives and prompt logprobs.
+"""vLLM's logprob dicts as our fields: top alternatives, prompt logprobs, a stream's new tokens.
 
 vLLM reports a request's logprobs as one `{token id: Logprob(logprob, rank, decoded_token)}` dict per position:
 with `SamplingParams(logprobs=k)` each generated position's dict holds the k likeliest tokens and the sampled
@@ -12,7 +12,7 @@ computes prompt logprobs from the raw logits (temperature 1), as the hf backend 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationOutput, TopLogprobs
@@ -44,3 +44,18 @@ def with_extra_logprobs(
         if config.prompt_logprobs:
             fields["prompt_top_logprobs"] = tuple(top_of(step, config.prompt_logprobs) for step in steps)
     return dataclasses.replace(out, **fields) if fields else out
+
+
+def send_new_tokens(completion, sent: int, on_tokens: Callable, top_k: int = 0) -> int:
+    """Pass the tokens of a cumulative `CompletionOutput` beyond the first `sent` to `on_tokens(ids, logprobs,
+    tops)` (tops: each token's `top_k` alternatives, None for 0); returns how many are sent now."""
+    ids = completion.token_ids
+    if len(ids) <= sent:
+        return sent
+    steps = completion.logprobs or ()
+    new = [int(t) for t in ids[sent:]]
+    logprobs = [float(step[t].logprob) for step, t in zip(steps[sent:], new, strict=False)]
+    if len(logprobs) != len(new):  # never seen: the final output's check names the mismatch
+        return sent
+    on_tokens(new, logprobs, [top_of(step, top_k) for step in steps[sent:]] if top_k else None)
+    return len(ids)
