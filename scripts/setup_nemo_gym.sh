@@ -18,6 +18,7 @@
 set -euo pipefail
 
 GYM_VERSION="0.7.0"
+GYM_TRANSFORMERS="5.24.0"
 CACHE_ROOT="${NEMO_RL_EXT_CACHE:-$HOME/.cache/nemo_rl_ext}"
 VENV="${CACHE_ROOT}/nemo-gym-${GYM_VERSION}"
 STAMP="${VENV}/.nemo_rl_ext_complete"
@@ -66,11 +67,16 @@ log "creating venv at $VENV"
 "$PY" -m venv "$VENV"
 log "installing nemo-gym==${GYM_VERSION} (about a minute; ~1.4 GB)"
 quiet_pip "$VENV/bin/python" install --quiet --ignore-requires-python "nemo-gym==${GYM_VERSION}"
+# Gym's vllm_model renders chat templates itself in its completions mode (use_completions_api with
+# render_chat_template, tests/functional/test_eval_gym_completions.py) and imports transformers for it
+# (tokenizers only: no torch); nemo-gym does not depend on it.
+log "installing transformers==${GYM_TRANSFORMERS} (for vllm_model's render_chat_template)"
+quiet_pip "$VENV/bin/python" install --quiet "transformers==${GYM_TRANSFORMERS}"
 
 # Sanity check before stamping: the CLI entry points exist and the server packages import.
 "$VENV/bin/python" - >&2 <<'EOF'
 import importlib.metadata as md
-import nemo_gym, responses_api_agents.simple_agent.app, responses_api_models.vllm_model.app
+import nemo_gym, responses_api_agents.simple_agent.app, responses_api_models.vllm_model.app, transformers
 import resources_servers.example_single_tool_call.app
 print("nemo-gym", md.version("nemo-gym"), "imports OK")
 EOF
