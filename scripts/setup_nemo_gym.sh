@@ -27,7 +27,9 @@ REBUILD="${NEMO_GYM_REBUILD:-0}"
 source "$(dirname "${BASH_SOURCE[0]}")/venv_build.sh"
 
 venv_ok() {
-    [[ -f "$STAMP" && -x "$VENV/bin/python" && -x "$VENV/bin/ng_run" ]]
+    # a stamp from before transformers was added names no transformers: that venv is topped up, not reused
+    [[ -f "$STAMP" && -x "$VENV/bin/python" && -x "$VENV/bin/ng_run" ]] &&
+        grep -q "transformers==${GYM_TRANSFORMERS}" "$STAMP"
 }
 
 exit_if_built  # fast path: no lock, no interpreter probing
@@ -82,7 +84,7 @@ print("nemo-gym", md.version("nemo-gym"), "imports OK")
 EOF
 [[ -x "$VENV/bin/ng_run" ]] || die "ng_run missing from $VENV/bin after install"
 
-printf 'nemo-gym==%s python=%s built=%s in %ss\n' "$GYM_VERSION" \
+printf 'nemo-gym==%s transformers==%s python=%s built=%s in %ss\n' "$GYM_VERSION" "$GYM_TRANSFORMERS" \
     "$("$VENV/bin/python" -c 'import sys; print(sys.version.split()[0])')" \
     "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$((SECONDS - start))" >"${STAMP}.tmp"
 mv "${STAMP}.tmp" "$STAMP"
