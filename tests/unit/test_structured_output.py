@@ -165,6 +165,24 @@ async def test_an_invalid_schema_is_a_400_naming_it_and_the_batch_goes_on(server
     await client.close()
 
 
+def test_text_completions_take_response_format_too(server) -> None:
+    """/v1/completions shares the chat route's response_format: 2 prompts x n=3 choices, all in the enum."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    response = client.completions.create(
+        model="tiny", prompt=["Colour:", "Another colour:"], n=3, seed=2, max_tokens=16,
+        extra_body={"response_format": json_schema_format("colour", SCHEMAS["enum"])},
+    )
+    assert len(response.choices) == 6
+    for choice in response.choices:
+        assert choice.finish_reason == "stop" and json.loads(choice.text) in SCHEMAS["enum"]["enum"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(
+            model="tiny", prompt="x", max_tokens=4,
+            extra_body={"response_format": json_schema_format("bad", {"type": "array", "minItems": 3, "maxItems": 1})},
+        )
+    assert refused.value.body["param"] == "response_format.json_schema.schema"
+
+
 async def test_rows_without_a_grammar_are_untouched_by_rows_with_one(backend, tiny_model_and_tokenizer) -> None:
     tokenizer = tiny_model_and_tokenizer[1]
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
