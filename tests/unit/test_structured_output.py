@@ -26,6 +26,7 @@ from nemo_rl_ext.models.generation import GenerationConfig, StructuredOutput
 from nemo_rl_ext.models.generation.grammar import JSON_OPTIONS, Grammars, grammar_of
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.models.generation.vllm_backend import structured_outputs_params
+from nemo_rl_ext.serving.choice_format import MIN_LOGPROB
 from nemo_rl_ext.serving.policy_server import PolicyServer
 from nemo_rl_ext.testing.vllm_engine import StandInEngine, vllm_on_stand_in
 
@@ -92,7 +93,8 @@ def test_thirty_generations_under_three_schemas_validate_streamed_and_not_with_m
         jsonschema.Draft202012Validator.check_schema(schema)
         kwargs = dict(
             model="tiny", messages=MESSAGES, n=10, seed=7, temperature=1.0, max_tokens=96, logprobs=True,
-            response_format=json_schema_format(name, schema, strict=name != "enum"),
+            top_logprobs=3, response_format=json_schema_format(name, schema, strict=name != "enum"),
+            extra_body={"return_tokens_as_token_ids": True},
         )
         response = client.chat.completions.create(**kwargs)
         state = ChatCompletionStreamState()
@@ -121,6 +123,9 @@ def test_thirty_generations_under_three_schemas_validate_streamed_and_not_with_m
         assert [c.logprob for c in choice.logprobs.content] == approx(expected, ENGINE_LOGPROBS)
         assert choice.message.model_extra["generation_log_probs"] == approx(expected, ENGINE_LOGPROBS)
         assert min(len(ok) for ok in allowed) < logits.shape[-1] // 2  # the mask did cut
+        for entry, ok in zip(choice.logprobs.content, allowed, strict=True):  # top_logprobs: masked too
+            for top in entry.top_logprobs:
+                assert int(top.token.removeprefix("token_id:")) in ok or top.logprob == MIN_LOGPROB
 
 
 def test_json_object_and_a_schema_cut_by_max_tokens(server) -> None:
