@@ -162,7 +162,6 @@ def vllm_on_stand_in(engine: StandInEngine, *, max_model_len: int = 128, vocab_s
     gen._engine = engine
     gen._SamplingParams, gen._TokensPrompt = dict, dict
     gen._final_only, gen._cumulative = "final_only", "cumulative"
-    gen._StructuredOutputsParams = dict
     gen._max_model_len, gen._vocab_size, gen._eos_ids = max_model_len, vocab_size, frozenset({EOS})
     gen._checkpoint_names = frozenset(WEIGHT_NAMES)
     try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,9 +25,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from tolerances import ENGINE_LOGPROBS, approx
 
 from nemo_rl_ext.models.generation import GenerationConfig, StructuredOutput
-from nemo_rl_ext.models.generation.grammar import JSON_OPTIONS, Grammars, grammar_of
+from nemo_rl_ext.models.generation.grammar import JSON_OPTIONS, Grammars, grammar_of, vllm_structured_outputs
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
-from nemo_rl_ext.models.generation.vllm_backend import structured_outputs_params
 from nemo_rl_ext.serving.choice_format import MIN_LOGPROB
 from nemo_rl_ext.serving.policy_server import PolicyServer
 from nemo_rl_ext.testing.vllm_engine import StandInEngine, vllm_on_stand_in
@@ -235,15 +236,23 @@ class VllmStructuredOutputsParams:
         assert sum(v is not None for v in given) == 1
 
 
-def test_vllm_gets_the_schema_as_structured_outputs_json() -> None:
+@pytest.fixture
+def fake_vllm(monkeypatch) -> None:
+    """vLLM is not installed here: a module holding vLLM 0.32's StructuredOutputsParams fields stands in for it."""
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", types.SimpleNamespace(
+        StructuredOutputsParams=VllmStructuredOutputsParams))
+
+
+def test_vllm_gets_the_schema_as_structured_outputs_json(fake_vllm) -> None:
     schema = SCHEMAS["object"]
-    params = structured_outputs_params(StructuredOutput(json_schema=json.dumps(schema)), VllmStructuredOutputsParams)
+    params = vllm_structured_outputs(StructuredOutput(json_schema=json.dumps(schema)))
     assert params == VllmStructuredOutputsParams(json=schema)
-    assert structured_outputs_params(StructuredOutput(), VllmStructuredOutputsParams).json == {"type": "object"}
-    assert structured_outputs_params(None, VllmStructuredOutputsParams) is None
+    assert vllm_structured_outputs(StructuredOutput()).json == {"type": "object"}
+    assert vllm_structured_outputs(None) is None
     with vllm_on_stand_in(StandInEngine()) as gen:
         config = GenerationConfig(structured_output=StructuredOutput(json_schema=json.dumps(schema)))
-        assert gen.sampling_params(config, 8)["structured_outputs"] == {"json": schema}
+        assert gen.sampling_params(config, 8)["structured_outputs"] == VllmStructuredOutputsParams(json=schema)
         assert gen.sampling_params(GenerationConfig(), 8)["structured_outputs"] is None
 
 
@@ -255,11 +264,11 @@ class RefusingEngine(StandInEngine):
         pass
 
     async def generate(self, prompt, params, request_id):
-        raise self.ValidationError(f"grammar compile failed for {params['structured_outputs']}")
+        raise self.ValidationError(f"grammar compile failed for {params['structured_outputs'].json}")
         yield  # an async generator, as AsyncLLM.generate
 
 
-async def test_a_schema_vllm_refuses_is_a_value_error_as_other_bad_input() -> None:
+async def test_a_schema_vllm_refuses_is_a_value_error_as_other_bad_input(fake_vllm) -> None:
     with vllm_on_stand_in(RefusingEngine()) as gen:
         gen._client_errors = (RefusingEngine.ValidationError,)
         config = GenerationConfig(structured_output=StructuredOutput())

@@ -9,6 +9,9 @@
   and reports logprobs, from the masked distribution. Rows without a grammar are not touched, and a batch
   without any grammar row costs one pass over a list.
 - `RowGrammar.accept(token)` advances a row's matcher with the token it sampled.
+- `vllm_structured_outputs(spec)`: the same constraint for the vLLM backend, vLLM's `StructuredOutputsParams(json=
+  schema)`, what vLLM's own OpenAI server makes of a `response_format`; vLLM's structured-output backend (`auto`:
+  xgrammar, else guidance, i.e. llguidance) then masks the logits, so vLLM's logprobs are the masked ones too.
 
 EOS is allowed only where the grammar is complete; once the JSON value is closed (nothing else may follow) EOS is
 the only token allowed, so the row ends at its next step with EOS, as in vLLM. JSON is compact: no whitespace
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -46,6 +50,16 @@ def _grammar(json_schema: str) -> str:
     if error:
         raise ValueError(error)
     return grammar
+
+
+def vllm_structured_outputs(spec: StructuredOutput | None):
+    """vLLM's `StructuredOutputsParams` for `spec` (None for None): the schema as `json` (a dict), as vLLM 0.32's
+    OpenAI server passes a response_format's `json_schema.schema`. Imports vLLM only for a constrained request."""
+    if spec is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(json=json.loads(spec.json_schema))
 
 
 def grammar_of(spec: StructuredOutput) -> str:

