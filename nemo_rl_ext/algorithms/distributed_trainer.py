@@ -1,7 +1,8 @@
 """The trainer with `trainer.workers > 1`: FSDP2 ranks as Ray actors (`fsdp_workers.TrainerRank`), driven from the
 GRPO process, which holds no trainer model. Its interface is `PolicyTrainer`'s (`train_step`, `logprobs`,
-`state_dict`, `model.save_pretrained` and `optimizer.state_dict` for checkpoints), so the loop does not care
-how many ranks train.
+`state_dict`), so the loop does not care how many ranks train; checkpoints are sharded (`save_sharded`: each rank
+writes its shards, see `sharded_checkpoint`), and a checkpoint of one process loads too (its weights as the model
+folder, its optimizer state through `optimizer.load_state_dict`).
 
 A pass over a batch is cut into micro-batches exactly as the in-process trainer cuts it; micro-batch j goes to
 rank j % workers, and every rank gets the same number of slots (None: a dummy). The driver computes each
@@ -76,7 +77,6 @@ class DistributedTrainer:
         self.device = torch.device("cpu")
         """Where the driver keeps what it is handed (optimizer state of a checkpoint)."""
         self.world = settings.workers
-        self.model = _CheckpointModel(self)
         self.optimizer = _CheckpointOptimizer(self)
         self._refit: dict[str, float] = {}
         actor = ray.remote(TrainerRank).options(
@@ -216,6 +216,16 @@ class DistributedTrainer:
                        "refit/buckets": float(len(buckets))}
         return {name: out[name] for name, _, _ in self._layout}
 
+    def save_sharded(self, folder: Path) -> None:
+        """Every rank writes its shards of the trained parameters and their optimizer state into the checkpoint
+        `folder` (`sharded_checkpoint`: `shards/`, and `policy/`'s config from rank 0); a rank that dies meanwhile
+        raises `TrainerWorkerError`, and the folder never becomes a checkpoint."""
+        self._call([(rank.save_sharded, (str(folder),)) for rank in self._ranks])
+
+    def load_sharded(self, folder: Path) -> None:
+        """Every rank loads its shards of a sharded checkpoint folder (written by any number of ranks)."""
+        self._call([(rank.load_sharded, (str(folder),)) for rank in self._ranks])
+
     def _kill_ranks(self) -> None:
         import ray
 
@@ -237,32 +247,9 @@ class DistributedTrainer:
             self._owns_ray = False
 
 
-class _CheckpointModel:
-    """`trainer.model` for checkpoints: `save_pretrained` writes the gathered full weights as a Hugging Face
-    folder (the same `policy/` folder the in-process trainer writes)."""
-
-    def __init__(self, trainer: DistributedTrainer) -> None:
-        self._trainer = trainer
-
-    def save_pretrained(self, path: str | Path) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        layout = self._trainer._layout
-        state = self._trainer.state_dict()
-        state = {name: state[name] for name, _, tied in layout if tied is None}  # a tied alias is not saved twice
-        config = AutoConfig.from_pretrained(self._trainer.spec.model_path)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self._trainer.spec.dtype))
-        skeleton.save_pretrained(path, state_dict=state)
-        generation_config = Path(self._trainer.spec.model_path) / "generation_config.json"
-        if generation_config.is_file() and not (Path(path) / "generation_config.json").exists():
-            (Path(path) / "generation_config.json").write_text(generation_config.read_text())
-
-
 class _CheckpointOptimizer:
-    """`trainer.optimizer` for checkpoints: the full AdamW state in torch's own layout, parameters numbered in
-    `named_parameters()` order, as the in-process trainer's optimizer saves it; so a checkpoint resumes onto any
-    worker count."""
+    """`trainer.optimizer`: the full AdamW state in torch's own layout, parameters numbered in `named_parameters()`
+    order, as the in-process trainer's optimizer saves it; so a checkpoint of one process resumes onto ranks."""
 
     def __init__(self, trainer: DistributedTrainer) -> None:
         self._trainer = trainer
