@@ -77,6 +77,7 @@ class DistributedTrainer:
         self.device = torch.device("cpu")
         """Where the driver keeps what it is handed (optimizer state of a checkpoint)."""
         self.world = settings.workers
+        self.model = _CheckpointModel(self)
         self.optimizer = _CheckpointOptimizer(self)
         self._refit: dict[str, float] = {}
         actor = ray.remote(TrainerRank).options(
@@ -245,6 +246,28 @@ class DistributedTrainer:
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+
+
+class _CheckpointModel:
+    """`trainer.model` for checkpoints: `save_pretrained` writes the gathered full weights as a Hugging Face
+    folder (the same `policy/` folder the in-process trainer writes)."""
+
+    def __init__(self, trainer: DistributedTrainer) -> None:
+        self._trainer = trainer
+
+    def save_pretrained(self, path: str | Path) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        layout = self._trainer._layout
+        state = self._trainer.state_dict()
+        state = {name: state[name] for name, _, tied in layout if tied is None}  # a tied alias is not saved twice
+        config = AutoConfig.from_pretrained(self._trainer.spec.model_path)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self._trainer.spec.dtype))
+        skeleton.save_pretrained(path, state_dict=state)
+        generation_config = Path(self._trainer.spec.model_path) / "generation_config.json"
+        if generation_config.is_file() and not (Path(path) / "generation_config.json").exists():
+            (Path(path) / "generation_config.json").write_text(generation_config.read_text())
 
 
 class _CheckpointOptimizer:

@@ -15,6 +15,7 @@ Every folder gets the checkpoint's tokenizer files (the chat template included) 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,24 @@ def consolidate_full_model(checkpoint: Checkpoint, out: Path) -> None:
     _copy(checkpoint, _tokenizer_files(checkpoint), out)
 
 
+def trained_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """The trained tensors of a checkpoint of either format, under the names one process's files use: a full
+    model's transformers names (shards also hold a tied weight under its second name), or peft's adapter names
+    (`...q_proj.lora_A.weight`, without the adapter's name)."""
+    from safetensors.torch import load_file
+
+    if checkpoint.sharded:
+        weights = _sharded_weights(checkpoint)
+        if checkpoint.adapters:  # what peft's get_peft_model_state_dict does to the names
+            return {re.sub(r"\.default(?=\.|$)", "", name): value for name, value in weights.items()}
+        return weights
+    pattern = "adapter_model.safetensors" if checkpoint.adapters else "model*.safetensors"
+    weights = {}
+    for file in sorted(checkpoint.model_dir.glob(pattern)):
+        weights.update(load_file(file))
+    return weights
+
+
 def train_dtype(checkpoint: Checkpoint) -> torch.dtype:
     """The dtype the run trained in (its saved config): float32 with bf16 mixed precision, else `policy.dtype`."""
     config = checkpoint.extra.get("config") or {}
@@ -161,9 +180,11 @@ def write_adapters(checkpoint: Checkpoint, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     weights = _sharded_weights(checkpoint)
+    config = _lora_config(checkpoint)
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint.model_dir))
-        model = get_peft_model(base, _lora_config(checkpoint))
+        base.name_or_path = config.base_model_name_or_path  # what peft writes as the base model (not this folder)
+        model = get_peft_model(base, config)
     model.save_pretrained(out, state_dict=weights, save_embedding_layers=False)
     _copy(checkpoint, _tokenizer_files(checkpoint), out)
 

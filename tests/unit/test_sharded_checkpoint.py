@@ -21,6 +21,7 @@ from nemo_rl_ext.algorithms.checkpoint import (
     resumable_checkpoint,
     save_checkpoint,
 )
+from nemo_rl_ext.algorithms.export_weights import trained_weights
 from nemo_rl_ext.algorithms.sharded_checkpoint import (
     SHARDS,
     ShardedCheckpointError,
@@ -98,6 +99,11 @@ def test_lora_shards_hold_the_adapters_and_their_optimizer_state_only(tiny_model
     assert moments == adapters  # one AdamW state per adapter, none for the base
     assert ckpt.adapters  # peft's adapter_config.json, naming the base model
     assert json.loads((ckpt.model_dir / "adapter_config.json").read_text())["r"] == 4
+    # consolidated under the names peft's adapter file uses, as a one-process LoRA checkpoint holds them
+    from peft import get_peft_model_state_dict
+
+    expected, got = get_peft_model_state_dict(model), trained_weights(ckpt)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
 
     fresh = _lora(copy.deepcopy(base))  # new adapters (A random, B 0), then the saved ones loaded over them
     fresh_optimizer = _adamw(fresh)
