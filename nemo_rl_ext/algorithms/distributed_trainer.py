@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from nemo_rl_ext.algorithms.fsdp_workers import RankSpec, TrainerRank
+from nemo_rl_ext.algorithms.sharded_checkpoint import check_shards_visible
 from nemo_rl_ext.algorithms.trainer import _MetricSums, minibatch_bounds
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings
 from nemo_rl_ext.cluster import ClusterConfig, init_ray
@@ -222,6 +223,7 @@ class DistributedTrainer:
         `folder` (`sharded_checkpoint`: `shards/`, and `policy/`'s config from rank 0); a rank that dies meanwhile
         raises `TrainerWorkerError`, and the folder never becomes a checkpoint."""
         self._call([(rank.save_sharded, (str(folder),)) for rank in self._ranks])
+        check_shards_visible(folder)  # ranks on other nodes wrote to this process's filesystem
 
     def load_sharded(self, folder: Path) -> None:
         """Every rank loads its shards of a sharded checkpoint folder (written by any number of ranks)."""

@@ -127,6 +127,23 @@ def _metadata(shards: Path) -> Any:
     return FileSystemReader(shards).read_metadata()
 
 
+def check_shards_visible(folder: str | Path) -> None:
+    """ShardedCheckpointError unless this process sees `.metadata` and every shard file it names in `folder/shards`:
+    ranks on other nodes that wrote to their own disk (not a shared filesystem) would otherwise leave a checkpoint
+    marked whole that no run can load."""
+    shards = Path(folder) / SHARDS
+    try:
+        files = {item.relative_path for item in _metadata(shards).storage_data.values()}
+    except Exception as exc:  # no .metadata here (rank 0 wrote it elsewhere), or unreadable
+        files, missing = set(), [f"{shards / '.metadata'} ({type(exc).__name__}: {exc})"]
+    else:
+        missing = sorted(str(shards / name) for name in files if not (shards / name).is_file())
+    if missing:
+        listed = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ShardedCheckpointError(f"the trainer ranks wrote a checkpoint this process can't see all of: {listed} "
+                                     "missing. output_dir must be a filesystem every node of the ranks shares")
+
+
 def saved_parameter_names(shards: str | Path) -> list[str]:
     """The names of the model tensors a `shards/` folder holds (from its `.metadata`)."""
     prefix = MODEL_KEY + "."

@@ -25,6 +25,7 @@ from nemo_rl_ext.algorithms.export_weights import trained_weights
 from nemo_rl_ext.algorithms.sharded_checkpoint import (
     SHARDS,
     ShardedCheckpointError,
+    check_shards_visible,
     load_trained_state,
     read_trained_weights,
     save_trained_state,
@@ -126,9 +127,14 @@ def test_partial_or_damaged_shards_are_never_resumed(tiny_model_and_tokenizer, t
     for step in (1, 2, 3):
         _step(model, optimizer)
         _save(tmp_path, step, model, optimizer, tokenizer)
+    # what the driver checks after its ranks wrote: every shard file the metadata names is there (a rank on another
+    # node without a shared filesystem writes to its own disk)
+    check_shards_visible(checkpoint_dir(tmp_path, 3))
     # step 3: a save that never finished (a rank died while writing: a shard missing, no marker)
     (checkpoint_dir(tmp_path, 3) / MARKER_FILE).unlink()
     (checkpoint_dir(tmp_path, 3) / SHARDS / "__0_0.distcp").unlink()
+    with pytest.raises(ShardedCheckpointError, match=r"__0_0\.distcp missing\. output_dir must be a filesystem"):
+        check_shards_visible(checkpoint_dir(tmp_path, 3))
     # step 2: a shard changed after the save
     shard = checkpoint_dir(tmp_path, 2) / SHARDS / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
