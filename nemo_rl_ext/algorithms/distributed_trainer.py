@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 REFIT_BUCKET_BYTES = 64 * 2**20
 """Most bytes of weights one refit gather carries (a rank holds at most one such bucket beyond its shard)."""
+DEAD_PEER_GRACE_S = 5.0
+"""How long a rank's failure waits for a peer's death to be reported (the death is the cause to name)."""
 START_TIMEOUT_S = 600.0
 """How long the ranks may take to start, join the process group and load the model."""
 
@@ -117,10 +119,31 @@ class DistributedTrainer:
                 try:
                     ray.get(ref)
                 except Exception as exc:
-                    self._fail(rank_of[ref], exc)
+                    self._fail(*self._cause(rank_of[ref], exc, [r for r in refs if r is not ref], rank_of))
             if deadline is not None and time.monotonic() >= deadline and pending:
                 self._fail(rank_of[pending[0]], TimeoutError(f"no answer within {timeout_s:g} s"))
         return ray.get(refs)
+
+    def _cause(self, rank: int, exc: BaseException, others: Sequence[Any], rank_of: dict[Any, int]
+               ) -> tuple[int, BaseException]:
+        """The rank to blame for `rank`'s failure: a rank whose collective broke because a peer died fails first
+        (gloo sees the closed connection before Ray reports the death), so wait up to `DEAD_PEER_GRACE_S` for a
+        peer that died, and name it instead."""
+        import ray
+
+        if isinstance(exc, ray.exceptions.RayActorError) or not others:
+            return rank, exc
+        pending, deadline = list(others), time.monotonic() + DEAD_PEER_GRACE_S
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as died:
+                    return rank_of[ref], died
+                except Exception:  # another rank that failed: keep looking for one that died
+                    pass
+        return rank, exc
 
     def _fail(self, rank: int, exc: BaseException) -> None:
         import ray
