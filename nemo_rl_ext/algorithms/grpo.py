@@ -228,7 +228,7 @@ class GRPO:
         self._prompt_length_warning = PromptLengthWarning()  # once per run: prompts that leave no room
         if checkpoint is not None:
             restore_trainer_state(self.trainer, checkpoint)
-            if loads_model_folder(cfg.policy) or model_path != checkpoint.model_dir:  # the engine has the initial model
+            if loads_model_folder(cfg.policy) or not weights_in_model_dir(checkpoint):  # the engine has the initial model
                 self.generation.update_weights(self.trainer.state_dict())
             self.train_data.load_state_dict(checkpoint.data_state)
             self.step = checkpoint.step
