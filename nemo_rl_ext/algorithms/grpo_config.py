@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
+from nemo_rl_ext.algorithms.loss_settings import LossSettings
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings, trainer_rule_problems
 from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, move_key, raw_field
 from nemo_rl_ext.experience.config import RolloutsConfig, rollouts_rule_problems
@@ -127,59 +127,6 @@ class GRPOSettings(StrictModel):
     async_: AsyncSettings = Field(
         default_factory=AsyncSettings, alias="async", description="Asynchronous GRPO (`grpo.async` in YAML)."
     )
-
-
-class LossSettings(StrictModel):
-    """The clipped policy-gradient loss (see `ClippedPGLossConfig` for the exact formula). The defaults are
-    NeMo-RL's (`grpo_math_1B.yaml`'s `loss_fn`)."""
-
-    clip_low: float = Field(default=0.2, description="Ratio clipped below at 1 - clip_low (NeMo-RL's ratio_clip_min).")
-    clip_high: float = Field(
-        default=0.2, description="Ratio clipped above at 1 + clip_high (NeMo-RL's ratio_clip_max; DAPO's clip-higher "
-        "uses 0.28)."
-    )
-    clip_c: float | None = Field(default=None, description="Dual-clip constant (> 1); None disables.")
-    normalization: Literal["token", "sequence"] = Field(default="token", description="Loss reduction.")
-    kl_coef: float = Field(
-        default=0.01, ge=0.0, description="KL penalty to the initial policy (NeMo-RL's reference_policy_kl_penalty); "
-        "> 0 loads a frozen copy of the initial policy as the reference, 0 disables it and saves that copy."
-    )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="Per-token KL estimator.")
-    kl_input_clamp_value: float | None = Field(
-        default=20.0, gt=0.0, description="Clamp log(ref/pi) to [-v, v] before the KL estimator; None: no."
-    )
-    kl_output_clamp_value: float | None = Field(
-        default=10.0, gt=0.0, description="Clamp the per-token KL to [-v, v]; None: no."
-    )
-    kl_gradient: Literal["score_function", "pathwise"] = Field(
-        default="score_function",
-        description="score_function (NeMo-RL's since 2026): the KL term's gradient includes the score function of "
-        "the sampled token, so k1 and k3 give the gradient of KL(pi || ref); pathwise: d KL-estimate / d logprob "
-        "alone (NeMo-RL before June 2026; with k2 that is the gradient of KL(pi || ref), with k3 of KL(ref || pi)).",
-    )
-    on_policy_kl_approximation: bool = Field(
-        default=False, description="Weight the per-token KL by pi / pi_engine (NeMo-RL's "
-        "use_on_policy_kl_approximation)."
-    )
-    importance_sampling_correction: bool = Field(
-        default=False,
-        description="Weight the policy-gradient term by pi_trainer / pi_engine (engine/trainer mismatch, stale "
-        "rollouts). Off by default as in NeMo-RL; on by default, and required, with grpo.async.enabled and "
-        "max_lag > 0.",
-    )
-    importance_sampling_cap: float | None = Field(
-        default=None, gt=0.0, description="Truncate that weight at this value (NeMo-RL's truncated IS `tis`); "
-        "None: no truncation (NeMo-RL's default)."
-    )
-
-    def to_loss_config(self) -> ClippedPGLossConfig:
-        """The loss function's own config (raises ValueError on bad values)."""
-        return ClippedPGLossConfig(**self.model_dump())
-
-    @model_validator(mode="after")
-    def _valid_loss(self) -> LossSettings:
-        self.to_loss_config()
-        return self
 
 
 class OptimizerSettings(StrictModel):
