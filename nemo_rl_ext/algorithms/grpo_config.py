@@ -18,7 +18,8 @@ from pydantic import ConfigDict, Field, model_validator
 
 from nemo_rl_ext.algorithms.loss_settings import LossSettings
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings, trainer_rule_problems
-from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, move_key, raw_field
+from nemo_rl_ext.compat import grpo_spellings
+from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, raw_field
 from nemo_rl_ext.experience.config import RolloutsConfig, rollouts_rule_problems
 from nemo_rl_ext.experience.resume_keys import GRPO_RESUME_MAY_CHANGE
 from nemo_rl_ext.models.config import PolicyConfig
@@ -214,26 +215,9 @@ class GRPOConfig(CheckedConfig):
     def legacy_spellings(
         cls, data: dict[str, Any], *, whole: bool = True, base: Mapping[str, Any] | None = None
     ) -> tuple[Renames, list[RuleProblem]]:
-        """NeMo-RL's spellings, accepted as the same settings: `grpo.num_generations_per_prompt`,
-        `grpo.max_rollout_turns`, `grpo.max_seq_len`, the `env` section and `data.system_prompt` (this
-        package's earlier spelling; `env` other than `env.remote` is ignored in nemo_gym mode, as it was)."""
-        renames: Renames = {}
-        problems: list[RuleProblem] = []
-        for name in ("num_generations_per_prompt", "max_rollout_turns", "max_seq_len"):
-            problems += move_key(data, ("grpo", name), ("rollouts", name), renames)
-        rollouts = data.get("rollouts")
-        gym_mode = isinstance(rollouts, Mapping) and rollouts.get("mode") == "nemo_gym"
-        env = data.get("env")
-        if gym_mode and isinstance(env, dict):
-            for name in ("name", "kwargs", "step_timeout_s"):
-                env.pop(name, None)
-            if not env:
-                data.pop("env")
-        if isinstance(data.get("env"), dict):
-            for name in list(data["env"]):  # unknown keys too: their error then names env.<key>
-                problems += move_key(data, ("env", name), ("rollouts", "env", name), renames)
-        problems += move_key(data, ("data", "system_prompt"), ("rollouts", "env", "system_prompt"), renames)
-        return renames, problems
+        """NeMo-RL's GRPO spellings and this package's earlier ones (`compat.grpo_spellings`) rewritten to the
+        shared `rollouts` section, with a DeprecationWarning per key."""
+        return grpo_spellings(data, whole=whole, base=base)
 
     @model_validator(mode="before")
     @classmethod
