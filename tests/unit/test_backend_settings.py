@@ -83,3 +83,18 @@ def test_config_validation_imports_no_backend() -> None:
     cycles = [(m, d) for m in graph.modules if m.startswith("nemo_rl_ext.models")
               for d in graph.find_modules_directly_imported_by(m) if graph.chain_exists(importer=d, imported=m)]
     assert cycles == []
+
+
+def test_the_builtin_factories_named_lazily_exist() -> None:
+    """The registry names the built-ins' factories as "module:function" (imported on first use): each exists."""
+    import importlib
+
+    from nemo_rl_ext.models.backend_registry import LazyCallable
+
+    lazy = [f for name in ("hf", "vllm") for f in (backends.backend_entry(name).factory,
+                                                   backends.backend_entry(name).replica_engine_kwargs)
+            if isinstance(f, LazyCallable)]
+    assert len(lazy) == 3  # hf's and vllm's factories, vllm's replica engine arguments
+    for ref in lazy:
+        module, _, name = ref.target.partition(":")
+        assert callable(getattr(importlib.import_module(module), name)), ref.target
