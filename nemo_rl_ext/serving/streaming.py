@@ -60,7 +60,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-async def choice_events(
+def choice_events(
     generation: GenerationInterface,
     prompt_ids: Sequence[int],
     configs: Sequence[GenerationConfig],
@@ -71,9 +71,18 @@ async def choice_events(
     A generation that fails raises its error here (the others are cancelled), as `TimeoutError` once
     `timeout_s` has passed since the call. Each choice's events keep their order.
     """
+    return job_events(generation, [(prompt_ids, config) for config in configs], timeout_s)
+
+
+async def job_events(
+    generation: GenerationInterface,
+    jobs: Sequence[tuple[Sequence[int], GenerationConfig]],
+    timeout_s: float | None,
+) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """`choice_events` for (prompt ids, config) jobs of several prompts: each event tagged with its job's index."""
     queue: asyncio.Queue[tuple[int, StreamEvent | Exception]] = asyncio.Queue()
 
-    async def run(index: int, config: GenerationConfig) -> None:
+    async def run(index: int, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         try:
             async with contextlib.aclosing(generation.generate_stream(list(prompt_ids), config)) as events:
                 async for event in events:
@@ -83,7 +92,7 @@ async def choice_events(
 
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
-    tasks = [asyncio.ensure_future(run(i, c)) for i, c in enumerate(configs)]
+    tasks = [asyncio.ensure_future(run(i, ids, c)) for i, (ids, c) in enumerate(jobs)]
     try:
         left = len(tasks)
         while left:

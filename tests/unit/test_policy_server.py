@@ -499,7 +499,8 @@ def test_replay_of_gym_vllm_model_requests(server) -> None:
     [
         ({"messages": []}, ["messages", "at least 1"]),
         ({"temperature": -1}, ["temperature", "-1"]),
-        ({"top_logprobs": 3, "logprobs": True}, ["top_logprobs=3", "not supported"]),
+        ({"top_logprobs": 21, "logprobs": True}, ["top_logprobs", "less than or equal to 20", "21"]),
+        ({"top_logprobs": 3}, ["top_logprobs=3", "needs logprobs=true"]),
         ({"top_p": 0}, ["top_p", "0"]),
         ({"max_tokens": 0}, ["max_tokens", "0"]),
         ({"n": 0}, ["n", "0"]),

@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from nemo_rl_ext.models.generation.extra_logprobs import rows_top_logprobs, score_prompts
 from nemo_rl_ext.models.generation.hf_batch import KvBatch, Request, Row
 from nemo_rl_ext.models.generation.interfaces import (
     EngineLoad,
@@ -384,7 +385,13 @@ class HfGeneration(GenerationInterface):
             [row.request.prompt_ids for row in rows], self._pad_id, self.model.device
         )
         cache = DynamicCache()
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if any(row.request.config.prompt_logprobs is not None for row in rows):
+            # logits of every position: score the prompts that ask, then sample from the last
+            logits = self._forward(input_ids, attention_mask, position_ids, cache, all_positions=True)
+            score_prompts(rows, logits, input_ids, self._fail)
+            logits = logits[:, -1, :]
+        else:
+            logits = self._forward(input_ids, attention_mask, position_ids, cache)
         tokens = self._sample(logits, rows)
         joining = self._settle(KvBatch(rows, cache, attention_mask, position_ids[:, -1:], tokens))
         if batch is None or joining is None:
@@ -404,9 +411,10 @@ class HfGeneration(GenerationInterface):
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Select and append one token per row (a failed row gets its error instead); returns the tokens."""
         tokens, logprobs = self._select(logits, rows)
+        tops = rows_top_logprobs(logits, rows, self._fail)
         for pos, row in enumerate(rows):
             if row.error is None:
-                self._append(row, int(tokens[pos]), float(logprobs[pos]))
+                self._append(row, int(tokens[pos]), float(logprobs[pos]), tops[pos])
         return tokens
 
     def _settle(self, batch: KvBatch) -> KvBatch | None:
@@ -489,26 +497,30 @@ class HfGeneration(GenerationInterface):
         self.num_row_failures += 1
         logger.warning("one request of a batch failed alone: %s", row.error)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, cache, all_positions: bool = False) -> torch.Tensor:
+        """The last position's logits [B, V]; with `all_positions`, every position's [B, L, V]."""
         self.num_forward_passes += 1
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if all_positions else 1,
             **{self._cache_kwarg: cache},
         )
-        return out.logits[:, -1, :]
+        return out.logits if all_positions else out.logits[:, -1, :]
 
-    def _append(self, row: Row, token: int, logprob: float) -> None:
-        """Add a generated token to a row and decide whether the row is finished (or failed alone)."""
+    def _append(self, row: Row, token: int, logprob: float, top=None) -> None:
+        """Add a generated token (and its top alternatives, when asked) to a row and decide whether the row is
+        finished (or failed alone)."""
         if row.first_token_at is None:
             row.first_token_at = time.monotonic()
         row.output_ids.append(token)
         row.logprobs.append(logprob)
+        if top is not None:
+            row.top_logprobs.append(top)
         if row.request.on_token is not None:  # a streamed request
-            row.request.on_token(token, logprob)
+            row.request.on_token(token, logprob, top)
         self.num_generated_tokens += 1
         try:
             self._check_finished(row, token)

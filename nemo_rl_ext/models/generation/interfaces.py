@@ -14,6 +14,11 @@ SEED_LIMIT = 2**63
 """Seeds are in [0, SEED_LIMIT): what torch's and vLLM's generators accept (a signed 64-bit integer)."""
 MAX_TOP_K = 2**31 - 1
 """Largest top_k accepted (vLLM keeps top_k in int32 tensors); any k at or above the vocabulary means all."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (`top_logprobs`, `prompt_logprobs`), as OpenAI allows."""
+
+TopLogprobs = tuple[tuple[int, float], ...]
+"""The likeliest tokens at one position, best first: (token id, logprob) pairs."""
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +46,20 @@ class GenerationConfig(BaseModel):
     )
     seed: int | None = Field(
         default=None, ge=0, lt=SEED_LIMIT, description="Seed of this request's sampler; None = unseeded."
+    )
+    top_logprobs: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Also report this many likeliest tokens per generated position, from the distribution the "
+        "logprobs come from (after temperature, before top-k/top-p); 0: none.",
+    )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Also score the prompt: each prompt token's logprob (from the 2nd on) under log_softmax(logits) "
+        "at temperature 1, as vLLM's prompt_logprobs, plus this many likeliest tokens per position; None: no.",
     )
     session: tuple[int, ...] | None = Field(
         default=None,
@@ -108,6 +127,12 @@ class GenerationOutput:
     time_to_first_token_s: float | None = field(default=None, compare=False)
     """Seconds from the `generate_async` call to the engine sampling the first token; None when the backend does
     not measure it. A timing, so it takes no part in comparing outputs."""
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Per generated id, the `config.top_logprobs` likeliest tokens of its distribution; None when not asked."""
+    prompt_logprobs: tuple[float, ...] | None = None
+    """Per prompt id from the 2nd on, its logprob at temperature 1 (`config.prompt_logprobs`); None when not asked."""
+    prompt_top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Per prompt id from the 2nd on, the `config.prompt_logprobs` likeliest tokens; None when not asked."""
 
     @property
     def truncated(self) -> bool:
@@ -123,6 +148,8 @@ class TokenDelta:
     """The new ids, in order (one or more)."""
     logprobs: tuple[float, ...]
     """The logprob of each new id, as in `GenerationOutput.logprobs`."""
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Each new id's top alternatives when the config asks (`GenerationOutput.top_logprobs`); None otherwise."""
 
 
 StreamEvent = TokenDelta | GenerationOutput

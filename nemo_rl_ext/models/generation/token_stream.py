@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from nemo_rl_ext.models.generation.interfaces import GenerationOutput, StreamEvent, TokenDelta
+from nemo_rl_ext.models.generation.interfaces import GenerationOutput, StreamEvent, TokenDelta, TopLogprobs
 
 _END = object()
 """Queued once the result has resolved: every token put before it is already in the queue."""
@@ -23,16 +23,20 @@ class TokenQueue:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
 
-    def put(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """Hand over newly sampled tokens; callable from any thread, never raises (a closed loop drops them)."""
+    def put(
+        self, token_ids: Sequence[int], logprobs: Sequence[float], tops: Sequence[TopLogprobs] | None = None
+    ) -> None:
+        """Hand over newly sampled tokens (and their top alternatives, when asked); callable from any thread,
+        never raises (a closed loop drops them)."""
+        item = (tuple(token_ids), tuple(logprobs), None if tops is None else tuple(tops))
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (tuple(token_ids), tuple(logprobs)))
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody is reading
             pass
 
-    def put_token(self, token_id: int, logprob: float) -> None:
+    def put_token(self, token_id: int, logprob: float, top: TopLogprobs | None = None) -> None:
         """`put` for one token (the hf engine's per-row hook)."""
-        self.put((token_id,), (logprob,))
+        self.put((token_id,), (logprob,), None if top is None else (top,))
 
     async def events(self, result: asyncio.Future[GenerationOutput]) -> AsyncIterator[StreamEvent]:
         """Deltas as they arrive, then `result`'s output (or its exception).
@@ -50,7 +54,8 @@ class TokenQueue:
                 ended = True
                 items.pop()
             if items:
+                tops = None if items[0][2] is None else tuple(t for _, _, ts in items for t in ts or ())
                 yield TokenDelta(
-                    tuple(t for ids, _ in items for t in ids), tuple(lp for _, lps in items for lp in lps)
+                    tuple(t for ids, _, _ in items for t in ids), tuple(lp for _, lps, _ in items for lp in lps), tops
                 )
         yield result.result()

@@ -8,7 +8,8 @@
   with every token so far) and hands the new tokens to the caller's loop; the final output is converted
   as in `generate_async`. Closing the stream aborts the vLLM request.
 - **Logprobs.** The engine runs with `logprobs_mode="processed_logprobs"` and each request asks for
-  `logprobs=0` (the sampled token only). vLLM's modes: `raw_logprobs` = log_softmax(logits) (no
+  `logprobs=config.top_logprobs` (the sampled token, plus that many alternatives: `vllm_logprobs`) and
+  `prompt_logprobs=config.prompt_logprobs`. vLLM's modes: `raw_logprobs` = log_softmax(logits) (no
   temperature); `processed_logprobs` = log_softmax after temperature *and* top-k/top-p masking. So
   `processed_logprobs` is exactly the hf backend's definition, log_softmax(logits / T) with T = 1 for
   greedy, whenever top_k/top_p are off; with them on, vLLM renormalizes over the kept tokens. A small
@@ -64,6 +65,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     check_state_dict,
 )
 from nemo_rl_ext.models.generation.token_stream import TokenQueue
+from nemo_rl_ext.models.generation.vllm_logprobs import send_new_tokens, with_extra_logprobs
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict
 from nemo_rl_ext.models.loading import load_tokenizer
 
@@ -208,7 +210,7 @@ class VllmGeneration(GenerationInterface):
         except asyncio.CancelledError:
             future.cancel()  # aborts the vLLM request on the engine loop
             raise
-        return self._output(output, aborted_by_update, config, budget, budget_reason)
+        return self._output(output, aborted_by_update, config, budget, budget_reason, prompt)
 
     async def generate_stream(
         self, prompt_token_ids: Sequence[int], config: GenerationConfig
@@ -217,11 +219,13 @@ class VllmGeneration(GenerationInterface):
         token so far; the new ones are sent on), then the output `generate_async` would return."""
         prompt, params, budget, budget_reason = self._request(prompt_token_ids, config, stream=True)
         tokens = TokenQueue()
-        future = asyncio.run_coroutine_threadsafe(self._generate(prompt, params, tokens.put), self._loop)
+        future = asyncio.run_coroutine_threadsafe(
+            self._generate(prompt, params, tokens.put, config.top_logprobs), self._loop
+        )
 
         async def result() -> GenerationOutput:
             output, aborted_by_update = await asyncio.wrap_future(future)
-            return self._output(output, aborted_by_update, config, budget, budget_reason)
+            return self._output(output, aborted_by_update, config, budget, budget_reason, prompt)
 
         task = asyncio.ensure_future(result())
         try:
@@ -247,10 +251,12 @@ class VllmGeneration(GenerationInterface):
         )
         return prompt, self.sampling_params(config, budget, stream=stream), budget, budget_reason
 
-    def _output(self, output, aborted_by_update: bool, config, budget: int, budget_reason) -> GenerationOutput:
-        """Our `GenerationOutput` of a request's final vLLM `RequestOutput`."""
+    def _output(
+        self, output, aborted_by_update: bool, config, budget: int, budget_reason, prompt: list[int]
+    ) -> GenerationOutput:
+        """Our `GenerationOutput` of a request's final vLLM `RequestOutput` for `prompt`."""
         completion = output.outputs[0]
-        return to_generation_output(
+        out = to_generation_output(
             completion,
             config,
             budget,
@@ -260,6 +266,7 @@ class VllmGeneration(GenerationInterface):
             weight_version=weight_version_of(completion) if completion.token_ids else self._weight_version,
             aborted_by_update=aborted_by_update,
         )
+        return with_extra_logprobs(out, completion, config, prompt, getattr(output, "prompt_logprobs", None))
 
     def sampling_params(self, config: GenerationConfig, max_tokens: int, *, stream: bool = False):
         """vLLM `SamplingParams` for one request of `config` with `max_tokens` to generate (`stream`: an output
@@ -277,7 +284,8 @@ class VllmGeneration(GenerationInterface):
             skip_special_tokens=False,
             spaces_between_special_tokens=False,
             detokenize=bool(config.stop_strings),  # text is only needed to find stop strings
-            logprobs=0,
+            logprobs=config.top_logprobs,  # the sampled token's, plus this many alternatives
+            prompt_logprobs=config.prompt_logprobs,
             output_kind=self._cumulative if stream else self._final_only,
         )
 
@@ -327,9 +335,10 @@ class VllmGeneration(GenerationInterface):
         kinds = set(await self._engine.collective_rpc("nemo_rl_install_logprob_hook"))
         return kinds.pop() if len(kinds) == 1 else "mixed: " + ", ".join(sorted(kinds))
 
-    async def _generate(self, prompt: list[int], params, on_tokens: Callable | None = None):
+    async def _generate(self, prompt: list[int], params, on_tokens: Callable | None = None, top_k: int = 0):
         """The final `RequestOutput` and whether an abort-mode weight update ended it; a streamed request's
-        new tokens (and their logprobs) go to `on_tokens` as each cumulative output arrives."""
+        new tokens (and their logprobs, and their `top_k` alternatives) go to `on_tokens` as each cumulative
+        output arrives."""
         sent = 0
         while True:
             final = None
@@ -341,7 +350,7 @@ class VllmGeneration(GenerationInterface):
                 ):
                     final = output
                     if on_tokens is not None:
-                        sent = _send_new_tokens(output.outputs[0], sent, on_tokens)
+                        sent = send_new_tokens(output.outputs[0], sent, on_tokens, top_k)
             except asyncio.CancelledError:
                 await self._engine.abort(request_id)  # the caller went away: free the request's slot now
                 raise
@@ -438,21 +447,6 @@ def to_generation_output(
     if last in eos_ids or not isinstance(stop, str):
         return GenerationOutput(ids, logprobs, FinishReason.EOS, last, v)
     return GenerationOutput(ids, logprobs, FinishReason.STOP_STRING, stop, v)
-
-
-def _send_new_tokens(completion, sent: int, on_tokens: Callable) -> int:
-    """Pass the tokens of a cumulative `CompletionOutput` beyond the first `sent` to `on_tokens(ids, logprobs)`;
-    returns how many are sent now."""
-    ids = completion.token_ids
-    if len(ids) <= sent:
-        return sent
-    steps = completion.logprobs or ()
-    new = [int(t) for t in ids[sent:]]
-    logprobs = [float(step[t].logprob) for step, t in zip(steps[sent:], new, strict=False)]
-    if len(logprobs) != len(new):  # never seen: the final output's check names the mismatch
-        return sent
-    on_tokens(new, logprobs)
-    return len(ids)
 
 
 def weight_version_of(completion) -> int:
