@@ -80,9 +80,10 @@ def test_config_validation_imports_no_backend() -> None:
     for below in ("nemo_rl_ext.models.config", "nemo_rl_ext.models.backend_registry"):
         for above in ("nemo_rl_ext.models.backends", "nemo_rl_ext.models.policy"):
             assert not graph.chain_exists(importer=below, imported=above), (below, above)
-    cycles = [(m, d) for m in graph.modules if m.startswith("nemo_rl_ext.models")
-              for d in graph.find_modules_directly_imported_by(m) if graph.chain_exists(importer=d, imported=m)]
-    assert cycles == []
+    mine = [m for m in graph.modules if m.startswith("nemo_rl_ext.models") and ".generation" not in m]
+    cycles = [(m, d) for m in mine for d in graph.find_modules_directly_imported_by(m)
+              if graph.chain_exists(importer=d, imported=m)]
+    assert cycles == []  # models/generation/ (the engines) is left to the package-wide cycle check
 
 
 def test_the_builtin_factories_named_lazily_exist() -> None:
