@@ -1,7 +1,8 @@
 """The trainer with `trainer.workers > 1`: FSDP2 ranks as Ray actors (`fsdp_workers.TrainerRank`), driven from the
 GRPO process, which holds no trainer model. Its interface is `PolicyTrainer`'s (`train_step`, `logprobs`,
-`state_dict`, `model.save_pretrained` and `optimizer.state_dict` for checkpoints), so the loop does not care
-how many ranks train.
+`state_dict`), so the loop does not care how many ranks train; checkpoints are sharded (`save_sharded`: each rank
+writes its shards, see `sharded_checkpoint`), and a checkpoint of one process loads too (its weights as the model
+folder, its optimizer state through `optimizer.load_state_dict`).
 
 A pass over a batch is cut into micro-batches exactly as the in-process trainer cuts it; micro-batch j goes to
 rank j % workers, and every rank gets the same number of slots (None: a dummy). The driver computes each
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from nemo_rl_ext.algorithms.fsdp_workers import RankSpec, TrainerRank
+from nemo_rl_ext.algorithms.sharded_checkpoint import check_shards_visible
 from nemo_rl_ext.algorithms.trainer import _MetricSums, minibatch_bounds
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings
 from nemo_rl_ext.cluster import ClusterConfig, init_ray
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 REFIT_BUCKET_BYTES = 64 * 2**20
 """Most bytes of weights one refit gather carries (a rank holds at most one such bucket beyond its shard)."""
+DEAD_PEER_GRACE_S = 5.0
+"""How long a rank's failure waits for a peer's death to be reported (the death is the cause to name)."""
 START_TIMEOUT_S = 600.0
 """How long the ranks may take to start, join the process group and load the model."""
 
@@ -115,10 +119,31 @@ class DistributedTrainer:
                 try:
                     ray.get(ref)
                 except Exception as exc:
-                    self._fail(rank_of[ref], exc)
+                    self._fail(*self._cause(rank_of[ref], exc, [r for r in refs if r is not ref], rank_of))
             if deadline is not None and time.monotonic() >= deadline and pending:
                 self._fail(rank_of[pending[0]], TimeoutError(f"no answer within {timeout_s:g} s"))
         return ray.get(refs)
+
+    def _cause(self, rank: int, exc: BaseException, others: Sequence[Any], rank_of: dict[Any, int]
+               ) -> tuple[int, BaseException]:
+        """The rank to blame for `rank`'s failure: a rank whose collective broke because a peer died fails first
+        (gloo sees the closed connection before Ray reports the death), so wait up to `DEAD_PEER_GRACE_S` for a
+        peer that died, and name it instead."""
+        import ray
+
+        if isinstance(exc, ray.exceptions.RayActorError) or not others:
+            return rank, exc
+        pending, deadline = list(others), time.monotonic() + DEAD_PEER_GRACE_S
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as died:
+                    return rank_of[ref], died
+                except Exception:  # another rank that failed: keep looking for one that died
+                    pass
+        return rank, exc
 
     def _fail(self, rank: int, exc: BaseException) -> None:
         import ray
@@ -216,6 +241,17 @@ class DistributedTrainer:
                        "refit/buckets": float(len(buckets))}
         return {name: out[name] for name, _, _ in self._layout}
 
+    def save_sharded(self, folder: Path) -> None:
+        """Every rank writes its shards of the trained parameters and their optimizer state into the checkpoint
+        `folder` (`sharded_checkpoint`: `shards/`, and `policy/`'s config from rank 0); a rank that dies meanwhile
+        raises `TrainerWorkerError`, and the folder never becomes a checkpoint."""
+        self._call([(rank.save_sharded, (str(folder),)) for rank in self._ranks])
+        check_shards_visible(folder)  # ranks on other nodes wrote to this process's filesystem
+
+    def load_sharded(self, folder: Path) -> None:
+        """Every rank loads its shards of a sharded checkpoint folder (written by any number of ranks)."""
+        self._call([(rank.load_sharded, (str(folder),)) for rank in self._ranks])
+
     def _kill_ranks(self) -> None:
         import ray
 
@@ -260,9 +296,8 @@ class _CheckpointModel:
 
 
 class _CheckpointOptimizer:
-    """`trainer.optimizer` for checkpoints: the full AdamW state in torch's own layout, parameters numbered in
-    `named_parameters()` order, as the in-process trainer's optimizer saves it; so a checkpoint resumes onto any
-    worker count."""
+    """`trainer.optimizer`: the full AdamW state in torch's own layout, parameters numbered in `named_parameters()`
+    order, as the in-process trainer's optimizer saves it; so a checkpoint of one process resumes onto ranks."""
 
     def __init__(self, trainer: DistributedTrainer) -> None:
         self._trainer = trainer

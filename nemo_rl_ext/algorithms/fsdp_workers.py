@@ -27,6 +27,7 @@ import torch
 from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
 from nemo_rl_ext.algorithms.logprobs import right_pad, token_logprobs
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
+from nemo_rl_ext.algorithms.sharded_checkpoint import load_trained_state, save_trained_state
 from nemo_rl_ext.algorithms.trainer import _gen_kl
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
@@ -307,6 +308,17 @@ class TrainerRank:
             }
         for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
             group.update(hyper)
+
+    def save_sharded(self, folder: str) -> None:
+        """Write this rank's shards of the trained parameters and their optimizer state into the checkpoint
+        folder (`sharded_checkpoint`); rank 0 also the model's config files."""
+        assert self.optimizer is not None
+        save_trained_state(folder, self.model, self.optimizer, metadata=self.rank == 0)
+
+    def load_sharded(self, folder: str) -> None:
+        """Load this rank's shards of a sharded checkpoint (resharded when another number of ranks wrote it)."""
+        assert self.optimizer is not None
+        load_trained_state(folder, self.model, self.optimizer)
 
     def lr(self) -> float:
         assert self.optimizer is not None
