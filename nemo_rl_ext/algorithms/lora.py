@@ -82,12 +82,12 @@ def with_lora(model: PreTrainedModel, settings: LoraSettings, adapter_dir: str |
 
 
 @torch.no_grad()
-def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: PeftModel, adapted_only: bool = False) -> dict[str, torch.Tensor]:
     """The base model's weights under their transformers names, each target module's weight merged with its
     adapter (`W + scale * B @ A`, peft's `get_delta_weight`, one module at a time); every other tensor is the
-    trainer's own (detached, not copied)."""
+    trainer's own (detached, not copied). `adapted_only`: the merged target weights alone."""
     base = model.get_base_model()
-    out = {
+    out = {} if adapted_only else {
         key.replace(".base_layer.", "."): value.detach()
         for key, value in base.state_dict().items()
         if ".lora_" not in key
