@@ -14,8 +14,8 @@ dead peer never hangs a rank for ever; the driver notices a dead actor at once a
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import datetime
 import math
 import os

@@ -80,8 +80,8 @@ def _fsdp_kwargs(settings: WrapSettings, device: torch.device, world_size: int) 
     return kwargs
 
 
-def shard_model(model: torch.nn.Module, temperature: float, settings: WrapSettings = WrapSettings(),
-                device: torch.device = torch.device("cpu"), world_size: int = 1) -> LogprobPass:
+def shard_model(model: torch.nn.Module, temperature: float, settings: WrapSettings | None = None,
+                device: torch.device | None = None, world_size: int = 1) -> LogprobPass:
     """FSDP2: `fully_shard` on each decoder layer, then on the root (the logprob pass around the model);
     gradients summed over ranks (each rank's loss is already divided by the global count)."""
     from torch.distributed.fsdp import fully_shard
@@ -89,7 +89,7 @@ def shard_model(model: torch.nn.Module, temperature: float, settings: WrapSettin
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no decoder `layers` to shard")
-    kwargs = _fsdp_kwargs(settings, device, world_size)
+    kwargs = _fsdp_kwargs(settings or WrapSettings(), device or torch.device("cpu"), world_size)
     units = [fully_shard(layer, **kwargs) for layer in layers]
     root = fully_shard(LogprobPass(model, temperature), **kwargs)
     for unit in [*units, root]:  # per module: a root's setting does not reach its children
