@@ -411,7 +411,7 @@ def test_lora_on_two_ranks_trains_as_one_process_does_and_refits_its_targets_alo
         a2 = _step_file(two["dir"], step, "adapter_model.safetensors")
         assert a1.keys() == a2.keys() and all(".lora_A." in k or ".lora_B." in k for k in a1)
         for name in a1:
-            torch.testing.assert_close(a2[name], a1[name], rtol=1e-5, atol=2e-6, msg=lambda m: f"{step}: {m}")
+            torch.testing.assert_close(a2[name], a1[name], rtol=1e-5, atol=2e-6, msg=lambda m, step=step: f"{step}: {m}")
     # the refit: the merged target modules alone (2 layers x q_proj, v_proj, gate_proj), nothing else
     initial = load_file(Path(load_config(one["dir"] / "config.yaml", [], GRPOConfig).policy.model_name)
                         / "model.safetensors")

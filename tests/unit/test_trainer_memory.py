@@ -92,10 +92,27 @@ def test_lora_refit_hands_over_merged_target_modules_without_a_second_copy(tiny_
     for key, value in weights.items():
         # the frozen tensors are the trainer's own storage; only the merged target modules are new tensors
         assert (value.data_ptr() == base[key].data_ptr()) == (key not in targets), key
+    # a refit sends the merged target modules alone: the engine's other tensors are the base model's already
+    refit = trainer.refit_weights()
+    assert trainer.refit_partial and set(refit) == targets
+    full_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    assert sum(t.numel() * t.element_size() for t in refit.values()) < full_bytes / 4
     engine = copy.deepcopy(model)
+    untouched = {k: v.clone() for k, v in engine.state_dict().items() if k not in targets}
     backend = HfGeneration(engine, tokenizer)
-    backend.update_weights(weights)
+    assert backend.accepts_partial_update
+    with pytest.raises(ValueError, match="lacks"):  # without partial=True a subset is refused
+        backend.update_weights(refit)
+    with pytest.raises(ValueError, match=r"partial=True.*no weights named \['model.nope'\]"):
+        backend.update_weights({**refit, "model.nope": refit[next(iter(targets))]}, partial=True)
+    backend.update_weights(refit, partial=True)
+    assert backend.weight_version == 1
     backend.shutdown()
+    for key, value in engine.state_dict().items():
+        if key in targets:
+            assert torch.equal(value, refit[key]), key
+        else:
+            assert torch.equal(value, untouched[key]), key
     scored = sample(engine, tokenizer, 1.0, n=4, seed=3)
     for item, lp in zip(scored, trainer.logprobs(scored), strict=True):
         on = item.loss_mask.bool()
