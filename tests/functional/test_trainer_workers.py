@@ -442,3 +442,25 @@ def test_bf16_on_two_replicated_ranks_trains_as_one_process_with_bf16_does(runs:
     fp32 = runs[1][1][0]
     assert max(abs(two[0][k] - fp32[k]) / abs(fp32[k]) for k in ("train/loss", "train/kl/mean")) > 1e-4
     assert [m["train/optimizer_steps"] for m in two] == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_run_on_two_ranks_resumes_from_its_checkpoint(saver_runs: dict, tmp_path: Path) -> None:
+    """Step 2's checkpoint of the 2-rank LoRA run (the adapters and their AdamW state), resumed on 2 ranks: its
+    step 3 is the uninterrupted runs' (the same rollouts, train/ metrics as close as 1 and 2 workers are)."""
+    source = saver_runs["lora2"]["dir"]
+    out = tmp_path / "resumed"
+    shutil.copytree(source, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    cfg = load_config(out / "config.yaml", [f"output_dir={out}", "resume=true"], GRPOConfig)
+    with GRPO(cfg) as grpo:
+        assert grpo.step == 2 and grpo.trainer.lora
+        grpo.run()
+    (resumed,) = [m for m in read_metrics(out / "metrics.jsonl") if m["step"] == 3]
+    for name in ("lora1", "lora2"):
+        (expected,) = [m for m in saver_runs[name]["metrics"] if m["step"] == 3]
+        for key, value in expected.items():
+            if key.startswith("train/"):
+                assert resumed[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (name, key)
+            elif key.startswith("rollout/") and "time_s" not in key:
+                assert resumed[key] == value, (name, key)
