@@ -8,6 +8,11 @@ rank j % workers, and every rank gets the same number of slots (None: a dummy). 
 minibatch's global token (or sequence) count and combines the per-micro-batch metrics in the in-process
 order, so the metrics and the update are the in-process trainer's up to the order of float sums.
 
+With `trainer.lora` the ranks train adapters (the KL reference is the policy with them off), `refit_weights` gathers
+the merged target modules alone and a checkpoint's `policy/` holds the adapters, as with one worker.
+`activation_checkpointing`, `mixed_precision: bf16`, `cpu_offload` and `sharding: none` are how each rank wraps
+its model (`fsdp_wrap`).
+
 Faults: a rank that dies (or fails) during a call raises `TrainerWorkerError` naming the rank, its pid, node id
 and IP, and the other ranks are killed (they would wait in a collective). More ranks than the cluster can
 place (`trainer.worker` resources) is a `ConfigError` before any model loads.
