@@ -31,6 +31,7 @@ import torch
 
 from nemo_rl_ext.algorithms.fsdp_workers import RankSpec, TrainerRank
 from nemo_rl_ext.algorithms.fsdp_wrap import WrapSettings
+from nemo_rl_ext.algorithms.streamed_weights import StreamedWeights
 from nemo_rl_ext.algorithms.trainer import _MetricSums, minibatch_bounds
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings
 from nemo_rl_ext.cluster import ClusterConfig, init_ray
@@ -208,14 +209,26 @@ class DistributedTrainer:
         `REFIT_BUCKET_BYTES` at a time on a rank) to this process; `refit_metrics` then reports the gather."""
         return self._gather(changed_only=False)
 
-    def refit_weights(self) -> dict[str, torch.Tensor]:
+    def refit_weights(self) -> Mapping[str, torch.Tensor]:
         """What a refit hands the engine: `state_dict()`, or with LoRA the merged target weights alone (the
-        engine's other tensors are the base model's, which never change), gathered the same way."""
-        return self._gather(changed_only=self.lora)
+        engine's other tensors are the base model's, which never change), each bucket gathered when the engine
+        reads it (`StreamedWeights`): this process holds one bucket at a time besides the engine's weights."""
+        if not self.lora:
+            return self.state_dict()
+        buckets, total = self._buckets(changed_only=True)
+        self._refit = {"refit/gathered_bytes": float(total), "timing/refit/gather_seconds": 0.0,
+                       "refit/buckets": float(len(buckets))}
 
-    def _gather(self, changed_only: bool) -> dict[str, torch.Tensor]:
-        start = time.perf_counter()
-        out: dict[str, torch.Tensor] = {}
+        def fetch(names: list[str]) -> dict[str, torch.Tensor]:
+            start = time.perf_counter()
+            out = self._call([(rank.gather, (names,)) for rank in self._ranks])[0]
+            self._refit["timing/refit/gather_seconds"] += time.perf_counter() - start
+            return out
+
+        return StreamedWeights(buckets, fetch, total)
+
+    def _buckets(self, changed_only: bool) -> tuple[list[list[str]], int]:
+        """The layout's names (a tied alias left out) in buckets of at most `REFIT_BUCKET_BYTES`, and their bytes."""
         buckets: list[list[str]] = [[]]
         size, total = 0, 0
         for name, nbytes, tied, changes in self._layout:
@@ -227,6 +240,12 @@ class DistributedTrainer:
             buckets[-1].append(name)
             size += nbytes
             total += nbytes
+        return buckets, total
+
+    def _gather(self, changed_only: bool) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
+        out: dict[str, torch.Tensor] = {}
+        buckets, total = self._buckets(changed_only)
         for names in buckets:
             out.update(self._call([(rank.gather, (names,)) for rank in self._ranks])[0])
         for name, _, tied, _ in self._layout:

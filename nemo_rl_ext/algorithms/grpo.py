@@ -76,6 +76,7 @@ from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.stopping import LoopStop, Stopped
+from nemo_rl_ext.algorithms.streamed_weights import refit_nbytes
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
 from nemo_rl_ext.cluster import loads_model_folder
 from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
@@ -594,7 +595,7 @@ class GRPO:
         weights = self.trainer.refit_weights() if partial else self.trainer.state_dict()
         self.generation.update_weights(weights, in_flight=in_flight, partial=partial)
         return {
-            "refit/bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+            "refit/bytes": float(refit_nbytes(weights)),
             "timing/refit/seconds": time.perf_counter() - start,
         }
 

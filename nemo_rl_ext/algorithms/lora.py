@@ -20,6 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from nemo_rl_ext.algorithms.streamed_weights import StreamedWeights
 from nemo_rl_ext.algorithms.trainer_config import LoraSettings
 
 ADAPTER = "default"
@@ -99,12 +100,12 @@ def _lora_config(settings: LoraSettings) -> LoraConfig:
 
 
 @torch.no_grad()
-def merged_state_dict(model: PeftModel, adapted_only: bool = False) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
     """The base model's weights under their transformers names, each target module's weight merged with its
     adapter (`W + scale * B @ A`, peft's `get_delta_weight`, one module at a time); every other tensor is the
-    trainer's own (detached, not copied). `adapted_only`: the merged target weights alone."""
+    trainer's own (detached, not copied)."""
     base = model.get_base_model()
-    out = {} if adapted_only else {
+    out = {
         key.replace(".base_layer.", "."): value.detach()
         for key, value in base.state_dict().items()
         if ".lora_" not in key
@@ -114,6 +115,25 @@ def merged_state_dict(model: PeftModel, adapted_only: bool = False) -> dict[str,
             weight = module.get_base_layer().weight
             out[f"{name}.weight"] = weight.detach() + module.get_delta_weight(ADAPTER).to(weight.dtype)
     return out
+
+
+def streamed_merged_weights(model: PeftModel) -> StreamedWeights:
+    """Each target module's merged weight alone, under its transformers name, made one module at a time as the
+    engine reads it (`StreamedWeights`): never a copy of every target at once."""
+    modules = {f"{name}.weight": module for name, module in model.get_base_model().named_modules()
+               if isinstance(module, LoraLayer)}
+
+    @torch.no_grad()
+    def merge(names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            weight = modules[name].get_base_layer().weight
+            out[name] = weight.detach() + modules[name].get_delta_weight(ADAPTER).to(weight.dtype)
+        return out
+
+    nbytes = sum(m.get_base_layer().weight.numel() * m.get_base_layer().weight.element_size()
+                 for m in modules.values())
+    return StreamedWeights([[name] for name in modules], merge, nbytes)
 
 
 def lora_modules(model: PeftModel) -> list[str]:

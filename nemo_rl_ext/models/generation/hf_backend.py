@@ -301,7 +301,12 @@ class HfGeneration(GenerationInterface):
     def _apply(self, update: _Update) -> None:
         try:
             with torch.no_grad():
-                self.model.load_state_dict(dict(update.state_dict), strict=not update.partial)
+                if update.partial:  # tensor by tensor, in the mapping's order: a streamed one is made as read
+                    own = self.model.state_dict()
+                    for name in update.state_dict:
+                        own[name].copy_(update.state_dict[name])
+                else:
+                    self.model.load_state_dict(dict(update.state_dict), strict=True)
             self._weight_version += 1
         except Exception as exc:  # the caller hears why; the engine goes on serving
             update.error = exc
