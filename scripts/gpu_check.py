@@ -10,7 +10,7 @@ file ($OUT/gpu_report.md when $OUT is set, else ./gpu_report.md):
   requests joins the running batch) and its logprobs equal a transformers forward pass over the same tokens.
 - grpo: two GRPO steps (rollouts, update, refit) on the device in fp32; then the same with
   `trainer.mixed_precision: bf16`, `trainer.activation_checkpointing: true`, `trainer.lora`, and FSDP2 at world
-  size 1 (NCCL on CUDA, gloo on the CPU). A setting whose feature is not built yet is refused by the config
+  size 1 (NCCL on CUDA, gloo on the CPU; on CUDA once more with `trainer.cpu_offload`). A setting whose feature is not built yet is refused by the config
   (`trainer_config.UNBUILT`): that check says NOT BUILT, and runs unchanged once the feature lands.
 
 `--device cpu` runs the same logic on the CPU (tests/functional/test_gpu_check.py). Exit status: 0 when no check
