@@ -123,10 +123,10 @@ class TrainerRank:
         listen_fd = self._listen.fileno() if self._listen is not None else None
         store = dist.TCPStore(master, port, self.world_size, self.rank == 0, timeout, wait_for_workers=False,
                               master_listen_fd=listen_fd)
-        dist.init_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo", store=store,
-            rank=self.rank, world_size=self.world_size, timeout=timeout,
-        )
+        backend = "gloo"
+        if self.device.type == "cuda":  # offloaded shards live on the CPU: their gathers (refit, checkpoint) use gloo
+            backend = "cpu:gloo,cuda:nccl" if spec.wrap.cpu_offload else "nccl"
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         self._load_models(spec)
         self.parameters = [p for p in self.policy.parameters() if p.requires_grad]
         opt = spec.optimizer
