@@ -191,12 +191,15 @@ def test_a_checkpoint_resumes_onto_another_worker_count(runs: dict, saved_by: in
 
 @pytest.mark.timeout(300)
 def test_async_grpo_on_two_ranks_trains_as_one_process_does(config_file: Path, tmp_path: Path) -> None:
-    """`grpo.async` (max_lag 1): the trainer thread drives the ranks; the steps match one worker's."""
+    """`grpo.async` (max_lag 1): the trainer thread drives the ranks; the steps match one worker's. The 2 ranks are
+    replicated (`sharding: none`, all-reduced gradients), which the driver does not see: this run also checks that
+    replicated ranks compute one process's update (suite time)."""
     history = {}
     for workers in (1, 2):
+        replicated = ["trainer.sharding=none"] if workers == 2 else []
         cfg = load_config(config_file, [f"output_dir={tmp_path / str(workers)}", f"trainer.workers={workers}",
-                                        "grpo.async.enabled=true", "grpo.async.max_lag=1", "grpo.save_period=0"],
-                          GRPOConfig)
+                                        "grpo.async.enabled=true", "grpo.async.max_lag=1", "grpo.save_period=0",
+                                        *replicated], GRPOConfig)
         with GRPO(cfg) as grpo:
             history[workers] = grpo.run()
     assert [m["step"] for m in history[2]] == [1, 2, 3]
