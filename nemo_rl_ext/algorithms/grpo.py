@@ -76,6 +76,7 @@ from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.stopping import LoopStop, Stopped
+from nemo_rl_ext.algorithms.streamed_weights import refit_nbytes
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
 from nemo_rl_ext.algorithms.trainer_state import restore_trainer_state, state_writer, weights_in_model_dir
 from nemo_rl_ext.cluster import loads_model_folder
@@ -172,7 +173,9 @@ class GRPO:
         if cfg.trainer.workers > 1:  # FSDP2 ranks on Ray load the policy: this process holds no trainer copy
             self.tokenizer = load_tokenizer(model_path)
             self.trainer = DistributedTrainer(
-                rank_spec(cfg, model_path, initial_path if cfg.loss.kl_coef > 0 else None, _pad_id(self.tokenizer)),
+                rank_spec(cfg, model_path, initial_path if cfg.loss.kl_coef > 0 else None, _pad_id(self.tokenizer),
+                          adapter_dir=checkpoint.model_dir if checkpoint and lora is not None and not checkpoint.sharded
+                          else None),
                 cfg.trainer, cfg.policy.cluster,
             )
         else:
@@ -229,7 +232,7 @@ class GRPO:
         if checkpoint is not None:
             restore_trainer_state(self.trainer, checkpoint)
             if loads_model_folder(cfg.policy) or not weights_in_model_dir(checkpoint):  # the engine has the initial model
-                self.generation.update_weights(self.trainer.state_dict())
+                self._refit(in_flight="finish")
             self.train_data.load_state_dict(checkpoint.data_state)
             self.step = checkpoint.step
             checkpoint.restore_rng()
@@ -589,10 +592,12 @@ class GRPO:
         """Hand the trainer's weights to the engine; returns `refit/bytes` (of the tensors handed over) and
         `timing/refit/seconds` (building them, a LoRA policy's merge included, and loading them)."""
         start = time.perf_counter()
-        weights = self.trainer.state_dict()
-        self.generation.update_weights(weights, in_flight=in_flight)
+        # with LoRA only the merged target modules change: an engine that takes a partial update gets them alone
+        partial = self.trainer.refit_partial and self.generation.accepts_partial_update
+        weights = self.trainer.refit_weights() if partial else self.trainer.state_dict()
+        self.generation.update_weights(weights, in_flight=in_flight, partial=partial)
         return {
-            "refit/bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+            "refit/bytes": float(refit_nbytes(weights)),
             "timing/refit/seconds": time.perf_counter() - start,
         }
 
