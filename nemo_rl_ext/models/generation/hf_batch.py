@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from nemo_rl_ext.models.generation.extra_logprobs import PromptScores
 from nemo_rl_ext.models.generation.interfaces import (
     FinishReason,
     GenerationConfig,
     GenerationOutput,
+    PromptScores,
     TopLogprobs,
 )
 
