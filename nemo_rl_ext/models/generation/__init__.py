@@ -6,6 +6,18 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationConfig,
     GenerationInterface,
     GenerationOutput,
+    StreamEvent,
+    StructuredOutput,
+    TokenDelta,
 )
 
-__all__ = ["EngineLoad", "FinishReason", "GenerationConfig", "GenerationInterface", "GenerationOutput"]
+__all__ = [
+    "EngineLoad",
+    "FinishReason",
+    "GenerationConfig",
+    "GenerationInterface",
+    "GenerationOutput",
+    "StreamEvent",
+    "StructuredOutput",
+    "TokenDelta",
+]

@@ -11,6 +11,10 @@ backend runs its own decode loop, on one engine thread:
   admits no one until all its rows finished), kept for comparison (`bench/continuous_batching.py`).
 - Each row keeps its own sampling parameters and seeded generator, so its tokens do not depend on what
   else is in the batch, and its logprobs are those of a separate forward pass.
+- **Streaming**: `generate_stream` hands each sampled token to its caller's loop as it is decoded (a
+  per-request hook on the row; requests nobody streams skip it).
+- **Structured output**: a request's `config.structured_output` is compiled (llguidance, `grammar`) before it
+  joins; each step masks that row's logits to what its grammar allows next (rows without one are untouched).
 - **Faults**: a row that fails alone (its sampler cannot be built, its logits cannot be sampled, its
   stop check raises) gets its own error and leaves while the others go on; a cancelled `generate_async`
   call (a client that went away, a rollout past its deadline) leaves at the next decode step.
@@ -27,10 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -38,6 +43,8 @@ from typing import Literal
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from nemo_rl_ext.models.generation.extra_logprobs import rows_top_logprobs, score_prompts
+from nemo_rl_ext.models.generation.grammar import Grammars
 from nemo_rl_ext.models.generation.hf_batch import KvBatch, Request, Row
 from nemo_rl_ext.models.generation.interfaces import (
     EngineLoad,
@@ -46,11 +53,13 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     InFlightPolicy,
+    StreamEvent,
     check_in_flight,
     check_prompt,
     check_state_dict,
 )
 from nemo_rl_ext.models.generation.sampling import select_tokens
+from nemo_rl_ext.models.generation.token_stream import TokenQueue
 from nemo_rl_ext.models.loading import cache_kwarg
 
 logger = logging.getLogger(__name__)
@@ -69,6 +78,7 @@ class _Update:
 
     state_dict: Mapping[str, torch.Tensor]
     in_flight: InFlightPolicy
+    partial: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -114,6 +124,7 @@ class HfGeneration(GenerationInterface):
         self._eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else next(iter(self._eos_ids)))
+        self._grammars = Grammars(tokenizer, self._vocab_size, self._eos_ids)  # built on first use
         self._cond = threading.Condition()
         self._pending: collections.deque[Request] = collections.deque()
         self._updates: collections.deque[_Update] = collections.deque()
@@ -171,31 +182,64 @@ class HfGeneration(GenerationInterface):
         return EngineLoad(running=self._num_running, waiting=waiting)
 
     async def generate_async(self, prompt_token_ids: Sequence[int], config: GenerationConfig) -> GenerationOutput:
-        if self._closed:
-            raise RuntimeError("HfGeneration was shut down")
-        prompt = [int(t) for t in prompt_token_ids]
-        check_prompt(prompt, self._max_model_len, self._vocab_size)
-        loop = asyncio.get_running_loop()
-        request = Request(prompt, config, loop, loop.create_future())
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("HfGeneration was shut down")
-            self._pending.append(request)
-            self.num_requests += 1
-            self._cond.notify()
+        request = await self._submit(prompt_token_ids, config)
         try:
             return await request.future
         except asyncio.CancelledError:
             request.cancelled = True  # read by the engine, which drops the row at its next step
             raise
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+    async def generate_stream(
+        self, prompt_token_ids: Sequence[int], config: GenerationConfig
+    ) -> AsyncIterator[StreamEvent]:
+        """Each decode step's token as it is sampled (see `GenerationInterface.generate_stream`)."""
+        tokens = TokenQueue()
+        request = await self._submit(prompt_token_ids, config, on_token=tokens.put_token)
+        try:
+            async with contextlib.aclosing(tokens.events(request.future)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            if not request.future.done():
+                request.cancelled = True  # the reader left: the engine drops the row at its next step
+
+    async def _submit(
+        self, prompt_token_ids: Sequence[int], config: GenerationConfig, on_token=None
+    ) -> Request:
+        """Check the prompt, compile its grammar (if any) and queue a request for the engine thread."""
+        if self._closed:
+            raise RuntimeError("HfGeneration was shut down")
+        arrived = time.monotonic()
+        prompt = [int(t) for t in prompt_token_ids]
+        check_prompt(prompt, self._max_model_len, self._vocab_size)
+        grammar = None  # compiled here, off the engine thread; a bad schema is a ValueError
+        if config.structured_output is not None:
+            grammar = await asyncio.to_thread(self._grammars.row, config.structured_output)
+        loop = asyncio.get_running_loop()
+        request = Request(
+            prompt, config, loop, loop.create_future(), arrived=arrived, grammar=grammar, on_token=on_token
+        )
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("HfGeneration was shut down")
+            self._pending.append(request)
+            self.num_requests += 1
+            self._cond.notify()
+        return request
+
+    @property
+    def accepts_partial_update(self) -> bool:
+        return True  # `load_state_dict(strict=False)` keeps the tensors not named
+
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish", partial: bool = False
+    ) -> None:
         """Load new weights in place between two decode steps (see `GenerationInterface.update_weights`)."""
         if self._closed:
             raise RuntimeError("HfGeneration was shut down")
         check_in_flight(in_flight)
-        check_state_dict(self.model.state_dict().keys(), state_dict)
-        update = _Update(state_dict, in_flight)
+        check_state_dict(self.model.state_dict().keys(), state_dict, partial)
+        update = _Update(state_dict, in_flight, partial)
         with self._cond:
             if self._closed:
                 raise RuntimeError("HfGeneration was shut down")
@@ -295,7 +339,12 @@ class HfGeneration(GenerationInterface):
     def _apply(self, update: _Update) -> None:
         try:
             with torch.no_grad():
-                self.model.load_state_dict(dict(update.state_dict), strict=True)
+                if update.partial:  # tensor by tensor, in the mapping's order: a streamed one is made as read
+                    own = self.model.state_dict()
+                    for name in update.state_dict:
+                        own[name].copy_(update.state_dict[name])
+                else:
+                    self.model.load_state_dict(dict(update.state_dict), strict=True)
             self._weight_version += 1
         except Exception as exc:  # the caller hears why; the engine goes on serving
             update.error = exc
@@ -358,7 +407,13 @@ class HfGeneration(GenerationInterface):
             [row.request.prompt_ids for row in rows], self._pad_id, self.model.device
         )
         cache = DynamicCache()
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if any(row.request.config.prompt_logprobs is not None for row in rows):
+            # logits of every position: score the prompts that ask, then sample from the last
+            logits = self._forward(input_ids, attention_mask, position_ids, cache, all_positions=True)
+            score_prompts(rows, logits, input_ids, self._fail)
+            logits = logits[:, -1, :]
+        else:
+            logits = self._forward(input_ids, attention_mask, position_ids, cache)
         tokens = self._sample(logits, rows)
         joining = self._settle(KvBatch(rows, cache, attention_mask, position_ids[:, -1:], tokens))
         if batch is None or joining is None:
@@ -377,10 +432,12 @@ class HfGeneration(GenerationInterface):
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Select and append one token per row (a failed row gets its error instead); returns the tokens."""
+        logits = Grammars.mask(logits, [row.request.grammar for row in rows])
         tokens, logprobs = self._select(logits, rows)
+        tops = rows_top_logprobs(logits, rows, self._fail)
         for pos, row in enumerate(rows):
             if row.error is None:
-                self._append(row, int(tokens[pos]), float(logprobs[pos]))
+                self._append(row, int(tokens[pos]), float(logprobs[pos]), tops[pos])
         return tokens
 
     def _settle(self, batch: KvBatch) -> KvBatch | None:
@@ -463,26 +520,34 @@ class HfGeneration(GenerationInterface):
         self.num_row_failures += 1
         logger.warning("one request of a batch failed alone: %s", row.error)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, cache, all_positions: bool = False) -> torch.Tensor:
+        """The last position's logits [B, V]; with `all_positions`, every position's [B, L, V]."""
         self.num_forward_passes += 1
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if all_positions else 1,
             **{self._cache_kwarg: cache},
         )
-        return out.logits[:, -1, :]
+        return out.logits if all_positions else out.logits[:, -1, :]
 
-    def _append(self, row: Row, token: int, logprob: float) -> None:
-        """Add a generated token to a row and decide whether the row is finished (or failed alone)."""
+    def _append(self, row: Row, token: int, logprob: float, top=None) -> None:
+        """Add a generated token (and its top alternatives, when asked) to a row and decide whether the row is
+        finished (or failed alone)."""
         if row.first_token_at is None:
             row.first_token_at = time.monotonic()
         row.output_ids.append(token)
         row.logprobs.append(logprob)
+        if top is not None:
+            row.top_logprobs.append(top)
+        if row.request.on_token is not None:  # a streamed request
+            row.request.on_token(token, logprob, top)
         self.num_generated_tokens += 1
         try:
+            if row.request.grammar is not None:
+                row.request.grammar.accept(token)
             self._check_finished(row, token)
         except Exception as exc:
             self._fail(row, "checking its stop conditions", exc)

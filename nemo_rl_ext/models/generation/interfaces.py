@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+import json
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -14,10 +15,41 @@ SEED_LIMIT = 2**63
 """Seeds are in [0, SEED_LIMIT): what torch's and vLLM's generators accept (a signed 64-bit integer)."""
 MAX_TOP_K = 2**31 - 1
 """Largest top_k accepted (vLLM keeps top_k in int32 tensors); any k at or above the vocabulary means all."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (`top_logprobs`, `prompt_logprobs`), as OpenAI allows."""
+
+TopLogprobs = tuple[tuple[int, float], ...]
+"""The likeliest tokens at one position, best first: (token id, logprob) pairs."""
+
+PromptScores = tuple[tuple[float, ...], tuple[TopLogprobs, ...] | None]
+"""One prompt's scores: each prompt id's logprob from the 2nd on, and its top alternatives (None for k = 0)."""
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on a generation's text: JSON that matches a JSON Schema (compiled by llguidance)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    json_schema: str = Field(
+        default='{"type": "object"}',
+        description="The JSON Schema, as JSON text, that the generated text must match; the default accepts "
+        "any JSON object (OpenAI's response_format json_object).",
+    )
+
+    @field_validator("json_schema")
+    @classmethod
+    def _a_json_object(cls, value: str) -> str:
+        try:
+            schema = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"json_schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        return value
 
 
 class GenerationConfig(BaseModel):
@@ -42,11 +74,30 @@ class GenerationConfig(BaseModel):
     seed: int | None = Field(
         default=None, ge=0, lt=SEED_LIMIT, description="Seed of this request's sampler; None = unseeded."
     )
+    top_logprobs: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Also report this many likeliest tokens per generated position, from the distribution the "
+        "logprobs come from (after temperature, before top-k/top-p); 0: none.",
+    )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Also score the prompt: each prompt token's logprob (from the 2nd on) under log_softmax(logits) "
+        "at temperature 1, as vLLM's prompt_logprobs, plus this many likeliest tokens per position; None: no.",
+    )
     session: tuple[int, ...] | None = Field(
         default=None,
         exclude=True,
         description="Routing key, e.g. (prompt index, sample index): a replica pool keeps a session's turns on "
         "one replica (its prefix cache); engines ignore it, and it is left out of dumped configs.",
+    )
+    structured_output: StructuredOutput | None = Field(
+        default=None,
+        description="Constrain the generation to JSON matching a schema (a per-row token mask on the hf backend, "
+        "vLLM's structured outputs on vllm); its logprobs are then those of the masked distribution. None: free.",
     )
 
     @field_validator("stop_strings")
@@ -108,11 +159,33 @@ class GenerationOutput:
     time_to_first_token_s: float | None = field(default=None, compare=False)
     """Seconds from the `generate_async` call to the engine sampling the first token; None when the backend does
     not measure it. A timing, so it takes no part in comparing outputs."""
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Per generated id, the `config.top_logprobs` likeliest tokens of its distribution; None when not asked."""
+    prompt_logprobs: tuple[float, ...] | None = None
+    """Per prompt id from the 2nd on, its logprob at temperature 1 (`config.prompt_logprobs`); None when not asked."""
+    prompt_top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Per prompt id from the 2nd on, the `config.prompt_logprobs` likeliest tokens; None when not asked."""
 
     @property
     def truncated(self) -> bool:
         """True when max_new_tokens or max_model_len cut the generation short."""
         return self.finish_reason.truncated
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens a streamed generation (`GenerationInterface.generate_stream`) sampled since its previous delta."""
+
+    output_ids: tuple[int, ...]
+    """The new ids, in order (one or more)."""
+    logprobs: tuple[float, ...]
+    """The logprob of each new id, as in `GenerationOutput.logprobs`."""
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Each new id's top alternatives when the config asks (`GenerationOutput.top_logprobs`); None otherwise."""
+
+
+StreamEvent = TokenDelta | GenerationOutput
+"""What `generate_stream` yields: deltas, then the whole output."""
 
 
 @dataclass(frozen=True)
@@ -151,8 +224,22 @@ class GenerationInterface(abc.ABC):
         the next decode step), and one request's failure never fails the others it is batched with.
         """
 
+    async def generate_stream(
+        self, prompt_token_ids: Sequence[int], config: GenerationConfig
+    ) -> AsyncIterator[StreamEvent]:
+        """`generate_async`, delivered as it is decoded: `TokenDelta`s, then the `GenerationOutput` (last).
+
+        The deltas' ids, joined, are a prefix of the output's `output_ids` (the rest arrives with the output);
+        the output is the one `generate_async` would return. Closing the iterator early (or cancelling the
+        task that reads it) cancels the generation, as cancelling `generate_async` does. This default sends
+        no delta: the whole output at the end; backends that decode step by step override it.
+        """
+        yield await self.generate_async(prompt_token_ids, config)
+
     @abc.abstractmethod
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish", partial: bool = False
+    ) -> None:
         """Serve new weights (transformers parameter names, every weight of the model); returns once they serve.
 
         Safe to call while generations are in flight. `in_flight="finish"`: they finish on the old weights,
@@ -160,7 +247,17 @@ class GenerationInterface(abc.ABC):
         keeping the tokens and logprobs made so far (under the old version), then the update applies.
         Requests that arrive during the update wait and run on the new weights. `weight_version` then grows
         by one. Raises ValueError naming the missing weights if `state_dict` lacks any, before loading anything.
+
+        `partial=True`: `state_dict` holds only the tensors that changed (a LoRA refit's merged target modules);
+        the others keep what the engine holds, and a backend that reloads its model folder (a restarted pool
+        replica) applies the latest partial update on top of the folder's weights. Names the model lacks are
+        then the ValueError.
         """
+
+    @property
+    def accepts_partial_update(self) -> bool:
+        """Whether `update_weights(..., partial=True)` is served (False: the caller sends every weight)."""
+        return False
 
     @property
     def weight_version(self) -> int:
@@ -193,8 +290,14 @@ def check_in_flight(in_flight: str) -> None:
         raise ValueError(f'update_weights: in_flight must be "finish" or "abort", got {in_flight!r}')
 
 
-def check_state_dict(expected: Iterable[str], state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Raise a ValueError naming the weights `state_dict` lacks (a partial reload would leave layers stale)."""
+def check_state_dict(expected: Iterable[str], state_dict: Mapping[str, torch.Tensor], partial: bool = False) -> None:
+    """Raise a ValueError naming the weights `state_dict` lacks (a partial reload would leave layers stale), or
+    with `partial`, the names the model does not have."""
+    if partial:
+        unknown = sorted(set(state_dict) - set(expected))
+        if unknown:
+            raise ValueError(f"update_weights(partial=True): the model has no weights named {unknown[:10]}")
+        return
     missing = sorted(set(expected) - set(state_dict))
     if missing:
         raise ValueError(
