@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.data.chat import TURN_MARK, TurnNotRendered, text_after_turn
-from nemo_rl_ext.serving.openai_schemas import ApiError, PromptParams
+from nemo_rl_ext.serving.api_errors import ApiError
+from nemo_rl_ext.serving.openai_schemas import PromptParams
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from typing import Any
 
 from nemo_rl_ext.data.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, parse_tool_calls
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationOutput, TokenDelta
-from nemo_rl_ext.serving.openai_schemas import TOKEN_FIELDS, ApiError, ChatCompletionRequest
+from nemo_rl_ext.serving.api_errors import ApiError
+from nemo_rl_ext.serving.openai_schemas import TOKEN_FIELDS, ChatCompletionRequest
 from nemo_rl_ext.serving.streaming import SSE_DONE, SseResponse, TextStream, choice_events, sse, usage
 
 logger = logging.getLogger(__name__)

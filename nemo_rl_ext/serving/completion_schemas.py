@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 from pydantic import Field, ValidationInfo, field_validator
 
 from nemo_rl_ext.models.generation.interfaces import MAX_TOP_K, MAX_TOP_LOGPROBS, SEED_LIMIT
+from nemo_rl_ext.serving.api_errors import ApiError
 from nemo_rl_ext.serving.openai_schemas import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    ApiError,
     ChatCompletionRequest,
     _Lenient,
 )

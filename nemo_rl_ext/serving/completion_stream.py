@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationOutput, TokenDelta
+from nemo_rl_ext.serving.api_errors import ApiError
 from nemo_rl_ext.serving.completion_schemas import CompletionRequest
-from nemo_rl_ext.serving.openai_schemas import ApiError
 from nemo_rl_ext.serving.streaming import SSE_DONE, SseResponse, TextStream, job_events, sse, usage
 
 logger = logging.getLogger(__name__)

@@ -24,21 +24,36 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationOutput
+from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
+from nemo_rl_ext.serving.api_errors import ApiError, validation_api_error
 from nemo_rl_ext.serving.choice_format import finite, generated_text, stop_reason, token_text
 from nemo_rl_ext.serving.completion_schemas import CompletionRequest
 from nemo_rl_ext.serving.completion_stream import CompletionStream
 from nemo_rl_ext.serving.generate_all import generate_all
-from nemo_rl_ext.serving.openai_schemas import ApiError, validation_api_error
 from nemo_rl_ext.serving.request_sampling import generation_configs
+from nemo_rl_ext.serving.server_metrics import ServerMetrics
 from nemo_rl_ext.serving.streaming import SseResponse
 
-if TYPE_CHECKING:
-    from nemo_rl_ext.serving.policy_server import PolicyService
+
+class PolicyService(Protocol):
+    """What a text completion needs of the service answering it (`policy_server.PolicyService` is the one there is;
+    declared here so that this module does not import the server that imports it)."""
+
+    generation: GenerationInterface
+    tokenizer: Any
+    """The policy's Hugging Face tokenizer."""
+    options: Any
+    """The server's `ServerOptions` (default sampling config, request timeout, served model name)."""
+    metrics: ServerMetrics
+    refused_prompts: Any
+    """Counts the prompts refused for context length (`policy_server.RefusedPrompts`)."""
+
+    @property
+    def max_model_len(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Sequence
 
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
-from nemo_rl_ext.serving.openai_schemas import ApiError
+from nemo_rl_ext.serving.api_errors import ApiError
 
 
 async def generate_all(

@@ -18,13 +18,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from nemo_rl_ext.models.generation.interfaces import MAX_TOP_K, MAX_TOP_LOGPROBS, SEED_LIMIT, GenerationConfig
+from nemo_rl_ext.serving.api_errors import ApiError
+from nemo_rl_ext.serving.request_sampling import generation_configs
 from nemo_rl_ext.serving.response_format import ResponseFormat
 from nemo_rl_ext.serving.streaming import StreamOptions
 
@@ -44,49 +45,6 @@ MAX_TOKEN_ID = 2**31 - 1
 """Largest token id accepted in `stop_token_ids` (ids are int32 in vLLM)."""
 MIN_POSITIVE_TEMPERATURE = 1e-6
 """Smallest temperature above 0 accepted; below it logits / T overflows float32 (0 means greedy)."""
-
-
-class ApiError(Exception):
-    """A request the server refuses; becomes an OpenAI-style error body with this status code."""
-
-    def __init__(self, message: str, *, param: str | None = None, status_code: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status_code = status_code
-
-    @property
-    def error_type(self) -> str:
-        """The error's `type`, as vLLM names it."""
-        return {
-            400: "BadRequestError",
-            401: "AuthenticationError",
-            404: "NotFoundError",
-            413: "RequestTooLargeError",
-            504: "TimeoutError",
-        }.get(self.status_code, "InternalServerError")
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body: `{"error": {message, type, param, code}}` (what the `openai` client parses)."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.status_code,
-            }
-        }
-
-
-def validation_api_error(err: ValidationError) -> ApiError:
-    """One 400 naming every bad field and its value (`messages.0.role: ... (got 'x')`)."""
-    lines = []
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<body>"
-        got = f" (got {_short_repr(e['input'])})" if "input" in e and e["type"] != "missing" else ""
-        lines.append(f"{path}: {e['msg']}{got}")
-    first = err.errors()[0]["loc"] if err.errors() else ()
-    return ApiError("invalid request: " + "; ".join(lines), param=".".join(str(p) for p in first) or None)
 
 
 def exceeds_depth(value: Any, limit: int) -> bool:
@@ -116,12 +74,6 @@ def loads_bounded(text: str, what: str) -> Any:
     if exceeds_depth(value, MAX_JSON_DEPTH):
         raise ValueError(too_deep_message(what))
     return value
-
-
-def _short_repr(value: Any, limit: int = 200) -> str:
-    """repr(value), cut to `limit` characters (a refused value may be megabytes long)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class _Lenient(BaseModel):
@@ -447,7 +399,5 @@ class ChatCompletionRequest(PromptParams):
         self, prompt_len: int, max_model_len: int, defaults: GenerationConfig | None
     ) -> list[GenerationConfig]:
         """One `GenerationConfig` per choice (`request_sampling.generation_configs`), with the top logprobs asked."""
-        from nemo_rl_ext.serving.request_sampling import generation_configs
-
         top = (self.top_logprobs or 0) if self.logprobs else 0
         return generation_configs(self, prompt_len, max_model_len, defaults, top_logprobs=top)

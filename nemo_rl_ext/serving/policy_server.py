@@ -60,18 +60,13 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
 )
+from nemo_rl_ext.serving.api_errors import ApiError, validation_api_error
 from nemo_rl_ext.serving.chat_prompt import ChatPrompt, build_chat_prompt
 from nemo_rl_ext.serving.chat_stream import ChatStream, tool_call_dict
 from nemo_rl_ext.serving.choice_format import chat_logprobs, finite, generated_text, stop_reason
 from nemo_rl_ext.serving.completions import text_completion
 from nemo_rl_ext.serving.generate_all import generate_all
-from nemo_rl_ext.serving.openai_schemas import (
-    ApiError,
-    ChatCompletionRequest,
-    TokenizePromptRequest,
-    TokenizeRequest,
-    validation_api_error,
-)
+from nemo_rl_ext.serving.openai_schemas import ChatCompletionRequest, TokenizePromptRequest, TokenizeRequest
 from nemo_rl_ext.serving.request_guards import (
     DEFAULT_MAX_REQUEST_BYTES,
     ClientDisconnected,

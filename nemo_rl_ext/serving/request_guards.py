@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from nemo_rl_ext.serving.openai_schemas import MAX_JSON_DEPTH, ApiError, exceeds_depth, too_deep_message
+from nemo_rl_ext.serving.api_errors import ApiError
+from nemo_rl_ext.serving.openai_schemas import MAX_JSON_DEPTH, exceeds_depth, too_deep_message
 
 T = TypeVar("T")
 

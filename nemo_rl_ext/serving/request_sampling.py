@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pydantic import ValidationError
 
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
-from nemo_rl_ext.serving.openai_schemas import ApiError, validation_api_error
+from nemo_rl_ext.serving.api_errors import ApiError, validation_api_error
 
 if TYPE_CHECKING:
     from nemo_rl_ext.serving.response_format import ResponseFormat

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_rl_ext.models.generation.grammar import grammar_of
 from nemo_rl_ext.models.generation.interfaces import StructuredOutput
+from nemo_rl_ext.serving.api_errors import ApiError
 
 SCHEMA_PARAM = "response_format.json_schema.schema"
 """The request field an invalid schema is reported under."""
@@ -44,8 +45,6 @@ class ResponseFormat(BaseModel):
         """The engine's constraint (None for text); an `ApiError` naming the field for a missing or invalid schema.
 
         `param` is where the request holds this format (its name in the errors)."""
-        from nemo_rl_ext.serving.openai_schemas import ApiError  # openai_schemas imports this module
-
         if self.type == "text":
             return None
         if self.type == "json_object":

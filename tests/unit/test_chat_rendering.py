@@ -129,7 +129,7 @@ def test_text_after_turn_needs_the_turn_rendered_exactly_once(tok) -> None:
     """One function finds the template's text after an assistant turn, for observations and continuations alike;
     a template that drops or repeats the turn is refused (an observation frame) or a 400 (a continuation)."""
     from nemo_rl_ext.data.chat import TURN_MARK, TurnNotRendered, text_after_turn
-    from nemo_rl_ext.serving.openai_schemas import ApiError
+    from nemo_rl_ext.serving.api_errors import ApiError
 
     assert text_after_turn(f"a{TURN_MARK}</s>\nnext", drop_eos="</s>") == "\nnext"
     assert text_after_turn(f"a{TURN_MARK}</s>\nnext") == "</s>\nnext"

@@ -19,7 +19,7 @@ from nemo_rl_ext.evals.report import format_metric_table
 from nemo_rl_ext.experience.gym_results import result_to_completion
 from nemo_rl_ext.experience.prompt_length import PromptLengthWarning
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
-from nemo_rl_ext.serving.openai_schemas import ApiError
+from nemo_rl_ext.serving.api_errors import ApiError
 from nemo_rl_ext.serving.policy_server import PolicyService
 from nemo_rl_ext.testing import ScriptedGeneration
 from nemo_rl_ext.testing.gym_agents import refused_result
