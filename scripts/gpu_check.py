@@ -3,19 +3,15 @@
     python scripts/gpu_check.py [--device cuda|cpu] [--report PATH]      # scripts/gpu_check.sh wraps it
 
 Runs on a lent GPU image (torch with CUDA, transformers, peft, accelerate; no vLLM, no Ray) on the tiny Qwen2 built
-at run time (nothing is downloaded). Each check reports PASS, FAIL, NOT BUILT or GPU ONLY with its figures in one
-markdown file ($OUT/gpu_report.md when $OUT is set, else ./gpu_report.md):
+at run time (nothing is downloaded). Each check reports PASS, FAIL or NOT BUILT with its figures in one markdown
+file ($OUT/gpu_report.md when $OUT is set, else ./gpu_report.md):
 
 - engine: the hf backend on the device serves concurrent requests by continuous batching (a second wave of
   requests joins the running batch) and its logprobs equal a transformers forward pass over the same tokens.
 - grpo: two GRPO steps (rollouts, update, refit) on the device in fp32; then the same with
-  `trainer.mixed_precision: bf16`, `trainer.activation_checkpointing: true`, `trainer.lora`.
-- fsdp: one FSDP2 rank of the distributed trainer at world size 1 (NCCL on CUDA, gloo on the CPU; a TCPStore on
-  127.0.0.1, no Ray, no torchrun) takes the in-process trainer's step; then the same with `trainer.cpu_offload`
-  (FSDP2's CPUOffloadPolicy: the shards and the optimizer state must be in CPU memory).
-A setting whose feature is not built yet is refused by the config (`trainer_config.UNBUILT`): that check says NOT
-BUILT, and runs unchanged once the feature lands; one the config refuses on this device (CPU offload on the CPU)
-says GPU ONLY.
+  `trainer.mixed_precision: bf16`, `trainer.activation_checkpointing: true`, `trainer.lora`, and FSDP2 at world
+  size 1 (NCCL on CUDA, gloo on the CPU). A setting whose feature is not built yet is refused by the config
+  (`trainer_config.UNBUILT`): that check says NOT BUILT, and runs unchanged once the feature lands.
 
 `--device cpu` runs the same logic on the CPU (tests/functional/test_gpu_check.py). Exit status: 0 when no check
 failed, 1 otherwise. Nothing here imports Ray (the report says so).
@@ -69,7 +65,7 @@ class Result:
     name: str
     """What was checked."""
     status: str = "FAIL"
-    """PASS, FAIL, NOT BUILT (the config refuses the setting as unbuilt) or GPU ONLY (refused on this device)."""
+    """PASS, FAIL or NOT BUILT."""
     figures: dict[str, Any] = field(default_factory=dict)
     """What was measured (seconds, counts, differences, memory)."""
     detail: str = ""
@@ -233,26 +229,23 @@ def check_grpo(device: str, model_dir: Path, work: Path, name: str, trainer: dic
     result.status, result.detail = ("FAIL", "; ".join(problems)) if problems else ("PASS", "")
 
 
-def check_fsdp(device: str, model_dir: Path, work: Path, result: Result, settings: dict[str, Any] | None = None) -> None:
+def check_fsdp(device: str, model_dir: Path, work: Path, result: Result) -> None:
     """FSDP2 at world size 1 (NCCL on CUDA): one rank of the distributed trainer, in this process (no Ray), against
-    the in-process trainer on the same batch. `settings`: more of the `trainer:` section for the rank (`cpu_offload`:
-    the shards and the optimizer state must then live in CPU memory). NOT BUILT while the config refuses the
-    section as unbuilt; GPU ONLY when it refuses it on this device."""
+    the in-process trainer on the same batch; NOT BUILT while the config refuses `trainer.workers > 1`."""
     from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
     from nemo_rl_ext.config import ConfigError, load_config
 
-    section = {"workers": 2, "sharding": "fsdp2", **(settings or {})}
     try:
-        cfg = load_config(grpo_config(device, model_dir, work, "fsdp2", section), [], GRPOConfig)
+        cfg = load_config(grpo_config(device, model_dir, work, "fsdp2", {"workers": 2, "sharding": "fsdp2"}), [],
+                          GRPOConfig)
     except ConfigError as err:
-        for refusal, status in (("is not built yet", "NOT BUILT"), ("needs a GPU", "GPU ONLY")):
-            if refusal in str(err):
-                result.status, result.detail = status, str(err).strip()
-                return
+        if "is not built yet" in str(err):
+            result.status, result.detail = "NOT BUILT", str(err).strip()
+            return
         raise
     import torch.distributed as dist
 
-    from nemo_rl_ext.algorithms.fsdp_workers import TrainerRank  # the rank a Ray actor hosts
+    from nemo_rl_ext.algorithms.fsdp_workers import RankSpec, TrainerRank  # the rank a Ray actor hosts
     from nemo_rl_ext.algorithms.trainer import PolicyTrainer
     from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
@@ -267,46 +260,26 @@ def check_fsdp(device: str, model_dir: Path, work: Path, result: Result, setting
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    spec = _rank_spec(cfg, model_dir, optimizer, loss, pad)
+    spec = RankSpec(model_path=str(model_dir), reference_path=None, dtype="float32", device=device,
+                    optimizer=optimizer, loss=loss, temperature=1.0, pad_token_id=pad)
     try:
         rank.setup("127.0.0.1", port, spec)
         result.figures["backend"] = dist.get_backend()
         count = float(sum(float(x.loss_mask.sum()) for x in items))
         _, norm = rank.train_minibatch([(items, advantages, None, None)], count)
-        where = _shard_devices(rank)
-        got = rank.gather([entry[0] for entry in rank.tensor_sizes()])  # (name, bytes, tied, ...) per tensor
+        got = rank.gather([name for name, _, _ in rank.tensor_sizes()])
     finally:
         rank.shutdown()
     want = reference.state_dict()
     worst = max(float((got[k].to(want[k].device) - want[k]).abs().max() / (want[k].abs().max() + 1e-12))
                 for k in got)
     result.figures.update({"grad_norm": norm, "grad_norm_in_process": expected_norm,
-                           "weights_max_diff_of_largest": f"{worst:.2e}", **where})
+                           "weights_max_diff_of_largest": f"{worst:.2e}"})
     _peak_memory(device, result)
-    problems = []
-    if not (norm is not None and math.isclose(norm, expected_norm, rel_tol=1e-4) and worst <= 1e-4):
-        problems.append("the world-size-1 FSDP2 step differs from the in-process trainer's")
-    if section.get("cpu_offload") and where != {"shards_on": "cpu", "optimizer_state_on": "cpu"}:
-        problems.append(f"cpu_offload: the shards and the optimizer state must be in CPU memory, found {where}")
-    result.status, result.detail = ("FAIL", "; ".join(problems)) if problems else ("PASS", "")
-
-
-def _rank_spec(cfg: Any, model_dir: Path, optimizer: Any, loss: Any, pad: int) -> Any:
-    """The rank's spec as the distributed trainer builds it from `cfg`, with this check's optimizer and loss."""
-    from nemo_rl_ext.algorithms.distributed_trainer import rank_spec
-
-    return dataclasses.replace(rank_spec(cfg, model_dir, None, pad), optimizer=optimizer, loss=loss, temperature=1.0)
-
-
-def _shard_devices(rank: Any) -> dict[str, str]:
-    """Where the rank's parameter shards and its optimizer state live (device types, comma-joined if several)."""
-    from torch.distributed.tensor import DTensor
-
-    def kinds(tensors: list[Any]) -> str:
-        return ",".join(sorted({(t.to_local() if isinstance(t, DTensor) else t).device.type for t in tensors}))
-
-    state = [v for s in rank.optimizer.state.values() for k, v in s.items() if k != "step" and hasattr(v, "device")]
-    return {"shards_on": kinds(list(rank.policy.parameters())), "optimizer_state_on": kinds(state)}
+    ok = norm is not None and math.isclose(norm, expected_norm, rel_tol=1e-4) and worst <= 1e-4
+    result.status = "PASS" if ok else "FAIL"
+    if not ok:
+        result.detail = "the world-size-1 FSDP2 step differs from the in-process trainer's"
 
 
 def _batch(tokenizer: Any) -> tuple[list[Any], torch.Tensor]:
@@ -406,8 +379,6 @@ def main(argv: list[str] | None = None) -> int:
              lambda r: check_grpo(dev, model_dir, work, "lora",
                                   {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}, r)),
             ("trainer.workers: FSDP2 rank at world size 1", lambda r: check_fsdp(dev, model_dir, work, r)),
-            ("trainer.cpu_offload: FSDP2 rank at world size 1",
-             lambda r: check_fsdp(dev, model_dir, work, r, {"cpu_offload": True})),
         ]
         env, results = environment(args.device), [imports]
         for number, (name, fn) in enumerate(checks):
