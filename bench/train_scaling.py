@@ -19,8 +19,9 @@ Ray). Measured in each process that holds a rank (the workers=1 process itself, 
 - grads: the bytes of the gradients present when the optimizer steps (a global optimizer step pre-hook);
 - optimizer: the bytes of the AdamW state after the step (exp_avg, exp_avg_sq, step; local shards);
 - peak RSS: the process's VmHWM, and its VmRSS before the model was loaded (Python, torch, Ray's worker).
-Step time: the median of the timed `train_step` calls (wall seconds), and of the refit gather (`state_dict()`: the
-full weights to the driver; free with one worker, whose trainer hands over its own tensors). The load average is
+Step time: the median of the timed `train_step` calls (wall seconds), and of the refit gather (`refit_weights()`
+where the trainer has it, else `state_dict()`: the weights a refit hands the engine, gathered to the driver with 2
+workers; with 1 worker the trainer's own tensors, LoRA's targets merged). The load average is
 printed with every row: the machine is shared, so wall times are as measured under that load.
 """
 
@@ -236,6 +237,8 @@ def worker(workers: int, lora: bool, precision: str, steps: int) -> dict[str, An
     items, advantages = batch(tokenizer)
     load_start = os.getloadavg()[0]
     train_s, refit_s = [], []
+    # what a refit gathers: with LoRA (where the trainer knows it) the merged target weights alone, else all
+    refit_weights = getattr(trainer, "refit_weights", trainer.state_dict)
     try:
         for _ in range(1 + steps):
             start = time.perf_counter()
@@ -243,7 +246,7 @@ def worker(workers: int, lora: bool, precision: str, steps: int) -> dict[str, An
             train_s.append(time.perf_counter() - start)
             assert metrics["optimizer_steps"] == 1.0, metrics
             start = time.perf_counter()
-            trainer.state_dict()
+            refit_weights()
             refit_s.append(time.perf_counter() - start)
         if workers == 1:
             ranks = [memory_row(local_bytes(trainer.model.parameters()), probe, rss_before)]
