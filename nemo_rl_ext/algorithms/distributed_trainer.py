@@ -8,6 +8,11 @@ rank j % workers, and every rank gets the same number of slots (None: a dummy). 
 minibatch's global token (or sequence) count and combines the per-micro-batch metrics in the in-process
 order, so the metrics and the update are the in-process trainer's up to the order of float sums.
 
+With `trainer.lora` the ranks train adapters (the KL reference is the policy with them off), `refit_weights` gathers
+the merged target modules alone and a checkpoint's `policy/` holds the adapters, as with one worker.
+`activation_checkpointing`, `mixed_precision: bf16`, `cpu_offload` and `sharding: none` are how each rank wraps
+its model (`fsdp_wrap`).
+
 Faults: a rank that dies (or fails) during a call raises `TrainerWorkerError` naming the rank, its pid, node id
 and IP, and the other ranks are killed (they would wait in a collective). More ranks than the cluster can
 place (`trainer.worker` resources) is a `ConfigError` before any model loads.
@@ -25,6 +30,8 @@ from typing import Any
 import torch
 
 from nemo_rl_ext.algorithms.fsdp_workers import RankSpec, TrainerRank
+from nemo_rl_ext.algorithms.fsdp_wrap import WrapSettings
+from nemo_rl_ext.algorithms.streamed_weights import StreamedWeights
 from nemo_rl_ext.algorithms.trainer import _MetricSums, minibatch_bounds
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings
 from nemo_rl_ext.cluster import ClusterConfig, init_ray
@@ -76,6 +83,10 @@ class DistributedTrainer:
         self.device = torch.device("cpu")
         """Where the driver keeps what it is handed (optimizer state of a checkpoint)."""
         self.world = settings.workers
+        self.lora = spec.lora is not None
+        """The ranks train LoRA adapters; the KL reference is the policy with them disabled."""
+        self.refit_partial = self.lora
+        """`refit_weights` holds only the tensors training changes (the engine keeps the others)."""
         self.model = _CheckpointModel(self)
         self.optimizer = _CheckpointOptimizer(self)
         self._refit: dict[str, float] = {}
@@ -89,8 +100,9 @@ class DistributedTrainer:
         try:
             self.workers = self._call([(r.where, ()) for r in self._ranks], timeout_s=START_TIMEOUT_S)
             master = self.workers[0]
-            self._call([(r.setup, (master["ip"], master["port"], spec)) for r in self._ranks],
-                       timeout_s=START_TIMEOUT_S)
+            self.loaded = self._call([(r.setup, (master["ip"], master["port"], spec)) for r in self._ranks],
+                                     timeout_s=START_TIMEOUT_S)[0]
+            """Rank 0's setup: parameter counts, and whether a reference model was loaded."""
             self._layout = self._call([(self._ranks[0].tensor_sizes, ())])[0]
             self._param_names = self._call([(self._ranks[0].trained_names, ())])[0]
         except BaseException:
@@ -160,7 +172,8 @@ class DistributedTrainer:
         bounds = minibatch_bounds(len(items), advantages, self.settings.minibatches_per_step)
         n_mini = len(bounds) - 1
         old = self.logprobs(items) if n_mini > 1 else None
-        ref = self.logprobs(items, reference=True) if self.spec.reference_path is not None else None
+        has_reference = self.spec.reference_path is not None or (self.lora and self.loss_config.kl_coef != 0.0)
+        ref = self.logprobs(items, reference=True) if has_reference else None
         sums, grad_norms, skipped = _MetricSums(), [], 0
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             masks = [items[i].loss_mask for i in range(lo, hi)]
@@ -192,14 +205,34 @@ class DistributedTrainer:
         return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full weights, gathered bucket by bucket (at most `REFIT_BUCKET_BYTES` at a time on a rank) to this
-        process; `refit_metrics` then reports the gather."""
-        start = time.perf_counter()
-        out: dict[str, torch.Tensor] = {}
+        """The full weights of the plain model (LoRA targets merged), gathered bucket by bucket (at most
+        `REFIT_BUCKET_BYTES` at a time on a rank) to this process; `refit_metrics` then reports the gather."""
+        return self._gather(changed_only=False)
+
+    def refit_weights(self) -> Mapping[str, torch.Tensor]:
+        """What a refit hands the engine: `state_dict()`, or with LoRA the merged target weights alone (the
+        engine's other tensors are the base model's, which never change), each bucket gathered when the engine
+        reads it (`StreamedWeights`): this process holds one bucket at a time besides the engine's weights."""
+        if not self.lora:
+            return self.state_dict()
+        buckets, total = self._buckets(changed_only=True)
+        self._refit = {"refit/gathered_bytes": float(total), "timing/refit/gather_seconds": 0.0,
+                       "refit/buckets": float(len(buckets))}
+
+        def fetch(names: list[str]) -> dict[str, torch.Tensor]:
+            start = time.perf_counter()
+            out = self._call([(rank.gather, (names,)) for rank in self._ranks])[0]
+            self._refit["timing/refit/gather_seconds"] += time.perf_counter() - start
+            return out
+
+        return StreamedWeights(buckets, fetch, total)
+
+    def _buckets(self, changed_only: bool) -> tuple[list[list[str]], int]:
+        """The layout's names (a tied alias left out) in buckets of at most `REFIT_BUCKET_BYTES`, and their bytes."""
         buckets: list[list[str]] = [[]]
         size, total = 0, 0
-        for name, nbytes, tied in self._layout:
-            if tied is not None:
+        for name, nbytes, tied, changes in self._layout:
+            if tied is not None or (changed_only and not changes):
                 continue
             if buckets[-1] and size + nbytes > REFIT_BUCKET_BYTES:
                 buckets.append([])
@@ -207,14 +240,20 @@ class DistributedTrainer:
             buckets[-1].append(name)
             size += nbytes
             total += nbytes
+        return buckets, total
+
+    def _gather(self, changed_only: bool) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
+        out: dict[str, torch.Tensor] = {}
+        buckets, total = self._buckets(changed_only)
         for names in buckets:
             out.update(self._call([(rank.gather, (names,)) for rank in self._ranks])[0])
-        for name, _, tied in self._layout:
-            if tied is not None:
+        for name, _, tied, _ in self._layout:
+            if tied is not None and tied in out:
                 out[name] = out[tied]
         self._refit = {"refit/gathered_bytes": float(total), "timing/refit/gather_seconds": time.perf_counter() - start,
                        "refit/buckets": float(len(buckets))}
-        return {name: out[name] for name, _, _ in self._layout}
+        return {name: out[name] for name, _, _, _ in self._layout if name in out}
 
     def _kill_ranks(self) -> None:
         import ray
@@ -245,11 +284,26 @@ class _CheckpointModel:
         self._trainer = trainer
 
     def save_pretrained(self, path: str | Path) -> None:
+        """The gathered full weights as a Hugging Face folder; of a LoRA policy, its adapters alone (peft's
+        `adapter_model.safetensors` and `adapter_config.json`, naming the base model), as the in-process
+        trainer's PeftModel writes them."""
+        trainer = self._trainer
+        if trainer.lora:
+            from safetensors.torch import save_file
+
+            adapters, config = trainer._call([(rank.adapter_state, ()) for rank in trainer._ranks])[0]
+            Path(path).mkdir(parents=True, exist_ok=True)
+            save_file(adapters, str(Path(path) / "adapter_model.safetensors"), metadata={"format": "pt"})
+            config.save_pretrained(str(path))
+            return
+        self._save_full(path)
+
+    def _save_full(self, path: str | Path) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         layout = self._trainer._layout
         state = self._trainer.state_dict()
-        state = {name: state[name] for name, _, tied in layout if tied is None}  # a tied alias is not saved twice
+        state = {name: state[name] for name, _, tied, _ in layout if tied is None}  # a tied alias is saved once
         config = AutoConfig.from_pretrained(self._trainer.spec.model_path)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self._trainer.spec.dtype))
@@ -292,12 +346,18 @@ class _CheckpointOptimizer:
         t._call([(rank.load_optimizer_state, (ref,)) for rank in t._ranks])
 
 
-def rank_spec(cfg: Any, model_path: str | Path, reference_path: str | Path | None, pad_token_id: int) -> RankSpec:
-    """The `RankSpec` of a GRPO config (`cfg`: a GRPOConfig)."""
+def rank_spec(cfg: Any, model_path: str | Path, reference_path: str | Path | None, pad_token_id: int,
+              adapter_dir: str | Path | None = None) -> RankSpec:
+    """The `RankSpec` of a GRPO config (`cfg`: a GRPOConfig); `adapter_dir`: a LoRA checkpoint's `policy/`."""
+    trainer = cfg.trainer
+    wrap = WrapSettings(mixed_precision=trainer.mixed_precision, activation_checkpointing=trainer.activation_checkpointing,
+                        cpu_offload=trainer.cpu_offload, replicate=trainer.sharding == "none")
     return RankSpec(
         model_path=str(model_path), reference_path=str(reference_path) if reference_path is not None else None,
         dtype=cfg.policy.dtype, device=str(cfg.policy.device), optimizer=cfg.optimizer,
         loss=cfg.loss.to_loss_config(), temperature=cfg.policy.generation.temperature, pad_token_id=pad_token_id,
+        wrap=wrap, lora=trainer.lora, adapter_dir=str(adapter_dir) if adapter_dir is not None else None,
+        init_seed=cfg.grpo.seed,
     )
 
 

@@ -76,6 +76,7 @@ from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.stopping import LoopStop, Stopped
+from nemo_rl_ext.algorithms.streamed_weights import refit_nbytes
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
 from nemo_rl_ext.cluster import loads_model_folder
 from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
@@ -171,7 +172,8 @@ class GRPO:
         if cfg.trainer.workers > 1:  # FSDP2 ranks on Ray load the policy: this process holds no trainer copy
             self.tokenizer = load_tokenizer(model_path)
             self.trainer = DistributedTrainer(
-                rank_spec(cfg, model_path, initial_path if cfg.loss.kl_coef > 0 else None, _pad_id(self.tokenizer)),
+                rank_spec(cfg, model_path, initial_path if cfg.loss.kl_coef > 0 else None, _pad_id(self.tokenizer),
+                          adapter_dir=checkpoint.model_dir if checkpoint and lora is not None else None),
                 cfg.trainer, cfg.policy.cluster,
             )
         else:
@@ -226,7 +228,7 @@ class GRPO:
         self._prompt_length_warning = PromptLengthWarning()  # once per run: prompts that leave no room
         if checkpoint is not None:
             if loads_model_folder(cfg.policy) or lora is not None:  # the engine started from the initial model
-                self.generation.update_weights(self.trainer.state_dict())
+                self._refit(in_flight="finish")
             self.trainer.optimizer.load_state_dict(checkpoint.optimizer_state(self.trainer.device))
             self.train_data.load_state_dict(checkpoint.data_state)
             self.step = checkpoint.step
@@ -588,10 +590,12 @@ class GRPO:
         """Hand the trainer's weights to the engine; returns `refit/bytes` (of the tensors handed over) and
         `timing/refit/seconds` (building them, a LoRA policy's merge included, and loading them)."""
         start = time.perf_counter()
-        weights = self.trainer.state_dict()
-        self.generation.update_weights(weights, in_flight=in_flight)
+        # with LoRA only the merged target modules change: an engine that takes a partial update gets them alone
+        partial = self.trainer.refit_partial and self.generation.accepts_partial_update
+        weights = self.trainer.refit_weights() if partial else self.trainer.state_dict()
+        self.generation.update_weights(weights, in_flight=in_flight, partial=partial)
         return {
-            "refit/bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+            "refit/bytes": float(refit_nbytes(weights)),
             "timing/refit/seconds": time.perf_counter() - start,
         }
 

@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -101,9 +102,9 @@ class _CausalLMs:
         return sum(1 for ref in self.built if ref() is not None)
 
 
-def _run(config_file: Path, out: Path, workers: int) -> tuple[list[dict], int]:
+def _run(config_file: Path, out: Path, workers: int, *overrides: str) -> tuple[list[dict], int]:
     """Train 3 steps; returns the step metrics and the number of models this process held."""
-    cfg = load_config(config_file, [f"output_dir={out}", f"trainer.workers={workers}"], GRPOConfig)
+    cfg = load_config(config_file, [f"output_dir={out}", f"trainer.workers={workers}", *overrides], GRPOConfig)
     with _CausalLMs() as lms, GRPO(cfg) as grpo:
         models = lms.alive()
         grpo.run()
@@ -112,16 +113,21 @@ def _run(config_file: Path, out: Path, workers: int) -> tuple[list[dict], int]:
 
 @pytest.fixture(scope="module")
 def runs(config_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, list[dict], int]]:
-    """3 steps with 1 worker and with 2: {workers: (output_dir, step metrics, causal LMs in this process)}."""
+    """3 steps with 1 worker and with 2: {workers: (output_dir, step metrics, causal LMs in this process)}. The
+    2 ranks checkpoint their decoder layers' activations (`trainer.activation_checkpointing`): recomputing a
+    layer in the backward runs the same kernels on the same inputs, so the update is the plain ranks' (measured:
+    the same differences from one worker as without it), and one run checks both (suite time)."""
     out = {}
     for workers in (1, 2):
         folder = tmp_path_factory.mktemp(f"workers_{workers}")
-        out[workers] = (folder, *_run(config_file, folder, workers))
+        overrides = ("trainer.activation_checkpointing=true",) if workers == 2 else ()
+        out[workers] = (folder, *_run(config_file, folder, workers, *overrides))
     return out
 
 
 @pytest.mark.timeout(600)
 def test_two_fsdp2_ranks_train_as_one_process_does(runs: dict, tmp_path: Path) -> None:
+    """2 ranks (with activation checkpointing, see `runs`) against 1 in-process worker."""
     (dir_one, one, models_one), (dir_two, two, models_two) = runs[1], runs[2]
     # the driver of 2 ranks holds the engine's model only; the in-process run holds policy, reference and engine
     assert (models_one, models_two) == (3, 1)
@@ -340,3 +346,121 @@ def _cmdline(psutil, pid: int) -> list[str]:
         return psutil.Process(pid).cmdline()
     except psutil.Error:
         return []
+
+
+# ---- the memory savers on ranks: activation checkpointing, LoRA, bf16, replicated ranks -------------------------
+
+BF16_REL = 3e-2
+"""Step 1's train/ metrics, bf16 on 1 worker against 2 ranks: measured 7.7e-3 relative at most (train/kl/mean; loss
+3.4e-3, grad_norm 1.0e-3), i.e. about 2 bf16 ulps (2^-8 = 3.9e-3); 3e-2 is 4x that, while a rank's missing or
+doubled gradient would move grad_norm by tens of percent."""
+LORA = ("trainer.lora.r=8", "trainer.lora.alpha=16", "trainer.lora.target_modules=[q_proj,v_proj,gate_proj]")
+
+
+def _run_saver(config_file: Path, out: Path, workers: int, *overrides: str) -> dict[str, Any]:
+    """Train with `overrides`: the step metrics, the causal LMs this process held, and what rank 0 loaded."""
+    cfg = load_config(config_file, [f"output_dir={out}", f"trainer.workers={workers}", *overrides], GRPOConfig)
+    with _CausalLMs() as lms, GRPO(cfg) as grpo:
+        models = lms.alive()
+        loaded = getattr(grpo.trainer, "loaded", None)
+        grpo.run()
+        refit = sorted(grpo.trainer.refit_weights()) if grpo.trainer.refit_partial else None
+    return {"dir": out, "metrics": read_metrics(out / "metrics.jsonl"), "models": models, "loaded": loaded,
+            "refit_names": refit}
+
+
+@pytest.fixture(scope="module")
+def saver_runs(config_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """3 steps each: LoRA on 1 worker and 2; bf16 on 1 and 2 (the 2 ranks replicated, `sharding: none`: one run
+    checks both settings, for suite time). Activation checkpointing rides along in `runs`."""
+    plans = {
+        "lora1": (1, *LORA),
+        "lora2": (2, *LORA),
+        "bf16_1": (1, "trainer.mixed_precision=bf16"),
+        "bf16_2": (2, "trainer.mixed_precision=bf16", "trainer.sharding=none"),
+    }
+    return {name: _run_saver(config_file, tmp_path_factory.mktemp(name), workers, *overrides)
+            for name, (workers, *overrides) in plans.items()}
+
+
+def _assert_same_train_metrics(one: list[dict], two: list[dict]) -> None:
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two, strict=True):
+        keys = [k for k in a if k.startswith("train/")]
+        assert keys and set(keys) <= set(b)
+        off = {k: (a[k], b[k]) for k in keys if b[k] != pytest.approx(a[k], rel=1e-4, abs=1e-7)}
+        assert not off, off
+        assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
+
+
+def _step_file(run_dir: Path, step: int, name: str) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step_{step:08d}" / "policy" / name)
+
+
+@pytest.mark.timeout(600)
+def test_lora_on_two_ranks_trains_as_one_process_does_and_refits_its_targets_alone(runs: dict,
+                                                                                   saver_runs: dict) -> None:
+    one, two = saver_runs["lora1"], saver_runs["lora2"]
+    _assert_same_train_metrics(one["metrics"], two["metrics"])
+    # kl_coef 0.01: the reference is the policy with its adapters off; no reference model on any rank
+    assert two["loaded"]["reference_loaded"] is False and two["models"] == 1
+    assert two["loaded"]["trained"] < two["loaded"]["parameters"] / 10
+    assert two["metrics"][-1]["train/kl/mean"] > 1e-6  # the reference stayed the base model
+    for step in (1, 2, 3):  # the checkpoints hold the adapters alone, the same on 1 rank and 2
+        a1 = _step_file(one["dir"], step, "adapter_model.safetensors")
+        a2 = _step_file(two["dir"], step, "adapter_model.safetensors")
+        assert a1.keys() == a2.keys() and all(".lora_A." in k or ".lora_B." in k for k in a1)
+        for name in a1:
+            torch.testing.assert_close(a2[name], a1[name], rtol=1e-5, atol=2e-6, msg=lambda m, step=step: f"{step}: {m}")
+    # the refit: the merged target modules alone (2 layers x q_proj, v_proj, gate_proj), nothing else
+    initial = load_file(Path(load_config(one["dir"] / "config.yaml", [], GRPOConfig).policy.model_name)
+                        / "model.safetensors")
+    targets = [k for k in initial if k.endswith(("q_proj.weight", "v_proj.weight", "gate_proj.weight"))]
+    assert len(targets) == 6 and one["refit_names"] == two["refit_names"] == sorted(targets)
+    target_bytes = sum(initial[k].numel() * initial[k].element_size() for k in targets)
+    full_bytes = runs[1][1][0]["refit/bytes"]
+    for a, b in zip(one["metrics"], two["metrics"], strict=True):
+        assert a["refit/bytes"] == b["refit/bytes"] == target_bytes < full_bytes / 3
+        assert b["refit/gathered_bytes"] == target_bytes and b["refit/buckets"] == 1
+        # the engine serves the merged adapters: the trainer's logprobs of what it sampled equal its own
+        assert abs(a["train/gen_kl/mean"]) < 1e-6 and abs(b["train/gen_kl/mean"]) < 1e-6
+
+
+@pytest.mark.timeout(600)
+def test_bf16_on_two_replicated_ranks_trains_as_one_process_with_bf16_does(runs: dict, saver_runs: dict) -> None:
+    """bf16 at 1 worker is autocast (matmuls in bf16, their inputs rounded), at 2 ranks FSDP2's MixedPrecisionPolicy
+    (every weight cast to bf16, elementwise ops in bf16 too); both keep float32 weights, gradients and Adam state.
+    Step 1 samples from the same fp32 weights, so its rollouts are equal to the bit and its train/ metrics differ by
+    bf16 rounding alone (`BF16_REL`). The weights are not compared: Adam's first update is about lr * sign(g), so a
+    weight whose gradient is near 0 moves by +-lr depending on rounding; a tolerance of lr would prove nothing."""
+    one, two = saver_runs["bf16_1"]["metrics"], saver_runs["bf16_2"]["metrics"]
+    rollout_keys = [k for k in one[0] if k.startswith(("rollout/", "batch/")) and "time_s" not in k]
+    assert rollout_keys and {k: (one[0][k], two[0][k]) for k in rollout_keys if one[0][k] != two[0][k]} == {}
+    for key in ("train/loss", "train/loss/pg", "train/grad_norm", "train/kl/mean", "train/importance_ratio/mean"):
+        assert two[0][key] == pytest.approx(one[0][key], rel=BF16_REL), key
+    # and the ranks did compute in bf16: float32 ranks agree with one float32 worker to 1e-7 (see above)
+    fp32 = runs[1][1][0]
+    assert max(abs(two[0][k] - fp32[k]) / abs(fp32[k]) for k in ("train/loss", "train/kl/mean")) > 1e-4
+    assert [m["train/optimizer_steps"] for m in two] == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_run_on_two_ranks_resumes_from_its_checkpoint(saver_runs: dict, tmp_path: Path) -> None:
+    """Step 2's checkpoint of the 2-rank LoRA run (the adapters and their AdamW state), resumed on 2 ranks: its
+    step 3 is the uninterrupted runs' (the same rollouts, train/ metrics as close as 1 and 2 workers are)."""
+    source = saver_runs["lora2"]["dir"]
+    out = tmp_path / "resumed"
+    shutil.copytree(source, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    cfg = load_config(out / "config.yaml", [f"output_dir={out}", "resume=true"], GRPOConfig)
+    with GRPO(cfg) as grpo:
+        assert grpo.step == 2 and grpo.trainer.lora
+        grpo.run()
+    (resumed,) = [m for m in read_metrics(out / "metrics.jsonl") if m["step"] == 3]
+    for name in ("lora1", "lora2"):
+        (expected,) = [m for m in saver_runs[name]["metrics"] if m["step"] == 3]
+        for key, value in expected.items():
+            if key.startswith("train/"):
+                assert resumed[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (name, key)
+            elif key.startswith("rollout/") and "time_s" not in key:
+                assert resumed[key] == value, (name, key)

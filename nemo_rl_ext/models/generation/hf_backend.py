@@ -75,6 +75,7 @@ class _Update:
 
     state_dict: Mapping[str, torch.Tensor]
     in_flight: InFlightPolicy
+    partial: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -216,13 +217,19 @@ class HfGeneration(GenerationInterface):
             self._cond.notify()
         return request
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+    @property
+    def accepts_partial_update(self) -> bool:
+        return True  # `load_state_dict(strict=False)` keeps the tensors not named
+
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish", partial: bool = False
+    ) -> None:
         """Load new weights in place between two decode steps (see `GenerationInterface.update_weights`)."""
         if self._closed:
             raise RuntimeError("HfGeneration was shut down")
         check_in_flight(in_flight)
-        check_state_dict(self.model.state_dict().keys(), state_dict)
-        update = _Update(state_dict, in_flight)
+        check_state_dict(self.model.state_dict().keys(), state_dict, partial)
+        update = _Update(state_dict, in_flight, partial)
         with self._cond:
             if self._closed:
                 raise RuntimeError("HfGeneration was shut down")
@@ -322,7 +329,12 @@ class HfGeneration(GenerationInterface):
     def _apply(self, update: _Update) -> None:
         try:
             with torch.no_grad():
-                self.model.load_state_dict(dict(update.state_dict), strict=True)
+                if update.partial:  # tensor by tensor, in the mapping's order: a streamed one is made as read
+                    own = self.model.state_dict()
+                    for name in update.state_dict:
+                        own[name].copy_(update.state_dict[name])
+                else:
+                    self.model.load_state_dict(dict(update.state_dict), strict=True)
             self._weight_version += 1
         except Exception as exc:  # the caller hears why; the engine goes on serving
             update.error = exc

@@ -205,7 +205,9 @@ class GenerationInterface(abc.ABC):
         yield await self.generate_async(prompt_token_ids, config)
 
     @abc.abstractmethod
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish", partial: bool = False
+    ) -> None:
         """Serve new weights (transformers parameter names, every weight of the model); returns once they serve.
 
         Safe to call while generations are in flight. `in_flight="finish"`: they finish on the old weights,
@@ -213,7 +215,17 @@ class GenerationInterface(abc.ABC):
         keeping the tokens and logprobs made so far (under the old version), then the update applies.
         Requests that arrive during the update wait and run on the new weights. `weight_version` then grows
         by one. Raises ValueError naming the missing weights if `state_dict` lacks any, before loading anything.
+
+        `partial=True`: `state_dict` holds only the tensors that changed (a LoRA refit's merged target modules);
+        the others keep what the engine holds, and a backend that reloads its model folder (a restarted pool
+        replica) applies the latest partial update on top of the folder's weights. Names the model lacks are
+        then the ValueError.
         """
+
+    @property
+    def accepts_partial_update(self) -> bool:
+        """Whether `update_weights(..., partial=True)` is served (False: the caller sends every weight)."""
+        return False
 
     @property
     def weight_version(self) -> int:
@@ -246,8 +258,14 @@ def check_in_flight(in_flight: str) -> None:
         raise ValueError(f'update_weights: in_flight must be "finish" or "abort", got {in_flight!r}')
 
 
-def check_state_dict(expected: Iterable[str], state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Raise a ValueError naming the weights `state_dict` lacks (a partial reload would leave layers stale)."""
+def check_state_dict(expected: Iterable[str], state_dict: Mapping[str, torch.Tensor], partial: bool = False) -> None:
+    """Raise a ValueError naming the weights `state_dict` lacks (a partial reload would leave layers stale), or
+    with `partial`, the names the model does not have."""
+    if partial:
+        unknown = sorted(set(state_dict) - set(expected))
+        if unknown:
+            raise ValueError(f"update_weights(partial=True): the model has no weights named {unknown[:10]}")
+        return
     missing = sorted(set(expected) - set(state_dict))
     if missing:
         raise ValueError(

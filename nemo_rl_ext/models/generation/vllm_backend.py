@@ -289,7 +289,9 @@ class VllmGeneration(GenerationInterface):
             output_kind=self._cumulative if stream else self._final_only,
         )
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish", partial: bool = False
+    ) -> None:
         """Load new weights (transformers names) into the running engine; the next generation uses them.
 
         `in_flight="finish"`: requests in flight finish on the old weights first (vLLM pauses with mode
@@ -300,7 +302,9 @@ class VllmGeneration(GenerationInterface):
         check_in_flight(in_flight)
         if self._closed:
             raise RuntimeError("VllmGeneration was shut down")
-        check_state_dict(self._checkpoint_names, state_dict)  # first: a partial reload leaves stale layers
+        # first: a partial reload leaves stale layers. `accepts_partial_update` is False: whether vLLM's layerwise
+        # reload finishes a fused layer (qkv_proj) from some of its parts is unverified, so callers send all
+        check_state_dict(self._checkpoint_names, state_dict, partial)
         payload = pack_state_dict(state_dict)
         with self._update_lock:
             version = self._weight_version + 1
