@@ -1,7 +1,8 @@
 """The trainer with `trainer.workers > 1`: FSDP2 ranks as Ray actors (`fsdp_workers.TrainerRank`), driven from the
 GRPO process, which holds no trainer model. Its interface is `PolicyTrainer`'s (`train_step`, `logprobs`,
-`state_dict`, `model.save_pretrained` and `optimizer.state_dict` for checkpoints), so the loop does not care
-how many ranks train.
+`state_dict`), so the loop does not care how many ranks train; checkpoints are sharded (`save_sharded`: each rank
+writes its shards, see `sharded_checkpoint`), and a checkpoint of one process loads too (its weights as the model
+folder, its optimizer state through `optimizer.load_state_dict`).
 
 A pass over a batch is cut into micro-batches exactly as the in-process trainer cuts it; micro-batch j goes to
 rank j % workers, and every rank gets the same number of slots (None: a dummy). The driver computes each
@@ -31,6 +32,7 @@ import torch
 
 from nemo_rl_ext.algorithms.fsdp_workers import RankSpec, TrainerRank
 from nemo_rl_ext.algorithms.fsdp_wrap import WrapSettings
+from nemo_rl_ext.algorithms.sharded_checkpoint import check_shards_visible
 from nemo_rl_ext.algorithms.streamed_weights import StreamedWeights
 from nemo_rl_ext.algorithms.trainer import _MetricSums, minibatch_bounds
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings
@@ -41,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 REFIT_BUCKET_BYTES = 64 * 2**20
 """Most bytes of weights one refit gather carries (a rank holds at most one such bucket beyond its shard)."""
+DEAD_PEER_GRACE_S = 5.0
+"""How long a rank's failure waits for a peer's death to be reported (the death is the cause to name)."""
 START_TIMEOUT_S = 600.0
 """How long the ranks may take to start, join the process group and load the model."""
 
@@ -87,7 +91,6 @@ class DistributedTrainer:
         """The ranks train LoRA adapters; the KL reference is the policy with them disabled."""
         self.refit_partial = self.lora
         """`refit_weights` holds only the tensors training changes (the engine keeps the others)."""
-        self.model = _CheckpointModel(self)
         self.optimizer = _CheckpointOptimizer(self)
         self._refit: dict[str, float] = {}
         actor = ray.remote(TrainerRank).options(
@@ -127,10 +130,31 @@ class DistributedTrainer:
                 try:
                     ray.get(ref)
                 except Exception as exc:
-                    self._fail(rank_of[ref], exc)
+                    self._fail(*self._cause(rank_of[ref], exc, [r for r in refs if r is not ref], rank_of))
             if deadline is not None and time.monotonic() >= deadline and pending:
                 self._fail(rank_of[pending[0]], TimeoutError(f"no answer within {timeout_s:g} s"))
         return ray.get(refs)
+
+    def _cause(self, rank: int, exc: BaseException, others: Sequence[Any], rank_of: dict[Any, int]
+               ) -> tuple[int, BaseException]:
+        """The rank to blame for `rank`'s failure: a rank whose collective broke because a peer died fails first
+        (gloo sees the closed connection before Ray reports the death), so wait up to `DEAD_PEER_GRACE_S` for a
+        peer that died, and name it instead."""
+        import ray
+
+        if isinstance(exc, ray.exceptions.RayActorError) or not others:
+            return rank, exc
+        pending, deadline = list(others), time.monotonic() + DEAD_PEER_GRACE_S
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as died:
+                    return rank_of[ref], died
+                except Exception:  # another rank that failed: keep looking for one that died
+                    pass
+        return rank, exc
 
     def _fail(self, rank: int, exc: BaseException) -> None:
         import ray
@@ -255,6 +279,17 @@ class DistributedTrainer:
                        "refit/buckets": float(len(buckets))}
         return {name: out[name] for name, _, _, _ in self._layout if name in out}
 
+    def save_sharded(self, folder: Path) -> None:
+        """Every rank writes its shards of the trained parameters and their optimizer state into the checkpoint
+        `folder` (`sharded_checkpoint`: `shards/`, and `policy/`'s config from rank 0); a rank that dies meanwhile
+        raises `TrainerWorkerError`, and the folder never becomes a checkpoint."""
+        self._call([(rank.save_sharded, (str(folder),)) for rank in self._ranks])
+        check_shards_visible(folder)  # ranks on other nodes wrote to this process's filesystem
+
+    def load_sharded(self, folder: Path) -> None:
+        """Every rank loads its shards of a sharded checkpoint folder (written by any number of ranks)."""
+        self._call([(rank.load_sharded, (str(folder),)) for rank in self._ranks])
+
     def _kill_ranks(self) -> None:
         import ray
 
@@ -276,47 +311,9 @@ class DistributedTrainer:
             self._owns_ray = False
 
 
-class _CheckpointModel:
-    """`trainer.model` for checkpoints: `save_pretrained` writes the gathered full weights as a Hugging Face
-    folder (the same `policy/` folder the in-process trainer writes)."""
-
-    def __init__(self, trainer: DistributedTrainer) -> None:
-        self._trainer = trainer
-
-    def save_pretrained(self, path: str | Path) -> None:
-        """The gathered full weights as a Hugging Face folder; of a LoRA policy, its adapters alone (peft's
-        `adapter_model.safetensors` and `adapter_config.json`, naming the base model), as the in-process
-        trainer's PeftModel writes them."""
-        trainer = self._trainer
-        if trainer.lora:
-            from safetensors.torch import save_file
-
-            adapters, config = trainer._call([(rank.adapter_state, ()) for rank in trainer._ranks])[0]
-            Path(path).mkdir(parents=True, exist_ok=True)
-            save_file(adapters, str(Path(path) / "adapter_model.safetensors"), metadata={"format": "pt"})
-            config.save_pretrained(str(path))
-            return
-        self._save_full(path)
-
-    def _save_full(self, path: str | Path) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        layout = self._trainer._layout
-        state = self._trainer.state_dict()
-        state = {name: state[name] for name, _, tied, _ in layout if tied is None}  # a tied alias is saved once
-        config = AutoConfig.from_pretrained(self._trainer.spec.model_path)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self._trainer.spec.dtype))
-        skeleton.save_pretrained(path, state_dict=state)
-        generation_config = Path(self._trainer.spec.model_path) / "generation_config.json"
-        if generation_config.is_file() and not (Path(path) / "generation_config.json").exists():
-            (Path(path) / "generation_config.json").write_text(generation_config.read_text())
-
-
 class _CheckpointOptimizer:
-    """`trainer.optimizer` for checkpoints: the full AdamW state in torch's own layout, parameters numbered in
-    `named_parameters()` order, as the in-process trainer's optimizer saves it; so a checkpoint resumes onto any
-    worker count."""
+    """`trainer.optimizer`: the full AdamW state in torch's own layout, parameters numbered in `named_parameters()`
+    order, as the in-process trainer's optimizer saves it; so a checkpoint of one process resumes onto ranks."""
 
     def __init__(self, trainer: DistributedTrainer) -> None:
         self._trainer = trainer

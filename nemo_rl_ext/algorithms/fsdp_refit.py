@@ -80,15 +80,3 @@ class RefitSource:
                 out[name] = full.to("cpu", copy=True)
             del full, tensor
         return out if keep else None
-
-    @torch.no_grad()
-    def adapters(self, keep: bool) -> tuple[dict[str, torch.Tensor], Any] | None:
-        """A LoRA policy's adapter tensors, named as `PeftModel.save_pretrained` names them, and its LoraConfig;
-        gathered on every rank, kept where `keep`."""
-        from peft import get_peft_model_state_dict
-
-        state = {key: _full(value.detach()) for key, value in self.model.state_dict().items() if ".lora_" in key}
-        if not keep:
-            return None
-        named = get_peft_model_state_dict(self.model, state_dict=state, save_embedding_layers=False)
-        return {k: v.to("cpu", copy=True).contiguous() for k, v in named.items()}, self.model.peft_config[ADAPTER]

@@ -37,6 +37,7 @@ from nemo_rl_ext.algorithms.fsdp_wrap import (
 from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
 from nemo_rl_ext.algorithms.logprobs import right_pad
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
+from nemo_rl_ext.algorithms.sharded_checkpoint import load_trained_state, save_trained_state
 from nemo_rl_ext.algorithms.trainer import _gen_kl
 from nemo_rl_ext.algorithms.trainer_config import LoraSettings
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
@@ -269,11 +270,6 @@ class TrainerRank:
         rank 0, on the CPU; None on the others."""
         return self.refit.gather(names, keep=self.rank == 0)
 
-    def adapter_state(self) -> tuple[dict[str, torch.Tensor], Any] | None:
-        """A LoRA policy's adapters as peft saves them (`adapter_model.safetensors`' names) and its LoraConfig,
-        gathered on rank 0 (None on the others)."""
-        return self.refit.adapters(keep=self.rank == 0)
-
     def optimizer_state(self) -> dict[str, Any] | None:
         """The full AdamW state keyed by parameter name, gathered tensor by tensor (rank 0; None on the others):
         {"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [hyperparameters]}."""
@@ -306,6 +302,17 @@ class TrainerRank:
             }
         for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
             group.update(hyper)
+
+    def save_sharded(self, folder: str) -> None:
+        """Write this rank's shards of the trained parameters and their optimizer state into the checkpoint
+        folder (`sharded_checkpoint`); rank 0 also the model's config files."""
+        assert self.optimizer is not None
+        save_trained_state(folder, self.model, self.optimizer, metadata=self.rank == 0)
+
+    def load_sharded(self, folder: str) -> None:
+        """Load this rank's shards of a sharded checkpoint (resharded when another number of ranks wrote it)."""
+        assert self.optimizer is not None
+        load_trained_state(folder, self.model, self.optimizer)
 
     def lr(self) -> float:
         assert self.optimizer is not None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig, TopLogprobs
+from nemo_rl_ext.models.generation.interfaces import GenerationConfig, PromptScores, TopLogprobs
 from nemo_rl_ext.models.generation.sampling import scaled_logprobs
 
 if TYPE_CHECKING:
@@ -48,8 +48,6 @@ def top_logprobs(logits: torch.Tensor, configs: Sequence[GenerationConfig]) -> l
     return out
 
 
-PromptScores = tuple[tuple[float, ...], tuple[TopLogprobs, ...] | None]
-"""One prompt's scores: each prompt id's logprob from the 2nd on, and its top alternatives (None for k = 0)."""
 
 
 def prompt_logprobs(

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from nemo_rl_ext.models.generation.extra_logprobs import PromptScores
 from nemo_rl_ext.models.generation.interfaces import (
     FinishReason,
     GenerationConfig,
     GenerationOutput,
+    PromptScores,
     TopLogprobs,
 )
 

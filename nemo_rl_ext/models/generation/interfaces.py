@@ -20,6 +20,9 @@ MAX_TOP_LOGPROBS = 20
 TopLogprobs = tuple[tuple[int, float], ...]
 """The likeliest tokens at one position, best first: (token id, logprob) pairs."""
 
+PromptScores = tuple[tuple[float, ...], tuple[TopLogprobs, ...] | None]
+"""One prompt's scores: each prompt id's logprob from the 2nd on, and its top alternatives (None for k = 0)."""
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
