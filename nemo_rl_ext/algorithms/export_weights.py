@@ -150,10 +150,13 @@ def _adapted(checkpoint: Checkpoint, base: Any) -> Any:
     """`base` with the checkpoint's adapters (peft's folder, or the consolidated shards)."""
     from peft import PeftModel, get_peft_model
 
-    if not checkpoint.sharded:
-        return PeftModel.from_pretrained(base, checkpoint.model_dir)
+    from nemo_rl_ext.algorithms.lora import peft_reads_a_deprecated_alias
+
+    with peft_reads_a_deprecated_alias():
+        if not checkpoint.sharded:
+            return PeftModel.from_pretrained(base, checkpoint.model_dir)
+        model = get_peft_model(base, _lora_config(checkpoint))
     weights = _sharded_weights(checkpoint)
-    model = get_peft_model(base, _lora_config(checkpoint))
     adapters = {name for name, p in model.named_parameters() if p.requires_grad}
     missing, extra = sorted(adapters - set(weights)), sorted(set(weights) - adapters)
     if missing or extra:
@@ -179,9 +182,11 @@ def write_adapters(checkpoint: Checkpoint, out: Path) -> None:
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from nemo_rl_ext.algorithms.lora import peft_reads_a_deprecated_alias
+
     weights = _sharded_weights(checkpoint)
     config = _lora_config(checkpoint)
-    with torch.device("meta"):
+    with torch.device("meta"), peft_reads_a_deprecated_alias():
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint.model_dir))
         base.name_or_path = config.base_model_name_or_path  # what peft writes as the base model (not this folder)
         model = get_peft_model(base, config)

@@ -72,14 +72,14 @@ def lora_target_problem(settings: LoraSettings, model_path: str | Path) -> str |
 def with_lora(model: PreTrainedModel, settings: LoraSettings, adapter_dir: str | Path | None = None) -> PeftModel:
     """`model` with trainable LoRA adapters on the target modules: new ones (B = 0, so the policy starts as the
     base model), or those saved in `adapter_dir` (a checkpoint's policy folder). Every base weight is frozen."""
-    with _peft_reads_a_deprecated_alias():
+    with peft_reads_a_deprecated_alias():
         if adapter_dir is not None:
             return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
         return get_peft_model(model, _lora_config(settings))
 
 
 @contextlib.contextmanager
-def _peft_reads_a_deprecated_alias() -> Iterator[None]:
+def peft_reads_a_deprecated_alias() -> Iterator[None]:
     """peft 0.21.2 (the newest release) reads `model.is_gradient_checkpointing` in `PeftModel.__init__`, an alias
     transformers 5.x deprecates with a FutureWarning (the value is `is_activation_checkpointing`'s, so nothing is
     wrong); that one warning, by its message, is not shown. Nothing of ours reads the alias."""

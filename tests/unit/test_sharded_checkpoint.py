@@ -47,7 +47,10 @@ def _adamw(model) -> torch.optim.Optimizer:
 def _lora(model):
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    from nemo_rl_ext.algorithms.lora import peft_reads_a_deprecated_alias
+
+    with peft_reads_a_deprecated_alias():
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
 
 def _save(root: Path, step: int, model, optimizer, tokenizer) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -26,6 +27,29 @@ PromptScores = tuple[tuple[float, ...], tuple[TopLogprobs, ...] | None]
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on a generation's text: JSON that matches a JSON Schema (compiled by llguidance)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    json_schema: str = Field(
+        default='{"type": "object"}',
+        description="The JSON Schema, as JSON text, that the generated text must match; the default accepts "
+        "any JSON object (OpenAI's response_format json_object).",
+    )
+
+    @field_validator("json_schema")
+    @classmethod
+    def _a_json_object(cls, value: str) -> str:
+        try:
+            schema = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"json_schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        return value
 
 
 class GenerationConfig(BaseModel):
@@ -69,6 +93,11 @@ class GenerationConfig(BaseModel):
         exclude=True,
         description="Routing key, e.g. (prompt index, sample index): a replica pool keeps a session's turns on "
         "one replica (its prefix cache); engines ignore it, and it is left out of dumped configs.",
+    )
+    structured_output: StructuredOutput | None = Field(
+        default=None,
+        description="Constrain the generation to JSON matching a schema (a per-row token mask on the hf backend, "
+        "vLLM's structured outputs on vllm); its logprobs are then those of the masked distribution. None: free.",
     )
 
     @field_validator("stop_strings")

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl_ext.models.generation.grammar import vllm_structured_outputs
 from nemo_rl_ext.models.generation.interfaces import (
     FinishReason,
     GenerationConfig,
@@ -287,6 +288,7 @@ class VllmGeneration(GenerationInterface):
             logprobs=config.top_logprobs,  # the sampled token's, plus this many alternatives
             prompt_logprobs=config.prompt_logprobs,
             output_kind=self._cumulative if stream else self._final_only,
+            structured_outputs=vllm_structured_outputs(config.structured_output),  # grammar.py
         )
 
     def update_weights(
