@@ -271,6 +271,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 200 and 1k rollouts, 1 round")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per case (default 3, quick 1)")
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="rollout counts (default 1000 10000)")
+    parser.add_argument("--turn-counts", type=int, nargs="+", default=[1, 4], help="turns per rollout (default 1 4)")
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--obs-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -301,7 +302,7 @@ def main() -> None:
         f"{args.gen_tokens} generated tokens per turn, {args.obs_tokens}-token observations; "
         f"instant fakes; {rounds} round(s), contenders alternate; each run in its own process"
     )
-    cases = [(turns, n) for n in sizes for turns in (1, 4)]
+    cases = [(turns, n) for n in sizes for turns in args.turn_counts]
     results: dict[tuple, list[dict]] = {}
     start = time.perf_counter()
     for r in range(rounds):
