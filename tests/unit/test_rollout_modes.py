@@ -5,6 +5,8 @@ to a name; per-call sample counts travel as an explicit `RolloutCall`."""
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -137,3 +139,18 @@ async def test_gym_per_call_counts_and_an_override_that_cannot_take_them(tiny_mo
             await impl.run_rollout(gym_datum(2, "agent_alpha"), call=RolloutCall(GenerationCounts.parse(3)))
     finally:
         await impl.shutdown()
+
+
+async def test_the_documented_rollout_mode_runs_as_written(tiny_model_and_tokenizer, registry):
+    """docs/extending.md's section 4, run as is: its mode is selected by rollouts.mode through the front door."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
+    section = text.split("## 4. A rollout mode", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"^```python\n(.*?)^```$", section, flags=re.S | re.M)
+    exec(compile(block, "docs/extending.md", "exec"), {"__name__": "extending_doc_mode"})
+    _, tok = tiny_model_and_tokenizer
+    cfg = RolloutsConfig(mode="index_reward", num_generations_per_prompt=2)
+    rows = [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]
+    datums, manager = build_rollouts(cfg, tok, ScriptedPolicy(tok, TOOL_SCRIPT), rows,
+                                     generation_config=GenerationConfig(), task_to_env={"math": EchoEnv()})
+    records, _ = await manager.run_rollouts(datums, progress=False, counts=3)
+    assert [[c.reward for c in r.completions] for r in records] == [[0.0] * 3, [1.0] * 3]
