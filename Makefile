@@ -10,12 +10,13 @@ STAMP := $(VENV)/.installed
 # pip prints one warning per package for this machine's empty local indexes; keep the log readable.
 PIPQ := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help setup demo grpo-demo test unit functional numerics lint clean
+.PHONY: help setup demo grpo-demo test unit functional numerics lint docs clean
 
 help:
 	@echo "make demo   - set up .venv, run the SmolLM2 demo and a SmolLM2 eval (pass@k table) on shipped arithmetic"
 	@echo "make grpo-demo - set up .venv and run a short GRPO on SmolLM2 (shipped arithmetic), reward per step"
-	@echo "make test   - set up .venv, run ruff, the whole test suite and the numerics check"
+	@echo "make test   - set up .venv, run ruff, the whole test suite, the numerics check and the docs build"
+	@echo "make docs   - build the documentation site (mkdocs --strict: broken links fail) into site/"
 	@echo "make numerics - the float-comparing unit tests again under other CPU kernels (15-50 s)"
 
 $(STAMP): pyproject.toml
@@ -89,8 +90,13 @@ functional: setup
 TEST_WORKERS ?= 2
 test: lint
 	@bash scripts/setup_nemo_gym.sh > $(VENV)/nemo-gym-setup.log 2>&1 &
+	@$(MAKE) --no-print-directory docs
 	@$(call run_pytest,tests/unit tests/functional --durations=15 -n $(TEST_WORKERS) --dist loadfile)
 	@$(MAKE) --no-print-directory numerics
 
+# The documentation site (mkdocs.yml). --strict: a broken link or anchor, or a page missing from the nav, fails.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

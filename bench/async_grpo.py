@@ -139,7 +139,7 @@ def real_rows(args: argparse.Namespace) -> list[tuple[str, float, float, dict]]:
         "data": {"train_path": str(data)},
         "grpo": {"num_prompts_per_step": 4, "max_num_steps": args.real_steps, "seed": 42},
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
-        # the loss the README's rows were measured with (before the defaults became NeMo-RL's: KL 0.01, IS off)
+        # the loss the rows in docs/async-grpo.md were measured with (before the defaults became NeMo-RL's: KL 0.01, IS off)
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
         "logger": {"progress": False, "tensorboard": False, "print_steps": False},
     }

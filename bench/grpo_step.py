@@ -113,7 +113,7 @@ def worker_ours(steps: int, variant: str, workdir: Path) -> list[dict[str, float
         "data": {"train_path": str(data)},
         "grpo": {"num_prompts_per_step": PROMPTS, "max_num_steps": steps if variant == "ours-async" else 1000,
                  "seed": SEED, "async": {"enabled": variant == "ours-async", "max_lag": 1}},
-        # the loss the README's rows were measured with (before the defaults became NeMo-RL's: KL 0.01, IS off)
+        # the loss the rows in docs/benchmarks.md were measured with (before the defaults became NeMo-RL's: KL 0.01, IS off)
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
         "optimizer": {"lr": LR, "micro_batch_size": PROMPTS * SAMPLES, "max_grad_norm": 1.0,
                       "share_prompt_prefix": variant in ("ours", "ours-async")},

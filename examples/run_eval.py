@@ -11,10 +11,11 @@ On Ray: `eval.ray_workers=N` starts N Ray workers (each its own engine, Ray from
 prompts from a shared queue into `<save_path>/shards/worker-<k>/`; a dead worker's prompts go back to the queue
 (`<save_path>/ray_workers.jsonl` records it), and this process merges when the queue is done.
 
-Rollout modes (`rollouts.mode`): native (the environment loop in this process; single_turn or multi_turn by
-`rollouts.max_rollout_turns`), nemo_gym (Gym agents), or one a plugin registers. Plugins: `--import MODULE`
-(repeatable) and installed packages' `nemo_rl_ext.plugins` entry points register environments, backends,
-metrics and rollout modes before the config is read (docs/extending.md). Outputs in `eval.save_path`: config.yaml, completions.jsonl, summary.json, runs.jsonl,
+Rollout modes (`rollouts.mode`): native (the environment loop in this process; `rollouts.max_rollout_turns: 1`
+for single turn), nemo_gym (Gym agents), or one a plugin registers; summary.json's `rollout_mode` names them
+single_turn, multi_turn, nemo_gym (or the plugin's name). Plugins: `--import MODULE` (repeatable) and installed
+packages' `nemo_rl_ext.plugins` entry points register environments, backends, metrics and rollout modes before
+the config is read (docs/extending.md). Outputs in `eval.save_path`: config.yaml, completions.jsonl, summary.json, runs.jsonl,
 pass_at_k.png, report.md; in nemo_gym mode with rollouts.gym.launch, the Gym servers' logs in gym/ (summary.json's
 `gym_logs`). Re-running with the same save_path (or a copy of the folder) resumes: finished (prompt, sample) pairs
 are skipped, error samples (infrastructure failures) are retried, and the summary equals that of an

@@ -1,6 +1,6 @@
 """YAML configs: loaded with OmegaConf, overridden from the command line, validated into typed models.
 
-    cfg = load_config("examples/configs/evals/eval.yaml", ["eval.num_tests_per_prompt=4"], EvalConfig)
+    cfg = load_config("examples/configs/evals/eval.yaml", ["rollouts.num_generations_per_prompt=4"], EvalConfig)
 
 Every problem is reported in one `ConfigError`, each line naming the key path and the offending value.
 `ConfigError` is also the base of every other user error (a missing input file, a resume that would mix

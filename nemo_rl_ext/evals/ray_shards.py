@@ -297,7 +297,7 @@ def run_ray_eval(
     import ray
 
     run_id = uuid.uuid4().hex[:8]
-    events = save_path / "ray_workers.jsonl"
+    events = save_path / EVENTS_FILE
 
     def event(**fields: Any) -> None:
         append_line(events, {"time": time.time(), "run": run_id, **fields})

@@ -1,1 +1,2 @@
-"""Experience: records, per-agent generation counts, the RolloutManager and its implementations."""
+"""Experience: the shared `rollouts` config, the front door (`build`), the RolloutManager and its native and
+NeMo Gym implementations, fault policy and rollout metrics (the records and per-agent counts are in `data/`)."""

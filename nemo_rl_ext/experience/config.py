@@ -114,9 +114,10 @@ class RolloutsConfig(StrictModel):
 
     @property
     def mode_name(self) -> str:
-        """single_turn, multi_turn or nemo_gym: the eval's name of this setting (NeMo-RL's `rollout_mode`)."""
-        if self.mode == "nemo_gym":
-            return "nemo_gym"
+        """single_turn, multi_turn (native) or nemo_gym: the eval's name of this setting (NeMo-RL's `rollout_mode`);
+        a plugin's mode by its own name."""
+        if self.mode != "native":
+            return self.mode
         return "single_turn" if self.max_rollout_turns == 1 else "multi_turn"
 
     @property

@@ -4,7 +4,7 @@
 second, so tests and examples never need a model hub. The weights are random: the model is only good for
 exercising code paths (shapes, token ids, logprobs, batching), never for answers.
 
-Tokenizer pitfall (see FACTS.md): `AutoTokenizer` reloads a `qwen2`-typed folder as `Qwen2Tokenizer`, which
+Tokenizer pitfall: `AutoTokenizer` reloads a `qwen2`-typed folder as `Qwen2Tokenizer`, which
 rebuilds the pipeline from vocab + merges with Qwen2's normalizer and pre-tokenizer. We therefore train with
 exactly that pipeline (NFC, Qwen2 split regex, `ByteLevel(use_regex=False)`) so ids survive the round trip.
 """

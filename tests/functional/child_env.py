@@ -7,6 +7,6 @@ import os
 
 def one_thread_env() -> dict[str, str]:
     """This process's environment, unbuffered output, and one OpenMP (torch) thread: a child on a loaded 2-core
-    machine then computes as an in-process run under the `one_torch_thread` fixture does (FACTS.md: two threads
-    ran 10-16x slower there, and their float32 reductions are not always repeatable)."""
+    machine then computes as an in-process run under the `one_torch_thread` fixture does (two threads ran
+    10-16x slower there, measured, and their float32 reductions are not always repeatable)."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

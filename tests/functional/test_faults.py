@@ -9,7 +9,7 @@ counts what the eval did with them:
 - lost: pairs with neither a result nor a recorded error (must be 0).
 
 The faults go away on the re-run, which must then end with the summary of a clean run. The counts are
-printed (`pytest -s`) for the README's Reliability table.
+printed (`pytest -s`) for the Reliability table (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Real tiny-model completions check ids and logprobs against a forward pass; a scripted backend (defined
 here) replies with the real tokenizer ids of chosen text, to get tool calls and EOS endings out of a
 random model. `tests/data/gym_vllm_model_requests.jsonl` holds request bodies captured from NeMo Gym's
-`vllm_model` server (shared/gym-protocol/model-server-requests.jsonl, lines 10, 18 and 19).
+`vllm_model` server (three requests of a captured NeMo Gym run: a first chat turn, a later one whose assistant message
+carries the previous turn's token ids, and a `/tokenize` call with that conversation).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""NeMo-RL's documented `nemo_rl.experience.rollout_manager` API (shared/seeds/003): names, signatures,
+"""NeMo-RL's documented `nemo_rl.experience.rollout_manager` API (as NeMo-RL documents it): names, signatures,
 the hooks as real extension points (a subclass that overrides one changes what a rollout does), and
 `PromptGroupRecord` built as in NeMo-RL.
 
