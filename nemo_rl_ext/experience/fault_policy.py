@@ -58,8 +58,13 @@ class FaultPolicy(BaseModel):
 
     async def call_env(self, call: Awaitable[T]) -> T:
         """Run one environment step with its timeout (in this task: no task per step, as `wait_for` makes)."""
-        async with asyncio.timeout(self.env_step_timeout_s):
+        async with self.env_deadline():
             return await call
+
+    def env_deadline(self) -> asyncio.Timeout:
+        """The deadline of one environment step, as `async with policy.env_deadline(): await env.step(...)` (what
+        `call_env` does, without a coroutine of its own: the turn loop keeps thousands of steps in flight)."""
+        return asyncio.timeout(self.env_step_timeout_s)
 
 
 async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:

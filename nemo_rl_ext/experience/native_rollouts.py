@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -203,7 +204,7 @@ class AsyncRolloutImpl(RolloutImpl):
             datum=input_sample,
             sample_idx=traj_idx,
             messages=list(input_sample.message_log),
-            token_ids=[t for m in input_sample.message_log for t in m.token_ids],
+            token_ids=list(chain.from_iterable(m.token_ids for m in input_sample.message_log)),
             env_metadata=dict(input_sample.extra_env_info),
             stop_strings=input_sample.stop_strings,
         )
@@ -249,7 +250,7 @@ class AsyncRolloutImpl(RolloutImpl):
         update aborts is continued on the new weights (`_generate_continuing`): the message holds every piece,
         with the weight version of each id.
         """
-        prompt = [t for m in message_log for t in m.token_ids]
+        prompt = list(chain.from_iterable(m.token_ids for m in message_log))
         room = self.max_seq_len - len(prompt)
         if room <= 0:
             raise ValueError(f"the message log holds {len(prompt)} tokens: no room under max_seq_len={self.max_seq_len}")
@@ -374,7 +375,8 @@ class AsyncRolloutImpl(RolloutImpl):
 
             start = time.perf_counter()
             try:
-                step = await self.fault_policy.call_env(env.step([tuple(state.messages)], [state.env_metadata]))
+                async with self.fault_policy.env_deadline():
+                    step = await env.step([tuple(state.messages)], [state.env_metadata])
             finally:
                 state.env_s += time.perf_counter() - start
             state.reward += float(step.rewards[0])
