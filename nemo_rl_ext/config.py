@@ -176,35 +176,6 @@ Renames = dict[tuple[str, ...], tuple[str, ...]]
 """Where a legacy spelling moved each key: new key path -> the path the user wrote."""
 
 
-def move_key(data: dict[str, Any], old: Sequence[str], new: Sequence[str], renames: Renames) -> list[RuleProblem]:
-    """Move the value at key path `old` to `new` in the nested dict `data` (in place), recording the move in
-    `renames`; nothing when `old` is absent. Returns a problem when both spellings are given."""
-    parent: Any = data
-    for part in old[:-1]:
-        parent = parent.get(part) if isinstance(parent, Mapping) else None
-    if not isinstance(parent, dict) or old[-1] not in parent:
-        return []
-    target: Any = data
-    for part in new[:-1]:
-        if not isinstance(target.get(part), dict):
-            if target.get(part) is not None:
-                return [(tuple(new[:-1]), "expected a section", target.get(part))]
-            target[part] = {}
-        target = target[part]
-    if new[-1] in target:
-        return [
-            (tuple(old), f"is the older spelling of {'.'.join(new)}, which is also given; give only one", parent[old[-1]])
-        ]
-    target[new[-1]] = parent.pop(old[-1])
-    if not parent and len(old) > 1:  # an emptied legacy section goes too (it may not exist any more)
-        grand: Any = data
-        for part in old[:-2]:
-            grand = grand[part]
-        grand.pop(old[-2])
-    renames[tuple(new)] = tuple(old)
-    return []
-
-
 def _written_as(loc: tuple[Any, ...], renames: Renames) -> tuple[Any, ...]:
     """An error location in the user's spelling: the longest renamed prefix replaced by what they wrote."""
     for n in range(len(loc), 0, -1):
@@ -228,7 +199,8 @@ class CheckedConfig(StrictModel):
 
     The rules read the raw data (through `raw_field`), so they run even when other fields are invalid, and
     one run of a CLI lists everything that is wrong. `legacy_spellings` first rewrites keys written in an
-    accepted older spelling to the canonical one; errors still name the key as the user wrote it.
+    accepted older spelling to the canonical one (the spellings live in `nemo_rl_ext.compat`); errors still
+    name the key as the user wrote it.
     """
 
     _renames: Renames = PrivateAttr(default_factory=dict)

@@ -162,6 +162,17 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _registered_sections(model: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """Sections a model takes from a registry rather than from its fields: `policy.<backend>`, each validated
+    by the settings model its backend registered (`hf`, `vllm`, and any backend registered at import)."""
+    from nemo_rl_ext.models.backend_registry import backend_settings_models
+    from nemo_rl_ext.models.config import PolicyConfig
+
+    if not issubclass(model, PolicyConfig):
+        return {}
+    return {name: m for name, m in backend_settings_models().items() if name not in model.model_fields}
+
+
 def _sections(model: type[BaseModel], path: str) -> Iterator[tuple[str, type[BaseModel], list[Row]]]:
     """(key path, model, rows) for `model` and then, depth first, every section nested in it."""
     rows, nested = [], []
@@ -173,6 +184,10 @@ def _sections(model: type[BaseModel], path: str) -> Iterator[tuple[str, type[Bas
         bounds = _constraints(info)
         rows.append(Row(key, f"{type_name} ({bounds})" if bounds else type_name, _default(info), description))
         nested += [(key, m) for m in inner]
+    for name, settings in _registered_sections(model).items():
+        key = f"{path}.{name}" if path else name
+        rows.append(Row(key, "section", "its defaults", _doc(settings)))
+        nested.append((key, settings))
     yield path, model, rows
     for key, inner_model in nested:
         yield from _sections(inner_model, key)

@@ -18,6 +18,7 @@
 set -euo pipefail
 
 GYM_VERSION="0.7.0"
+GYM_TRANSFORMERS="5.24.0"
 CACHE_ROOT="${NEMO_RL_EXT_CACHE:-$HOME/.cache/nemo_rl_ext}"
 VENV="${CACHE_ROOT}/nemo-gym-${GYM_VERSION}"
 STAMP="${VENV}/.nemo_rl_ext_complete"
@@ -26,7 +27,9 @@ REBUILD="${NEMO_GYM_REBUILD:-0}"
 source "$(dirname "${BASH_SOURCE[0]}")/venv_build.sh"
 
 venv_ok() {
-    [[ -f "$STAMP" && -x "$VENV/bin/python" && -x "$VENV/bin/ng_run" ]]
+    # a stamp from before transformers was added names no transformers: that venv is topped up, not reused
+    [[ -f "$STAMP" && -x "$VENV/bin/python" && -x "$VENV/bin/ng_run" ]] &&
+        grep -q "transformers==${GYM_TRANSFORMERS}" "$STAMP"
 }
 
 exit_if_built  # fast path: no lock, no interpreter probing
@@ -66,17 +69,22 @@ log "creating venv at $VENV"
 "$PY" -m venv "$VENV"
 log "installing nemo-gym==${GYM_VERSION} (about a minute; ~1.4 GB)"
 quiet_pip "$VENV/bin/python" install --quiet --ignore-requires-python "nemo-gym==${GYM_VERSION}"
+# Gym's vllm_model renders chat templates itself in its completions mode (use_completions_api with
+# render_chat_template, tests/functional/test_eval_gym_completions.py) and imports transformers for it
+# (tokenizers only: no torch); nemo-gym does not depend on it.
+log "installing transformers==${GYM_TRANSFORMERS} (for vllm_model's render_chat_template)"
+quiet_pip "$VENV/bin/python" install --quiet "transformers==${GYM_TRANSFORMERS}"
 
 # Sanity check before stamping: the CLI entry points exist and the server packages import.
 "$VENV/bin/python" - >&2 <<'EOF'
 import importlib.metadata as md
-import nemo_gym, responses_api_agents.simple_agent.app, responses_api_models.vllm_model.app
+import nemo_gym, responses_api_agents.simple_agent.app, responses_api_models.vllm_model.app, transformers
 import resources_servers.example_single_tool_call.app
 print("nemo-gym", md.version("nemo-gym"), "imports OK")
 EOF
 [[ -x "$VENV/bin/ng_run" ]] || die "ng_run missing from $VENV/bin after install"
 
-printf 'nemo-gym==%s python=%s built=%s in %ss\n' "$GYM_VERSION" \
+printf 'nemo-gym==%s transformers==%s python=%s built=%s in %ss\n' "$GYM_VERSION" "$GYM_TRANSFORMERS" \
     "$("$VENV/bin/python" -c 'import sys; print(sys.version.split()[0])')" \
     "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$((SECONDS - start))" >"${STAMP}.tmp"
 mv "${STAMP}.tmp" "$STAMP"

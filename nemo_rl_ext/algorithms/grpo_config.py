@@ -16,9 +16,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
+from nemo_rl_ext.algorithms.loss_settings import LossSettings
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings, trainer_rule_problems
-from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, move_key, raw_field
+from nemo_rl_ext.compat import grpo_spellings
+from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, raw_field
 from nemo_rl_ext.experience.config import RolloutsConfig, rollouts_rule_problems
 from nemo_rl_ext.experience.resume_keys import GRPO_RESUME_MAY_CHANGE
 from nemo_rl_ext.models.config import PolicyConfig
@@ -129,59 +130,6 @@ class GRPOSettings(StrictModel):
     )
 
 
-class LossSettings(StrictModel):
-    """The clipped policy-gradient loss (see `ClippedPGLossConfig` for the exact formula). The defaults are
-    NeMo-RL's (`grpo_math_1B.yaml`'s `loss_fn`)."""
-
-    clip_low: float = Field(default=0.2, description="Ratio clipped below at 1 - clip_low (NeMo-RL's ratio_clip_min).")
-    clip_high: float = Field(
-        default=0.2, description="Ratio clipped above at 1 + clip_high (NeMo-RL's ratio_clip_max; DAPO's clip-higher "
-        "uses 0.28)."
-    )
-    clip_c: float | None = Field(default=None, description="Dual-clip constant (> 1); None disables.")
-    normalization: Literal["token", "sequence"] = Field(default="token", description="Loss reduction.")
-    kl_coef: float = Field(
-        default=0.01, ge=0.0, description="KL penalty to the initial policy (NeMo-RL's reference_policy_kl_penalty); "
-        "> 0 loads a frozen copy of the initial policy as the reference, 0 disables it and saves that copy."
-    )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="Per-token KL estimator.")
-    kl_input_clamp_value: float | None = Field(
-        default=20.0, gt=0.0, description="Clamp log(ref/pi) to [-v, v] before the KL estimator; None: no."
-    )
-    kl_output_clamp_value: float | None = Field(
-        default=10.0, gt=0.0, description="Clamp the per-token KL to [-v, v]; None: no."
-    )
-    kl_gradient: Literal["score_function", "pathwise"] = Field(
-        default="score_function",
-        description="score_function (NeMo-RL's since 2026): the KL term's gradient includes the score function of "
-        "the sampled token, so k1 and k3 give the gradient of KL(pi || ref); pathwise: d KL-estimate / d logprob "
-        "alone (NeMo-RL before June 2026; with k2 that is the gradient of KL(pi || ref), with k3 of KL(ref || pi)).",
-    )
-    on_policy_kl_approximation: bool = Field(
-        default=False, description="Weight the per-token KL by pi / pi_engine (NeMo-RL's "
-        "use_on_policy_kl_approximation)."
-    )
-    importance_sampling_correction: bool = Field(
-        default=False,
-        description="Weight the policy-gradient term by pi_trainer / pi_engine (engine/trainer mismatch, stale "
-        "rollouts). Off by default as in NeMo-RL; on by default, and required, with grpo.async.enabled and "
-        "max_lag > 0.",
-    )
-    importance_sampling_cap: float | None = Field(
-        default=None, gt=0.0, description="Truncate that weight at this value (NeMo-RL's truncated IS `tis`); "
-        "None: no truncation (NeMo-RL's default)."
-    )
-
-    def to_loss_config(self) -> ClippedPGLossConfig:
-        """The loss function's own config (raises ValueError on bad values)."""
-        return ClippedPGLossConfig(**self.model_dump())
-
-    @model_validator(mode="after")
-    def _valid_loss(self) -> LossSettings:
-        self.to_loss_config()
-        return self
-
-
 class OptimizerSettings(StrictModel):
     """AdamW, gradient clipping and micro-batching of the policy update."""
 
@@ -267,26 +215,9 @@ class GRPOConfig(CheckedConfig):
     def legacy_spellings(
         cls, data: dict[str, Any], *, whole: bool = True, base: Mapping[str, Any] | None = None
     ) -> tuple[Renames, list[RuleProblem]]:
-        """NeMo-RL's spellings, accepted as the same settings: `grpo.num_generations_per_prompt`,
-        `grpo.max_rollout_turns`, `grpo.max_seq_len`, the `env` section and `data.system_prompt` (this
-        package's earlier spelling; `env` other than `env.remote` is ignored in nemo_gym mode, as it was)."""
-        renames: Renames = {}
-        problems: list[RuleProblem] = []
-        for name in ("num_generations_per_prompt", "max_rollout_turns", "max_seq_len"):
-            problems += move_key(data, ("grpo", name), ("rollouts", name), renames)
-        rollouts = data.get("rollouts")
-        gym_mode = isinstance(rollouts, Mapping) and rollouts.get("mode") == "nemo_gym"
-        env = data.get("env")
-        if gym_mode and isinstance(env, dict):
-            for name in ("name", "kwargs", "step_timeout_s"):
-                env.pop(name, None)
-            if not env:
-                data.pop("env")
-        if isinstance(data.get("env"), dict):
-            for name in list(data["env"]):  # unknown keys too: their error then names env.<key>
-                problems += move_key(data, ("env", name), ("rollouts", "env", name), renames)
-        problems += move_key(data, ("data", "system_prompt"), ("rollouts", "env", "system_prompt"), renames)
-        return renames, problems
+        """NeMo-RL's GRPO spellings and this package's earlier ones (`compat.grpo_spellings`) rewritten to the
+        shared `rollouts` section, with a DeprecationWarning per key."""
+        return grpo_spellings(data, whole=whole, base=base)
 
     @model_validator(mode="before")
     @classmethod

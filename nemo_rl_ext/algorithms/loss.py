@@ -7,70 +7,13 @@ log pi(token_t | tokens_<t) of sequence b. A trainer that takes logprobs from lo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from nemo_rl_ext.algorithms.loss_settings import ClippedPGLossConfig
 from nemo_rl_ext.data.records import Completion, StopReason
-
-
-@dataclass(frozen=True)
-class ClippedPGLossConfig:
-    """Settings of the clipped policy-gradient loss."""
-
-    clip_low: float = 0.2
-    """The ratio pi/pi_old is clipped below at 1 - clip_low (in [0, 1))."""
-    clip_high: float = 0.2
-    """The ratio is clipped above at 1 + clip_high (>= 0; may differ from clip_low, "clip-higher")."""
-    clip_c: float | None = None
-    """Dual clip (> 1): for negative advantages the token loss is capped at -A * clip_c; None disables."""
-    normalization: Literal["token", "sequence"] = "token"
-    """token: sum over masked tokens / masked-token count; sequence: mean per sequence, then over sequences."""
-    kl_coef: float = 0.01
-    """Coefficient of the KL penalty to the reference policy (NeMo-RL's `reference_policy_kl_penalty`; 0 disables)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL(pi || ref) estimator of x = log ref - log pi: k1 = -x; k2 = x^2 / 2; k3 = exp(x) - x - 1."""
-    kl_input_clamp_value: float | None = 20.0
-    """Clamp x = log ref - log pi to [-v, v] before the estimator (NeMo-RL's name and default); None: no clamp."""
-    kl_output_clamp_value: float | None = 10.0
-    """Clamp the weighted per-token KL to [-v, v] (NeMo-RL's name and default); None: no clamp."""
-    kl_gradient: Literal["score_function", "pathwise"] = "score_function"
-    """score_function (NeMo-RL since 2026): the KL term also differentiates the probability of sampling the token,
-    d/dlogp [w * kl] with w = exp(logp - sg(logp)) (value 1); pathwise: only d kl / d logp (w detached)."""
-    on_policy_kl_approximation: bool = False
-    """Weight the per-token KL by pi / pi_gen = exp(logp - gen) (NeMo-RL's `use_on_policy_kl_approximation`)."""
-    importance_sampling_correction: bool = False
-    """Weight each token's pg term by exp(old - gen), detached (engine vs trainer mismatch); needs gen logprobs."""
-    importance_sampling_cap: float | None = None
-    """Truncate that weight at this value (> 0; NeMo-RL's `tis` with this ratio); None: no truncation."""
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not 0.0 <= self.clip_low < 1.0:
-            problems.append(f"clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0.0:
-            problems.append(f"clip_high must be >= 0, got {self.clip_high}")
-        if self.clip_c is not None and not self.clip_c > 1.0:
-            problems.append(f"clip_c must be > 1 (or None), got {self.clip_c}")
-        if self.normalization not in ("token", "sequence"):
-            problems.append(f"normalization must be 'token' or 'sequence', got {self.normalization!r}")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            problems.append(f"kl_estimator must be 'k1', 'k2' or 'k3', got {self.kl_estimator!r}")
-        for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
-            value = getattr(self, name)
-            if value is not None and not value > 0.0:
-                problems.append(f"{name} must be > 0 (or None), got {value}")
-        if not math.isfinite(self.kl_coef):
-            problems.append(f"kl_coef must be finite, got {self.kl_coef}")
-        if self.kl_gradient not in ("score_function", "pathwise"):
-            problems.append(f"kl_gradient must be 'score_function' or 'pathwise', got {self.kl_gradient!r}")
-        if self.importance_sampling_cap is not None and not self.importance_sampling_cap > 0.0:
-            problems.append(f"importance_sampling_cap must be > 0 (or None), got {self.importance_sampling_cap}")
-        if problems:
-            raise ValueError("invalid ClippedPGLossConfig: " + "; ".join(problems))
 
 
 def kl_penalty(

@@ -16,7 +16,8 @@ server's thread in nemo_gym mode, validation) use the wrapper's `salt`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     InFlightPolicy,
+    StreamEvent,
 )
 
 
@@ -53,6 +55,12 @@ REQUEST_SCOPE: ContextVar[RequestScope | None] = ContextVar("nemo_rl_ext_request
 """The scope of the running task (set by the asynchronous collector for each group's task)."""
 
 
+def _note_version(scope: RequestScope | None, output: GenerationOutput) -> None:
+    """Keep the oldest weight version a scope's requests were served with."""
+    if scope is not None and (scope.min_version is None or output.weight_version < scope.min_version):
+        scope.min_version = output.weight_version
+
+
 class SaltedGeneration(GenerationInterface):
     """Forwards to `inner`, replacing each request's seed with `mix_seed(seed, salt)`; set `salt` per step
     (or run the requests inside a `RequestScope`, whose salt wins)."""
@@ -70,14 +78,29 @@ class SaltedGeneration(GenerationInterface):
         return self.inner.tokenizer
 
     async def generate_async(self, prompt_token_ids: list[int], config: GenerationConfig) -> GenerationOutput:
+        scope, config = self._salted(config)
+        output = await self.inner.generate_async(prompt_token_ids, config)
+        _note_version(scope, output)
+        return output
+
+    async def generate_stream(
+        self, prompt_token_ids: list[int], config: GenerationConfig
+    ) -> AsyncIterator[StreamEvent]:
+        """The inner backend's stream of the salted request (so a policy server over it streams too)."""
+        scope, config = self._salted(config)
+        async with contextlib.aclosing(self.inner.generate_stream(prompt_token_ids, config)) as events:
+            async for event in events:
+                if isinstance(event, GenerationOutput):
+                    _note_version(scope, event)
+                yield event
+
+    def _salted(self, config: GenerationConfig) -> tuple[RequestScope | None, GenerationConfig]:
+        """The running task's scope, and `config` with its seed mixed with the salt in force."""
         scope = REQUEST_SCOPE.get()
         salt = scope.salt if scope is not None else self.salt
         if config.seed is not None and salt:
             config = config.model_copy(update={"seed": mix_seed(config.seed, salt)})
-        output = await self.inner.generate_async(prompt_token_ids, config)
-        if scope is not None and (scope.min_version is None or output.weight_version < scope.min_version):
-            scope.min_version = output.weight_version
-        return output
+        return scope, config
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
         self.inner.update_weights(state_dict, in_flight=in_flight)

@@ -5,11 +5,9 @@
 The rules on rollouts and the policy are the shared ones (`experience.config.rollouts_rule_problems`); the
 eval adds one: every k in `eval.ks` must be <= the largest sample count (else it is reported for no prompt).
 
-NeMo-RL's eval spelling is accepted as the same settings: `eval.rollout_mode` (single_turn = native with
-`max_rollout_turns: 1`; multi_turn = native, by default in tool_calculator; nemo_gym), `eval.num_tests_per_prompt`,
-`eval.max_rollout_turns`, `eval.max_seq_len`, `eval.environment`, `eval.system_prompt`,
-`eval.remote_environment`, `eval.environment_step_timeout_s` and a top-level `gym` section. Errors name the
-key as written.
+NeMo-RL's eval spelling (`eval.rollout_mode`, `eval.num_tests_per_prompt`, ..., a top-level `gym` section) is
+accepted as the same settings, with a DeprecationWarning: `nemo_rl_ext.compat` holds every older spelling.
+Errors name the key as written.
 """
 
 from __future__ import annotations
@@ -20,13 +18,13 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from nemo_rl_ext.compat import eval_spellings
 from nemo_rl_ext.config import (
     INVALID,
     CheckedConfig,
     Renames,
     RuleProblem,
     StrictModel,
-    move_key,
     raise_problems,
     raw_field,
 )
@@ -36,20 +34,6 @@ from nemo_rl_ext.experience.config import RolloutsConfig, largest_count, rollout
 from nemo_rl_ext.gym.config import GymConfig, resolve_gym_path
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import SEED_LIMIT
-
-LEGACY_MODES = ("single_turn", "multi_turn", "nemo_gym")
-"""The values of the eval's `eval.rollout_mode` (NeMo-RL's spelling)."""
-
-LEGACY_KEYS: dict[str, tuple[str, ...]] = {
-    "num_tests_per_prompt": ("rollouts", "num_generations_per_prompt"),
-    "max_rollout_turns": ("rollouts", "max_rollout_turns"),
-    "max_seq_len": ("rollouts", "max_seq_len"),
-    "environment": ("rollouts", "env", "name"),
-    "system_prompt": ("rollouts", "env", "system_prompt"),
-    "remote_environment": ("rollouts", "env", "remote"),
-    "environment_step_timeout_s": ("rollouts", "env", "step_timeout_s"),
-}
-"""`eval.<key>` of the eval's older spelling -> the key path of the shared section."""
 
 
 class EvalSettings(StrictModel):
@@ -216,57 +200,9 @@ class EvalConfig(CheckedConfig):
     def legacy_spellings(
         cls, data: dict[str, Any], *, whole: bool = True, base: Mapping[str, Any] | None = None
     ) -> tuple[Renames, list[RuleProblem]]:
-        """The eval's spelling (module docstring) rewritten to the shared `rollouts` section. Only a `whole`
-        config gets the older spelling's defaults (single_turn; the calculator for multi_turn)."""
-        renames: Renames = {}
-        problems: list[RuleProblem] = []
-        ev = data.get("eval")
-        if not isinstance(ev, dict):
-            return renames, problems
-        spelled_new = isinstance(data.get("rollouts"), Mapping)
-        mode = ev.pop("rollout_mode", "single_turn" if whole and not spelled_new else None)
-        if mode is not None and mode not in LEGACY_MODES:
-            allowed = ", ".join(repr(m) for m in LEGACY_MODES[:-1]) + f" or {LEGACY_MODES[-1]!r}"
-            problems.append((("eval", "rollout_mode"), f"Input should be {allowed}", mode))
-            mode = None
-        if mode == "multi_turn" and whole and ev.get("environment") is None:
-            ev["environment"] = "tool_calculator"  # the older spelling's default for multi_turn
-        rollouts = data.get("rollouts") if spelled_new else {}
-        if mode == "multi_turn" and "max_rollout_turns" not in ev and "max_rollout_turns" not in rollouts:
-            ev["max_rollout_turns"] = None  # multi_turn over a single-turn file: no longer one turn
-        written_mode = mode
-        if mode is None and isinstance(base, Mapping) and isinstance(base.get("eval"), Mapping):
-            base_default = None if isinstance(base.get("rollouts"), Mapping) else "single_turn"
-            written_mode = base["eval"].get("rollout_mode", base_default)
-        if written_mode == "single_turn":  # the file says single_turn: a turn cap > 1 is refused, as it was
-            turns = ev.get("max_rollout_turns")
-            if isinstance(turns, int) and not isinstance(turns, bool) and turns > 1:
-                problems.append(
-                    (
-                        ("eval", "max_rollout_turns"),
-                        f"rollout_mode=single_turn runs one generation and one environment step, so "
-                        f"max_rollout_turns={turns} would be ignored; remove it or use rollout_mode=multi_turn",
-                        turns,
-                    )
-                )
-        if mode == "single_turn":
-            ev["max_rollout_turns"] = 1
-        if mode == "nemo_gym":
-            for name in ("environment", "system_prompt"):
-                if name in ev and ev[name] is None:
-                    ev.pop(name)  # null is the older spelling's "not set"
-        for name, new in LEGACY_KEYS.items():
-            problems += move_key(data, ("eval", name), new, renames)
-        if mode is not None:
-            data.setdefault("rollouts", {})
-            if isinstance(data["rollouts"], dict):
-                if "mode" in data["rollouts"]:
-                    problems.append((("eval", "rollout_mode"), "is also given as rollouts.mode; give only one", mode))
-                else:
-                    data["rollouts"]["mode"] = "nemo_gym" if mode == "nemo_gym" else "native"
-                    renames[("rollouts", "mode")] = ("eval", "rollout_mode")
-        problems += move_key(data, ("gym",), ("rollouts", "gym"), renames)
-        return renames, problems
+        """The eval's older spelling (NeMo-RL's, `compat.eval_spellings`) rewritten to the shared `rollouts`
+        section, with a DeprecationWarning per key."""
+        return eval_spellings(data, whole=whole, base=base)
 
     @classmethod
     def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:

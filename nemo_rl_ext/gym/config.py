@@ -51,6 +51,26 @@ class GymLaunchConfig(StrictModel):
         description="Where env.yaml and the servers' logs go; None: the run's own folder (the eval: "
         "<eval.save_path>/gym, per store; GRPO: <output_dir>/gym), a temp dir for the launcher alone.",
     )
+    policy_model: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keys merged into the vllm_model server the launcher defines for the model servers the configs "
+        "call but do not define (`policy_model`), e.g. {use_completions_api: true} (Gym calls our "
+        "/v1/completions), with render_chat_template: true and tokenizer: <the policy's model folder> for "
+        "multi-turn rows; a model server the configs define is left as it is.",
+    )
+
+    @field_validator("policy_model")
+    @classmethod
+    def _policy_model_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(value) & {"entrypoint", "base_url", "api_key", "model"})
+        if owned:
+            raise ValueError(f"{owned} are set by the launcher (our policy server's URL, key and name)")
+        if value.get("render_chat_template") and not value.get("tokenizer"):
+            raise ValueError(
+                "render_chat_template: true needs tokenizer: a tokenizer folder with a chat template (the "
+                "policy's model folder); Gym loads it to render the messages"
+            )
+        return value
 
 
 class GymConfig(StrictModel):

@@ -191,7 +191,9 @@ class GymLauncher:
         missing = undefined_model_servers(self.config_paths)
         if missing:
             path = self.work_dir / "nemo_rl_ext_policy_model.yaml"
-            path.write_text(yaml.safe_dump({name: POLICY_MODEL_BLOCK for name in missing}, sort_keys=False))
+            block = {"responses_api_models": {"vllm_model": {
+                **POLICY_MODEL_BLOCK["responses_api_models"]["vllm_model"], **self.cfg.policy_model}}}
+            path.write_text(yaml.safe_dump({name: block for name in missing}, sort_keys=False))
             self.config_paths = [path, *self.config_paths]
             logger.info("NeMo Gym: model server(s) %s defined as our policy server (%s)", missing, path)
 

@@ -1,6 +1,6 @@
-"""Generation backends by name: `policy.backend` picks one from this registry, `build_generation` builds it.
+"""Generation backends by name: `policy.backend` picks one from the registry, `build_generation` builds it.
 
-    @register_backend("my_engine", loads_model_folder=True)
+    @register_backend("my_engine", loads_model_folder=True, settings=MyEngineSettings)
     def build_my_engine(cfg: PolicyConfig, model, tokenizer, engine_kwargs) -> GenerationInterface: ...
 
 A factory gets the `policy` section, the caller's model and tokenizer (an in-process trainer shares them;
@@ -8,20 +8,37 @@ None otherwise) and extra engine arguments (a Ray replica passes its executor se
 `loads_model_folder` reads `resolve_model_path(cfg)` itself and is kept in step with the trainer through
 `update_weights`; one that does not serves the model object it is handed. `replica_engine_kwargs` gives the
 extra engine arguments a backend needs inside a Ray replica (`cluster/`), so a new backend never edits the
-cluster code. Built in: "hf" (this package's continuous-batching engine) and "vllm" (needs the `vllm` extra).
+cluster code. A backend's own settings are a pydantic model it registers: the section `policy.<name>` is then
+validated by it (`cfg.my_engine.<key>`), defaults where the config leaves it out. Built in: "hf" (this
+package's continuous-batching engine, `policy.hf`) and "vllm" (needs the `vllm` extra, `policy.vllm`); their
+names and settings are registered in `models.backend_registry`, which the config validation reads without
+importing this module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from pydantic import BaseModel
 
+from nemo_rl_ext.models.backend_registry import (
+    _BACKENDS,
+    BackendEntry,
+    add_backend,
+    available_backends,
+    backend_entry,
+    no_engine_kwargs,
+)
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 from nemo_rl_ext.models.policy import resolve_model_path
+
+__all__ = [
+    "_BACKENDS", "BackendEntry", "BackendFactory", "ReplicaEngineKwargs", "available_backends", "backend_entry",
+    "build_generation", "build_hf", "build_vllm", "no_engine_kwargs", "register_backend",
+]
 
 
 class BackendFactory(Protocol):
@@ -36,53 +53,23 @@ ReplicaEngineKwargs = Callable[[PolicyConfig], Mapping[str, Any] | None]
 """Extra engine arguments of a backend hosted in a Ray replica actor, given the `policy` section."""
 
 
-@dataclass(frozen=True)
-class BackendEntry:
-    """A registered backend."""
-
-    factory: BackendFactory
-    """What builds it."""
-    loads_model_folder: bool
-    """True when it loads the model folder itself (refit with `update_weights`), False when it serves the
-    model object it is handed."""
-    replica_engine_kwargs: ReplicaEngineKwargs
-    """The `engine_kwargs` its factory gets inside a Ray replica, from the `policy` section (None: none)."""
-
-
-def no_engine_kwargs(cfg: PolicyConfig) -> None:
-    """The default `replica_engine_kwargs`: a replica builds the backend as any caller does."""
-    return None
-
-
-_BACKENDS: dict[str, BackendEntry] = {}
-
-
 def register_backend(
-    name: str, *, loads_model_folder: bool, replica_engine_kwargs: ReplicaEngineKwargs = no_engine_kwargs
+    name: str,
+    *,
+    loads_model_folder: bool,
+    replica_engine_kwargs: ReplicaEngineKwargs = no_engine_kwargs,
+    settings: type[BaseModel] | None = None,
 ) -> Callable[[BackendFactory], BackendFactory]:
-    """Decorator: make a backend factory available as `policy.backend: name` (see the module docstring)."""
+    """Decorator: make a backend factory available as `policy.backend: name`, its `settings` model (if any)
+    owning the section `policy.<name>` (see the module docstring)."""
+    if settings is not None and name in PolicyConfig.model_fields:
+        raise ValueError(f"backend {name!r} can't own policy.{name}: that key is a policy setting")
 
     def decorate(factory: BackendFactory) -> BackendFactory:
-        known = _BACKENDS.get(name)
-        if known is not None and known.factory is not factory:
-            raise ValueError(f"backend {name!r} is already registered to {known.factory!r}")
-        _BACKENDS[name] = BackendEntry(factory, loads_model_folder, replica_engine_kwargs)
+        add_backend(name, BackendEntry(factory, loads_model_folder, replica_engine_kwargs, settings))
         return factory
 
     return decorate
-
-
-def available_backends() -> tuple[str, ...]:
-    """The registered names, sorted."""
-    return tuple(sorted(_BACKENDS))
-
-
-def backend_entry(name: str) -> BackendEntry:
-    """The registration of `name`; an unknown name lists the known ones (ValueError)."""
-    entry = _BACKENDS.get(name)
-    if entry is None:
-        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(available_backends())}")
-    return entry
 
 
 def build_generation(
@@ -92,10 +79,10 @@ def build_generation(
     return backend_entry(cfg.backend).factory(cfg, model, tokenizer, engine_kwargs)
 
 
-@register_backend("hf", loads_model_folder=False)
-def _build_hf(
+def build_hf(
     cfg: PolicyConfig, model: Any, tokenizer: Any, engine_kwargs: Mapping[str, Any] | None
 ) -> GenerationInterface:
+    """The hf backend (registered as "hf" in `models.backend_registry`)."""
     from nemo_rl_ext.models.generation.hf_backend import HfGeneration
     from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
@@ -114,16 +101,16 @@ def _build_hf(
     )
 
 
-def _vllm_replica_engine_kwargs(cfg: PolicyConfig) -> Mapping[str, Any] | None:
+def vllm_replica_engine_kwargs(cfg: PolicyConfig) -> Mapping[str, Any] | None:
     """A vLLM engine spanning several GPUs runs its workers as Ray actors in the replica's placement group
     (`cluster.replica.replica_actor_options` packs one GPU bundle per shard). NOT TESTED on GPUs here."""
     return {"distributed_executor_backend": "ray"} if cfg.vllm.tensor_parallel_size > 1 else None
 
 
-@register_backend("vllm", loads_model_folder=True, replica_engine_kwargs=_vllm_replica_engine_kwargs)
-def _build_vllm(
+def build_vllm(
     cfg: PolicyConfig, model: Any, tokenizer: Any, engine_kwargs: Mapping[str, Any] | None
 ) -> GenerationInterface:
+    """The vLLM backend (registered as "vllm" in `models.backend_registry`)."""
     from nemo_rl_ext.models.generation.vllm_backend import VllmGeneration
 
     return VllmGeneration(

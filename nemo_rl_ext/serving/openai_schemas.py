@@ -24,7 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from nemo_rl_ext.models.generation.interfaces import MAX_TOP_K, SEED_LIMIT, GenerationConfig
+from nemo_rl_ext.models.generation.interfaces import MAX_TOP_K, MAX_TOP_LOGPROBS, SEED_LIMIT, GenerationConfig
+from nemo_rl_ext.serving.streaming import StreamOptions
 
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 """Content part types whose `text` the server reads; any other part type is refused."""
@@ -339,11 +340,12 @@ class ChatCompletionRequest(PromptParams):
     stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
+    stream_options: StreamOptions | None = None
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = None
@@ -398,16 +400,10 @@ class ChatCompletionRequest(PromptParams):
     def check_supported(self) -> None:
         """Refuse (400) every valid OpenAI value this server cannot honour, naming field and value."""
         unsupported: list[tuple[str, Any, str]] = []
-        if self.stream:
-            unsupported.append(("stream", self.stream, "streaming is not supported; send stream=false"))
-        if self.top_logprobs:
-            unsupported.append(
-                (
-                    "top_logprobs",
-                    self.top_logprobs,
-                    "top_logprobs > 0 is not supported; send 0 or leave it out",
-                )
-            )
+        if self.stream_options is not None and not self.stream:
+            unsupported.append(("stream_options", self.stream_options, "only allowed with stream=true"))
+        if self.top_logprobs and not self.logprobs:
+            unsupported.append(("top_logprobs", self.top_logprobs, "top_logprobs needs logprobs=true (as OpenAI)"))
         for key, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("min_p", 0.0)):
             value = getattr(self, key)
             if value not in (None, neutral):
@@ -453,38 +449,8 @@ class ChatCompletionRequest(PromptParams):
     def generation_configs(
         self, prompt_len: int, max_model_len: int, defaults: GenerationConfig | None
     ) -> list[GenerationConfig]:
-        """One `GenerationConfig` per choice (`n`), max tokens clipped to the room left in the context.
+        """One `GenerationConfig` per choice (`request_sampling.generation_configs`), with the top logprobs asked."""
+        from nemo_rl_ext.serving.request_sampling import generation_configs
 
-        Fields the request leaves out come from `defaults`; without defaults an absent max_tokens means
-        "up to max_model_len" (vLLM's default). With `n > 1` and a seed, choice i uses seed + i.
-        """
-        room = max_model_len - prompt_len
-        if room <= 0:
-            raise ApiError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len} tokens in the messages, Please reduce the length of the messages.",
-                param="messages",
-            )
-        base = defaults or GenerationConfig()
-        requested = self.max_completion_tokens or self.max_tokens
-        if requested is None:
-            requested = base.max_new_tokens if defaults is not None else room
-        fields: dict[str, Any] = {
-            "max_new_tokens": min(requested, room),
-            "temperature": base.temperature if self.temperature is None else self.temperature,
-            "top_p": base.top_p if self.top_p is None else self.top_p,
-            "top_k": base.top_k if self.top_k is None else (self.top_k if self.top_k > 0 else None),
-            "stop_strings": base.stop_strings + self.stop_strings(),
-            "stop_token_ids": base.stop_token_ids + tuple(self.stop_token_ids or ()),
-            "seed": base.seed if self.seed is None else self.seed,
-        }
-        try:
-            config = GenerationConfig(**fields)
-        except ValidationError as err:
-            raise validation_api_error(err) from None
-        if self.n == 1:
-            return [config]
-        return [
-            config.model_copy(update={"seed": None if config.seed is None else config.seed + i})
-            for i in range(self.n)
-        ]
+        top = (self.top_logprobs or 0) if self.logprobs else 0
+        return generation_configs(self, prompt_len, max_model_len, defaults, top_logprobs=top)

@@ -2,11 +2,12 @@
 
 Endpoints, shaped like vLLM's OpenAI server as NeMo-RL extends it:
 
-- `POST /v1/chat/completions`: messages (+ tools) through the tokenizer's chat template, sampling
-  parameters, `logprobs` (`return_tokens_as_token_ids` gives `"token_id:<int>"` tokens), Qwen/Hermes
-  `<tool_call>` blocks parsed into OpenAI `tool_calls`. Each choice's message also carries
-  `prompt_token_ids`, `generation_token_ids` and `generation_log_probs`; an assistant message in the request
-  that carries them makes the new prompt start with exactly those ids (see `chat_prompt`).
+- `POST /v1/chat/completions`: messages (+ tools) through the tokenizer's chat template, sampling parameters,
+  `logprobs` (`return_tokens_as_token_ids` gives `"token_id:<int>"` tokens), Qwen/Hermes `<tool_call>` blocks
+  parsed into OpenAI `tool_calls`. Each choice's message also carries `prompt_token_ids`,
+  `generation_token_ids` and `generation_log_probs`; an assistant message in the request that carries them
+  makes the new prompt start with exactly those ids (see `chat_prompt`). `stream: true`: SSE (`chat_stream`).
+- `POST /v1/completions`: OpenAI text completions (see `completions`), each choice with the same token fields.
 - `POST /tokenize`: the prompt ids a completion with the same messages would use (`{tokens, count,
   max_model_len}`), or the ids of a plain `prompt` string.
 - `GET /v1/models`, `GET /health`.
@@ -35,9 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -57,13 +56,16 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.data.tool_calls import parse_tool_calls
 from nemo_rl_ext.models.generation.interfaces import (
-    FinishReason,
     GenerationConfig,
     GenerationInterface,
     GenerationOutput,
 )
 from nemo_rl_ext.plugins import PluginError, add_import_argument, load_plugins
 from nemo_rl_ext.serving.chat_prompt import ChatPrompt, build_chat_prompt
+from nemo_rl_ext.serving.chat_stream import ChatStream, tool_call_dict
+from nemo_rl_ext.serving.choice_format import chat_logprobs, finite, generated_text, stop_reason
+from nemo_rl_ext.serving.completions import text_completion
+from nemo_rl_ext.serving.generate_all import generate_all
 from nemo_rl_ext.serving.openai_schemas import (
     ApiError,
     ChatCompletionRequest,
@@ -84,8 +86,6 @@ from nemo_rl_ext.serving.threaded_server import ThreadedServer, bind_socket, url
 
 logger = logging.getLogger(__name__)
 
-MIN_LOGPROB = -9999.0
-"""Stand-in for a -inf logprob (JSON has no infinity); vLLM uses the same value."""
 API_KEY_ENV = "NEMO_RL_EXT_API_KEY"
 """Environment variable the CLI reads its `--api-key` default from (in-process servers never read it)."""
 DEFAULT_MAX_TOKENS = GenerationConfig().max_new_tokens
@@ -183,7 +183,7 @@ class PolicyService:
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
-    async def chat_completion(self, body: dict[str, Any], received_at: float | None = None) -> dict[str, Any]:
+    async def chat_completion(self, body: dict[str, Any], received_at: float | None = None) -> dict[str, Any] | Response:
         """`/v1/chat/completions`: build the prompt, generate `n` choices concurrently, shape the answer.
 
         The prompt is built and the answer shaped in worker threads, so a huge or slow request never
@@ -192,11 +192,24 @@ class PolicyService:
         """
         received_at = time.monotonic() if received_at is None else received_at
         request, prompt, configs = await asyncio.to_thread(self._prepare, body)
+        if request.stream:
+            as_ids = request.return_tokens_as_token_ids
+            return ChatStream(
+                self, request, prompt.token_ids, configs, received_at,
+                answer=lambda index, out: self._choice(index, out, prompt, request),
+                logprobs=lambda delta: chat_logprobs(self.tokenizer, delta, as_ids),
+            ).response()
         generate_started_at = time.monotonic()
         outputs = await self._generate(prompt.token_ids, configs)
         answer = await asyncio.to_thread(self._answer, request, prompt, outputs)
         self.metrics.completion(received_at, generate_started_at, outputs, len(prompt.token_ids))
         return answer
+
+    async def text_completion(
+        self, body: dict[str, Any], received_at: float | None = None
+    ) -> dict[str, Any] | Response:
+        """`/v1/completions` (OpenAI text completions): see `completions.text_completion`."""
+        return await text_completion(self, body, received_at)
 
     def _prompt(self, request: TokenizeRequest | ChatCompletionRequest) -> ChatPrompt:
         return build_chat_prompt(
@@ -262,33 +275,14 @@ class PolicyService:
         self, prompt_ids: list[int], configs: list[GenerationConfig]
     ) -> list[GenerationOutput]:
         """Every choice's generation; when one fails, or time runs out, the others are cancelled."""
-        tasks = [
-            asyncio.ensure_future(self.generation.generate_async(list(prompt_ids), c)) for c in configs
-        ]
-        try:
-            return await asyncio.wait_for(asyncio.gather(*tasks), self.options.request_timeout_s)
-        except TimeoutError:
-            raise ApiError(
-                f"generation did not finish within request_timeout_s={self.options.request_timeout_s}",
-                status_code=504,
-            ) from None
-        except ValueError as exc:  # the backend's "bad input" (e.g. ids outside the vocabulary)
-            raise ApiError(f"the backend refused the request: {exc}") from exc
-        finally:
-            for task in tasks:
-                task.cancel()  # no-op for finished ones
+        jobs = [(prompt_ids, c) for c in configs]
+        return await generate_all(self.generation, jobs, self.options.request_timeout_s)
 
     def _choice(
         self, index: int, out: GenerationOutput, prompt: ChatPrompt, request: ChatCompletionRequest
     ) -> dict[str, Any]:
-        ids, logprobs = list(out.output_ids), [_finite(lp) for lp in out.logprobs]
-        text_ids = ids
-        if out.finish_reason in (FinishReason.EOS, FinishReason.STOP_TOKEN) and ids:
-            text_ids = ids[:-1]  # the token that ended the generation is not part of the text (as in vLLM)
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=request.skip_special_tokens)
-        if out.finish_reason is FinishReason.STOP_STRING and isinstance(out.matched_stop, str):
-            cut = text.find(out.matched_stop)
-            text = text[:cut] if cut != -1 else text
+        ids, logprobs = list(out.output_ids), [finite(lp) for lp in out.logprobs]
+        text = generated_text(self.tokenizer, out, request.skip_special_tokens)
         finish_reason = out.finish_reason.openai
         content: str | None = text
         tool_calls: list[dict[str, Any]] = []
@@ -296,7 +290,7 @@ class PolicyService:
             parsed = parse_tool_calls(text)
             if parsed.calls:
                 content = parsed.content or None
-                tool_calls = [_tool_call(c.name, c.arguments) for c in parsed.calls]
+                tool_calls = [tool_call_dict(c.name, c.arguments) for c in parsed.calls]
                 finish_reason = "tool_calls"
         message = {
             "role": "assistant",
@@ -306,41 +300,18 @@ class PolicyService:
             "generation_token_ids": ids,
             "generation_log_probs": logprobs,
         }
-        stop_reason = (
-            out.matched_stop
-            if out.finish_reason in (FinishReason.STOP_STRING, FinishReason.STOP_TOKEN)
-            else None
-        )
         choice: dict[str, Any] = {
             "index": index,
             "message": message,
-            "logprobs": self._logprobs(ids, logprobs, request.return_tokens_as_token_ids)
+            "logprobs": chat_logprobs(self.tokenizer, out, request.return_tokens_as_token_ids)
             if request.logprobs
             else None,
             "finish_reason": finish_reason,
-            "stop_reason": stop_reason,
+            "stop_reason": stop_reason(out),
         }
         if request.return_token_ids:
             choice["token_ids"] = ids
         return choice
-
-    def _logprobs(self, ids: list[int], logprobs: list[float], as_token_ids: bool) -> dict[str, Any]:
-        content = []
-        for token_id, logprob in zip(ids, logprobs, strict=True):
-            token = (
-                f"token_id:{token_id}"
-                if as_token_ids
-                else self.tokenizer.decode([token_id], skip_special_tokens=False)
-            )
-            content.append(
-                {
-                    "token": token,
-                    "logprob": logprob,
-                    "bytes": list(token.encode("utf-8", errors="replace")),
-                    "top_logprobs": [],
-                }
-            )
-        return {"content": content}
 
 
 def _parse(model: type, body: dict[str, Any]):
@@ -350,16 +321,6 @@ def _parse(model: type, body: dict[str, Any]):
         raise validation_api_error(err) from None
 
 
-def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-    }
-
-
-def _finite(logprob: float) -> float:
-    return float(logprob) if math.isfinite(logprob) else MIN_LOGPROB
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
@@ -390,7 +351,8 @@ def create_app(
             check_api_key(request, api_key)
             raw = await read_body(request, max_request_bytes)
             body = await asyncio.to_thread(parse_json_object, raw)
-            result = JSONResponse(await cancel_on_disconnect(request, handler(body, received_at)))
+            result = await cancel_on_disconnect(request, handler(body, received_at))
+            result = result if isinstance(result, Response) else JSONResponse(result)
             metrics.answered(route, 200)
             return result
         except (ClientDisconnected, ClientDisconnect):  # while generating, or while the body streamed in
@@ -414,6 +376,10 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> JSONResponse:
         return await answer(request, service.chat_completion)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        return await answer(request, service.text_completion)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +20,8 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     InFlightPolicy,
+    StreamEvent,
+    TokenDelta,
     check_in_flight,
     check_prompt,
     check_state_dict,
@@ -105,7 +107,7 @@ class ScriptedGeneration(GenerationInterface):
     `expected_weights` (if given), each update is recorded in `updates` and bumps `weight_version`, which
     every later output carries. A scripted reply is made at once, so no generation is ever in flight
     across an update. With a backend, updates and shutdown go to it. After `shutdown` (idempotent) calls
-    raise RuntimeError.
+    raise RuntimeError. `generate_stream` sends each reply one token per delta, as an engine streams.
     """
 
     def __init__(
@@ -195,6 +197,17 @@ class ScriptedGeneration(GenerationInterface):
         if self.record:
             self.calls[call_index] = ScriptedCall(prompt, config, out)
         return out
+
+    async def generate_stream(
+        self, prompt_token_ids: Sequence[int], config: GenerationConfig
+    ) -> AsyncIterator[StreamEvent]:
+        """The output `generate_async` gives, one token per delta (suspending the caller between them, as an
+        engine's decode steps do), then the output itself."""
+        out = await self.generate_async(prompt_token_ids, config)
+        for token, logprob in zip(out.output_ids, out.logprobs, strict=True):
+            yield TokenDelta((token,), (logprob,))
+            await asyncio.sleep(0)
+        yield out
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
         """Record the update and serve the next version (the backend's update when it wraps one)."""

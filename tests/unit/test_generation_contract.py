@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nemo_rl_ext.models.backends import build_generation
 from nemo_rl_ext.models.config import PolicyConfig
-from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationInterface
+from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationInterface, TokenDelta
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
 pytestmark = pytest.mark.timeout(900)
@@ -125,6 +125,22 @@ def test_seeds_reproduce_and_differ(gen, tiny_model_and_tokenizer):
     a, b, c = run(three())
     assert a.output_ids == b.output_ids != c.output_ids
     assert run(gen.generate_async(prompt, cfg.model_copy(update={"seed": 1}))).output_ids == a.output_ids
+
+
+def test_a_streamed_generation_is_the_generation_as_it_is_decoded(gen, tiny_model_and_tokenizer):
+    prompt = chat_prompts(tiny_model_and_tokenizer[1], 1)[0]
+    config = GenerationConfig(max_new_tokens=12, temperature=1.0, seed=4)
+
+    async def both():
+        return await gen.generate_async(prompt, config), [e async for e in gen.generate_stream(prompt, config)]
+
+    out, events = run(both())
+    *deltas, last = events
+    assert last == out and all(isinstance(d, TokenDelta) for d in deltas)
+    ids = [t for d in deltas for t in d.output_ids]
+    assert ids == list(out.output_ids[: len(ids)])
+    assert [lp for d in deltas for lp in d.logprobs] == list(out.logprobs[: len(ids)])
+    assert deltas  # it streams: tokens arrive before the output (the interface's default sends none)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy_with_pre_filter_logprobs(gen, tiny_model_and_tokenizer):

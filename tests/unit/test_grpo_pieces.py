@@ -265,6 +265,17 @@ def test_salted_generation_mixes_the_step_into_seeds():
     assert gen.inner.in_flight == "abort" and gen.weight_version == 2
 
 
+def test_salted_generation_streams_the_salted_request():
+    gen = SaltedGeneration(SeedEcho(), salt=(1, 1, 0))
+
+    async def events():
+        return [e async for e in gen.generate_stream([1], GenerationConfig(seed=5))]
+
+    *deltas, output = asyncio.run(events())
+    assert [d.output_ids for d in deltas] == [(mix_seed(5, (1, 1, 0)),)]  # streamed, not only the output
+    assert output == asyncio.run(gen.generate_async([1], GenerationConfig(seed=5)))
+
+
 # ---- metrics file ---------------------------------------------------------------------------------
 
 

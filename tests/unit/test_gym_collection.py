@@ -134,6 +134,23 @@ def test_the_launcher_defines_the_policy_model_the_shipped_configs_call(tmp_path
     assert launcher2.config_paths == [shipped, user] and not list(launcher2.work_dir.iterdir())
 
 
+def test_the_policy_model_block_takes_gym_completions_mode_keys(tmp_path, fake_gym_venv):
+    extra = {"use_completions_api": True, "render_chat_template": True, "tokenizer": "/models/tiny"}
+    cfg = GymLaunchConfig(gym_venv=fake_gym_venv, config_paths=["resources_servers/mcqa/configs/mcqa.yaml"],
+                          work_dir=tmp_path, policy_model=extra)
+    launcher = GymLauncher(cfg, policy_base_url="http://127.0.0.1:1/v1", policy_model_name="policy")
+    launcher.work_dir = tmp_path
+    launcher._define_model_servers()
+    model = yaml.safe_load(launcher.config_paths[0].read_text())["policy_model"]["responses_api_models"]["vllm_model"]
+    assert model == {**POLICY_MODEL_BLOCK["responses_api_models"]["vllm_model"], **extra}
+    with pytest.raises(ValidationError) as info:
+        GymLaunchConfig(gym_venv=fake_gym_venv, config_paths=["x.yaml"],
+                        policy_model={"base_url": "http://elsewhere", "model": "m"})
+    assert "['base_url', 'model'] are set by the launcher" in str(info.value)
+    with pytest.raises(ValidationError, match="render_chat_template: true needs tokenizer"):
+        GymLaunchConfig(gym_venv=fake_gym_venv, config_paths=["x.yaml"], policy_model={"render_chat_template": True})
+
+
 def test_a_missing_gym_config_is_one_error_naming_it(tmp_path, fake_gym_venv, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = GymLaunchConfig(gym_venv=fake_gym_venv, config_paths=[

@@ -142,3 +142,48 @@ def test_vllm_knobs_live_under_policy_vllm(tmp_path):
         and "vllm.tensor_parallel_size" in message
         and "vllm.typo" in message
     )
+
+
+def _lp(logprob: float, rank: int) -> SimpleNamespace:
+    return SimpleNamespace(logprob=logprob, rank=rank)
+
+
+def test_top_and_prompt_logprobs_are_read_from_vllms_dicts(stand_in_vllm):
+    """vLLM's shapes (logprobs=2, prompt_logprobs=1): a sampled token outside the top 2 is left out of the
+    alternatives, but keeps its own logprob; the first prompt token has no entry."""
+    from nemo_rl_ext.models.generation.vllm_logprobs import with_extra_logprobs
+
+    config = GenerationConfig(max_new_tokens=2, top_logprobs=2, prompt_logprobs=1)
+    steps = [
+        {5: _lp(-0.1, 1), 8: _lp(-2.0, 2)},  # sampled the best token: k entries
+        {EOS: _lp(-3.0, 4), 6: _lp(-0.2, 1), 9: _lp(-1.5, 2)},  # sampled the 4th: k + 1 entries, sampled first
+    ]
+    completion = SimpleNamespace(token_ids=[5, EOS], logprobs=steps, finish_reason="stop", stop_reason=None)
+    out = to_generation_output(completion, config, 2, FinishReason.MAX_NEW_TOKENS, frozenset({EOS}))
+    prompt = [11, 12, 13]
+    prompt_steps = [None, {12: _lp(-4.0, 7), 40: _lp(-0.3, 1)}, {13: _lp(-0.6, 1)}]
+    out = with_extra_logprobs(out, completion, config, prompt, prompt_steps)
+    assert out.logprobs == (-0.1, -3.0)
+    assert out.top_logprobs == (((5, -0.1), (8, -2.0)), ((6, -0.2), (9, -1.5)))
+    assert out.prompt_logprobs == (-4.0, -0.6)
+    assert out.prompt_top_logprobs == (((40, -0.3),), ((13, -0.6),))
+    with pytest.raises(RuntimeError, match="1 prompt logprob entries for 2 positions"):
+        with_extra_logprobs(out, completion, config, prompt, prompt_steps[:2])
+    # nothing asked: the output as it was, and the request asks vLLM for the sampled token only
+    plain = GenerationConfig(max_new_tokens=2)
+    assert with_extra_logprobs(out, completion, plain, prompt, None) is out
+    _, gen = stand_in_vllm
+    assert (gen.sampling_params(plain, 2)["logprobs"], gen.sampling_params(plain, 2)["prompt_logprobs"]) == (0, None)
+    assert (gen.sampling_params(config, 2)["logprobs"], gen.sampling_params(config, 2)["prompt_logprobs"]) == (2, 1)
+
+
+def test_a_streams_new_tokens_carry_their_top_alternatives_when_asked():
+    from nemo_rl_ext.models.generation.vllm_logprobs import send_new_tokens
+
+    steps = [{5: _lp(-0.1, 1), 8: _lp(-2.0, 2)}, {9: _lp(-3.0, 3), 6: _lp(-0.2, 1), 7: _lp(-1.5, 2)}]
+    sent = []
+    cumulative = SimpleNamespace(token_ids=[5, 9], logprobs=steps)
+    assert send_new_tokens(SimpleNamespace(token_ids=[5], logprobs=steps[:1]), 0, lambda *a: sent.append(a), 2) == 1
+    assert send_new_tokens(cumulative, 1, lambda *a: sent.append(a), 2) == 2
+    assert sent == [([5], [-0.1], [((5, -0.1), (8, -2.0))]), ([9], [-3.0], [((6, -0.2), (7, -1.5))])]
+    assert send_new_tokens(cumulative, 0, lambda *a: sent.append(a)) == 2 and sent[-1] == ([5, 9], [-0.1, -3.0], None)

@@ -6,6 +6,16 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationConfig,
     GenerationInterface,
     GenerationOutput,
+    StreamEvent,
+    TokenDelta,
 )
 
-__all__ = ["EngineLoad", "FinishReason", "GenerationConfig", "GenerationInterface", "GenerationOutput"]
+__all__ = [
+    "EngineLoad",
+    "FinishReason",
+    "GenerationConfig",
+    "GenerationInterface",
+    "GenerationOutput",
+    "StreamEvent",
+    "TokenDelta",
+]

@@ -11,6 +11,8 @@ backend runs its own decode loop, on one engine thread:
   admits no one until all its rows finished), kept for comparison (`bench/continuous_batching.py`).
 - Each row keeps its own sampling parameters and seeded generator, so its tokens do not depend on what
   else is in the batch, and its logprobs are those of a separate forward pass.
+- **Streaming**: `generate_stream` hands each sampled token to its caller's loop as it is decoded (a
+  per-request hook on the row; requests nobody streams skip it).
 - **Faults**: a row that fails alone (its sampler cannot be built, its logits cannot be sampled, its
   stop check raises) gets its own error and leaves while the others go on; a cancelled `generate_async`
   call (a client that went away, a rollout past its deadline) leaves at the next decode step.
@@ -27,10 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -38,6 +41,7 @@ from typing import Literal
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from nemo_rl_ext.models.generation.extra_logprobs import rows_top_logprobs, score_prompts
 from nemo_rl_ext.models.generation.hf_batch import KvBatch, Request, Row
 from nemo_rl_ext.models.generation.interfaces import (
     EngineLoad,
@@ -46,11 +50,13 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     InFlightPolicy,
+    StreamEvent,
     check_in_flight,
     check_prompt,
     check_state_dict,
 )
 from nemo_rl_ext.models.generation.sampling import select_tokens
+from nemo_rl_ext.models.generation.token_stream import TokenQueue
 from nemo_rl_ext.models.loading import cache_kwarg
 
 logger = logging.getLogger(__name__)
@@ -171,23 +177,44 @@ class HfGeneration(GenerationInterface):
         return EngineLoad(running=self._num_running, waiting=waiting)
 
     async def generate_async(self, prompt_token_ids: Sequence[int], config: GenerationConfig) -> GenerationOutput:
+        request = self._submit(prompt_token_ids, config)
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            request.cancelled = True  # read by the engine, which drops the row at its next step
+            raise
+
+    async def generate_stream(
+        self, prompt_token_ids: Sequence[int], config: GenerationConfig
+    ) -> AsyncIterator[StreamEvent]:
+        """Each decode step's token as it is sampled (see `GenerationInterface.generate_stream`)."""
+        tokens = TokenQueue()
+        request = self._submit(prompt_token_ids, config, on_token=tokens.put_token)
+        try:
+            async with contextlib.aclosing(tokens.events(request.future)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            if not request.future.done():
+                request.cancelled = True  # the reader left: the engine drops the row at its next step
+
+    def _submit(
+        self, prompt_token_ids: Sequence[int], config: GenerationConfig, on_token=None
+    ) -> Request:
+        """Check the prompt and queue a request for the engine thread."""
         if self._closed:
             raise RuntimeError("HfGeneration was shut down")
         prompt = [int(t) for t in prompt_token_ids]
         check_prompt(prompt, self._max_model_len, self._vocab_size)
         loop = asyncio.get_running_loop()
-        request = Request(prompt, config, loop, loop.create_future())
+        request = Request(prompt, config, loop, loop.create_future(), on_token=on_token)
         with self._cond:
             if self._closed:
                 raise RuntimeError("HfGeneration was shut down")
             self._pending.append(request)
             self.num_requests += 1
             self._cond.notify()
-        try:
-            return await request.future
-        except asyncio.CancelledError:
-            request.cancelled = True  # read by the engine, which drops the row at its next step
-            raise
+        return request
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
         """Load new weights in place between two decode steps (see `GenerationInterface.update_weights`)."""
@@ -358,7 +385,13 @@ class HfGeneration(GenerationInterface):
             [row.request.prompt_ids for row in rows], self._pad_id, self.model.device
         )
         cache = DynamicCache()
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if any(row.request.config.prompt_logprobs is not None for row in rows):
+            # logits of every position: score the prompts that ask, then sample from the last
+            logits = self._forward(input_ids, attention_mask, position_ids, cache, all_positions=True)
+            score_prompts(rows, logits, input_ids, self._fail)
+            logits = logits[:, -1, :]
+        else:
+            logits = self._forward(input_ids, attention_mask, position_ids, cache)
         tokens = self._sample(logits, rows)
         joining = self._settle(KvBatch(rows, cache, attention_mask, position_ids[:, -1:], tokens))
         if batch is None or joining is None:
@@ -378,9 +411,10 @@ class HfGeneration(GenerationInterface):
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Select and append one token per row (a failed row gets its error instead); returns the tokens."""
         tokens, logprobs = self._select(logits, rows)
+        tops = rows_top_logprobs(logits, rows, self._fail)
         for pos, row in enumerate(rows):
             if row.error is None:
-                self._append(row, int(tokens[pos]), float(logprobs[pos]))
+                self._append(row, int(tokens[pos]), float(logprobs[pos]), tops[pos])
         return tokens
 
     def _settle(self, batch: KvBatch) -> KvBatch | None:
@@ -463,24 +497,30 @@ class HfGeneration(GenerationInterface):
         self.num_row_failures += 1
         logger.warning("one request of a batch failed alone: %s", row.error)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, cache, all_positions: bool = False) -> torch.Tensor:
+        """The last position's logits [B, V]; with `all_positions`, every position's [B, L, V]."""
         self.num_forward_passes += 1
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if all_positions else 1,
             **{self._cache_kwarg: cache},
         )
-        return out.logits[:, -1, :]
+        return out.logits if all_positions else out.logits[:, -1, :]
 
-    def _append(self, row: Row, token: int, logprob: float) -> None:
-        """Add a generated token to a row and decide whether the row is finished (or failed alone)."""
+    def _append(self, row: Row, token: int, logprob: float, top=None) -> None:
+        """Add a generated token (and its top alternatives, when asked) to a row and decide whether the row is
+        finished (or failed alone)."""
         if row.first_token_at is None:
             row.first_token_at = time.monotonic()
         row.output_ids.append(token)
         row.logprobs.append(logprob)
+        if top is not None:
+            row.top_logprobs.append(top)
+        if row.request.on_token is not None:  # a streamed request
+            row.request.on_token(token, logprob, top)
         self.num_generated_tokens += 1
         try:
             self._check_finished(row, token)

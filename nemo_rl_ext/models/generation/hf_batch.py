@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig, GenerationOutput
+from nemo_rl_ext.models.generation.interfaces import (
+    FinishReason,
+    GenerationConfig,
+    GenerationOutput,
+    PromptScores,
+    TopLogprobs,
+)
 
 
 @dataclass
@@ -32,6 +39,8 @@ class Request:
     """Set on the caller's loop when the caller stopped waiting; the engine then drops the row."""
     arrived: float = field(default_factory=time.monotonic)
     """`time.monotonic()` when `generate_async` accepted it (the start of its time to first token)."""
+    on_token: Callable[[int, float, TopLogprobs | None], None] | None = None
+    """Streamed requests: called on the engine thread with each sampled (id, logprob); must not raise."""
 
 
 @dataclass
@@ -52,6 +61,10 @@ class Row:
     """Why this row (and only this row) failed; set rows leave the batch."""
     first_token_at: float | None = None
     """`time.monotonic()` when its first token was sampled."""
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """Per generated token, its top alternatives (filled only when the config asks for them)."""
+    prompt_scores: PromptScores | None = None
+    """The prompt's logprobs and their alternatives, when the config asks for them (set at prefill)."""
 
     @property
     def done(self) -> bool:
@@ -64,8 +77,11 @@ class Row:
             return self.error
         assert self.finish is not None
         ttft = None if self.first_token_at is None else self.first_token_at - self.request.arrived
+        prompt, prompt_tops = self.prompt_scores or (None, None)
         return GenerationOutput(
-            tuple(self.output_ids), tuple(self.logprobs), self.finish, self.matched, self.weight_version, ttft
+            tuple(self.output_ids), tuple(self.logprobs), self.finish, self.matched, self.weight_version, ttft,
+            top_logprobs=tuple(self.top_logprobs) if self.request.config.top_logprobs else None,
+            prompt_logprobs=prompt, prompt_top_logprobs=prompt_tops,
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -14,6 +14,14 @@ SEED_LIMIT = 2**63
 """Seeds are in [0, SEED_LIMIT): what torch's and vLLM's generators accept (a signed 64-bit integer)."""
 MAX_TOP_K = 2**31 - 1
 """Largest top_k accepted (vLLM keeps top_k in int32 tensors); any k at or above the vocabulary means all."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (`top_logprobs`, `prompt_logprobs`), as OpenAI allows."""
+
+TopLogprobs = tuple[tuple[int, float], ...]
+"""The likeliest tokens at one position, best first: (token id, logprob) pairs."""
+
+PromptScores = tuple[tuple[float, ...], tuple[TopLogprobs, ...] | None]
+"""One prompt's scores: each prompt id's logprob from the 2nd on, and its top alternatives (None for k = 0)."""
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +49,20 @@ class GenerationConfig(BaseModel):
     )
     seed: int | None = Field(
         default=None, ge=0, lt=SEED_LIMIT, description="Seed of this request's sampler; None = unseeded."
+    )
+    top_logprobs: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Also report this many likeliest tokens per generated position, from the distribution the "
+        "logprobs come from (after temperature, before top-k/top-p); 0: none.",
+    )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Also score the prompt: each prompt token's logprob (from the 2nd on) under log_softmax(logits) "
+        "at temperature 1, as vLLM's prompt_logprobs, plus this many likeliest tokens per position; None: no.",
     )
     session: tuple[int, ...] | None = Field(
         default=None,
@@ -108,11 +130,33 @@ class GenerationOutput:
     time_to_first_token_s: float | None = field(default=None, compare=False)
     """Seconds from the `generate_async` call to the engine sampling the first token; None when the backend does
     not measure it. A timing, so it takes no part in comparing outputs."""
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Per generated id, the `config.top_logprobs` likeliest tokens of its distribution; None when not asked."""
+    prompt_logprobs: tuple[float, ...] | None = None
+    """Per prompt id from the 2nd on, its logprob at temperature 1 (`config.prompt_logprobs`); None when not asked."""
+    prompt_top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Per prompt id from the 2nd on, the `config.prompt_logprobs` likeliest tokens; None when not asked."""
 
     @property
     def truncated(self) -> bool:
         """True when max_new_tokens or max_model_len cut the generation short."""
         return self.finish_reason.truncated
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens a streamed generation (`GenerationInterface.generate_stream`) sampled since its previous delta."""
+
+    output_ids: tuple[int, ...]
+    """The new ids, in order (one or more)."""
+    logprobs: tuple[float, ...]
+    """The logprob of each new id, as in `GenerationOutput.logprobs`."""
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Each new id's top alternatives when the config asks (`GenerationOutput.top_logprobs`); None otherwise."""
+
+
+StreamEvent = TokenDelta | GenerationOutput
+"""What `generate_stream` yields: deltas, then the whole output."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +194,18 @@ class GenerationInterface(abc.ABC):
         Cancelling the call stops its generation (a batching backend drops the request from its batch at
         the next decode step), and one request's failure never fails the others it is batched with.
         """
+
+    async def generate_stream(
+        self, prompt_token_ids: Sequence[int], config: GenerationConfig
+    ) -> AsyncIterator[StreamEvent]:
+        """`generate_async`, delivered as it is decoded: `TokenDelta`s, then the `GenerationOutput` (last).
+
+        The deltas' ids, joined, are a prefix of the output's `output_ids` (the rest arrives with the output);
+        the output is the one `generate_async` would return. Closing the iterator early (or cancelling the
+        task that reads it) cancels the generation, as cancelling `generate_async` does. This default sends
+        no delta: the whole output at the end; backends that decode step by step override it.
+        """
+        yield await self.generate_async(prompt_token_ids, config)
 
     @abc.abstractmethod
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:

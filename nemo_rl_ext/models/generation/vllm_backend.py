@@ -4,8 +4,12 @@
   called from any event loop (a trainer's, a test's, the policy server's uvicorn thread) and hands the
   request over with `run_coroutine_threadsafe`. vLLM batches concurrent requests itself (continuous
   batching). Cancelling a `generate_async` call aborts its vLLM request.
+- **Streaming.** `generate_stream` asks for `RequestOutputKind.CUMULATIVE` outputs (one per engine step,
+  with every token so far) and hands the new tokens to the caller's loop; the final output is converted
+  as in `generate_async`. Closing the stream aborts the vLLM request.
 - **Logprobs.** The engine runs with `logprobs_mode="processed_logprobs"` and each request asks for
-  `logprobs=0` (the sampled token only). vLLM's modes: `raw_logprobs` = log_softmax(logits) (no
+  `logprobs=config.top_logprobs` (the sampled token, plus that many alternatives: `vllm_logprobs`) and
+  `prompt_logprobs=config.prompt_logprobs`. vLLM's modes: `raw_logprobs` = log_softmax(logits) (no
   temperature); `processed_logprobs` = log_softmax after temperature *and* top-k/top-p masking. So
   `processed_logprobs` is exactly the hf backend's definition, log_softmax(logits / T) with T = 1 for
   greedy, whenever top_k/top_p are off; with them on, vLLM renormalizes over the kept tokens. A small
@@ -37,10 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -54,10 +59,13 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     InFlightPolicy,
+    StreamEvent,
     check_in_flight,
     check_prompt,
     check_state_dict,
 )
+from nemo_rl_ext.models.generation.token_stream import TokenQueue
+from nemo_rl_ext.models.generation.vllm_logprobs import send_new_tokens, with_extra_logprobs
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict
 from nemo_rl_ext.models.loading import load_tokenizer
 
@@ -107,7 +115,7 @@ class VllmGeneration(GenerationInterface):
         filter; `engine_kwargs` are further `AsyncEngineArgs` fields and override the ones set here.
         """
         AsyncEngineArgs, self._AsyncLLM, self._SamplingParams, self._TokensPrompt, kind = _import_vllm()
-        self._final_only = kind.FINAL_ONLY
+        self._final_only, self._cumulative = kind.FINAL_ONLY, kind.CUMULATIVE
         self.model_path = str(model_path)
         self._tokenizer = load_tokenizer(self.model_path)
         args: dict[str, Any] = {
@@ -195,6 +203,42 @@ class VllmGeneration(GenerationInterface):
     async def generate_async(
         self, prompt_token_ids: Sequence[int], config: GenerationConfig
     ) -> GenerationOutput:
+        prompt, params, budget, budget_reason = self._request(prompt_token_ids, config, stream=False)
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompt, params), self._loop)
+        try:
+            output, aborted_by_update = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.cancel()  # aborts the vLLM request on the engine loop
+            raise
+        return self._output(output, aborted_by_update, config, budget, budget_reason, prompt)
+
+    async def generate_stream(
+        self, prompt_token_ids: Sequence[int], config: GenerationConfig
+    ) -> AsyncIterator[StreamEvent]:
+        """Tokens as the engine reports them (`RequestOutputKind.CUMULATIVE`: each step's output holds every
+        token so far; the new ones are sent on), then the output `generate_async` would return."""
+        prompt, params, budget, budget_reason = self._request(prompt_token_ids, config, stream=True)
+        tokens = TokenQueue()
+        future = asyncio.run_coroutine_threadsafe(
+            self._generate(prompt, params, tokens.put, config.top_logprobs), self._loop
+        )
+
+        async def result() -> GenerationOutput:
+            output, aborted_by_update = await asyncio.wrap_future(future)
+            return self._output(output, aborted_by_update, config, budget, budget_reason, prompt)
+
+        task = asyncio.ensure_future(result())
+        try:
+            async with contextlib.aclosing(tokens.events(task)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            if not task.done():
+                task.cancel()
+                future.cancel()  # aborts the vLLM request on the engine loop
+
+    def _request(self, prompt_token_ids: Sequence[int], config: GenerationConfig, *, stream: bool):
+        """(prompt ids, SamplingParams, max_tokens, the FinishReason of reaching it) of one request."""
         if self._closed:
             raise RuntimeError("VllmGeneration was shut down")
         prompt = [int(t) for t in prompt_token_ids]
@@ -205,15 +249,14 @@ class VllmGeneration(GenerationInterface):
             if room < config.max_new_tokens
             else (config.max_new_tokens, FinishReason.MAX_NEW_TOKENS)
         )
-        params = self.sampling_params(config, budget)
-        future = asyncio.run_coroutine_threadsafe(self._generate(prompt, params), self._loop)
-        try:
-            output, aborted_by_update = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            future.cancel()  # aborts the vLLM request on the engine loop
-            raise
+        return prompt, self.sampling_params(config, budget, stream=stream), budget, budget_reason
+
+    def _output(
+        self, output, aborted_by_update: bool, config, budget: int, budget_reason, prompt: list[int]
+    ) -> GenerationOutput:
+        """Our `GenerationOutput` of a request's final vLLM `RequestOutput` for `prompt`."""
         completion = output.outputs[0]
-        return to_generation_output(
+        out = to_generation_output(
             completion,
             config,
             budget,
@@ -223,9 +266,11 @@ class VllmGeneration(GenerationInterface):
             weight_version=weight_version_of(completion) if completion.token_ids else self._weight_version,
             aborted_by_update=aborted_by_update,
         )
+        return with_extra_logprobs(out, completion, config, prompt, getattr(output, "prompt_logprobs", None))
 
-    def sampling_params(self, config: GenerationConfig, max_tokens: int):
-        """vLLM `SamplingParams` for one request of `config` with `max_tokens` to generate."""
+    def sampling_params(self, config: GenerationConfig, max_tokens: int, *, stream: bool = False):
+        """vLLM `SamplingParams` for one request of `config` with `max_tokens` to generate (`stream`: an output
+        per step with every token so far, else only the final one)."""
         return self._SamplingParams(
             n=1,
             max_tokens=max_tokens,
@@ -239,8 +284,9 @@ class VllmGeneration(GenerationInterface):
             skip_special_tokens=False,
             spaces_between_special_tokens=False,
             detokenize=bool(config.stop_strings),  # text is only needed to find stop strings
-            logprobs=0,
-            output_kind=self._final_only,
+            logprobs=config.top_logprobs,  # the sampled token's, plus this many alternatives
+            prompt_logprobs=config.prompt_logprobs,
+            output_kind=self._cumulative if stream else self._final_only,
         )
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
@@ -289,8 +335,11 @@ class VllmGeneration(GenerationInterface):
         kinds = set(await self._engine.collective_rpc("nemo_rl_install_logprob_hook"))
         return kinds.pop() if len(kinds) == 1 else "mixed: " + ", ".join(sorted(kinds))
 
-    async def _generate(self, prompt: list[int], params):
-        """The final `RequestOutput` and whether an abort-mode weight update ended it."""
+    async def _generate(self, prompt: list[int], params, on_tokens: Callable | None = None, top_k: int = 0):
+        """The final `RequestOutput` and whether an abort-mode weight update ended it; a streamed request's
+        new tokens (and their logprobs, and their `top_k` alternatives) go to `on_tokens` as each cumulative
+        output arrives."""
+        sent = 0
         while True:
             final = None
             request_id = f"nemo-rl-{uuid.uuid4().hex}"
@@ -300,6 +349,8 @@ class VllmGeneration(GenerationInterface):
                     self._TokensPrompt(prompt_token_ids=prompt), params, request_id
                 ):
                     final = output
+                    if on_tokens is not None:
+                        sent = send_new_tokens(output.outputs[0], sent, on_tokens, top_k)
             except asyncio.CancelledError:
                 await self._engine.abort(request_id)  # the caller went away: free the request's slot now
                 raise
