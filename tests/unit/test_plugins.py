@@ -1,6 +1,6 @@
 """Plugin loading (`nemo_rl_ext.plugins`): `--import` modules and the `nemo_rl_ext.plugins` entry points, and a
 plugin that fails to load as one error naming it (exit 2, no traceback) on the CLIs. The CLIs using what plugins
-register: tests/functional/test_plugins.py."""
+register: tests/functional/test_plugin_clis.py."""
 
 from __future__ import annotations
 
