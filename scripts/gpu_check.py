@@ -10,7 +10,7 @@ file ($OUT/gpu_report.md when $OUT is set, else ./gpu_report.md):
   requests joins the running batch) and its logprobs equal a transformers forward pass over the same tokens.
 - grpo: two GRPO steps (rollouts, update, refit) on the device in fp32; then the same with
   `trainer.mixed_precision: bf16`, `trainer.activation_checkpointing: true`, `trainer.lora`, and FSDP2 at world
-  size 1 (NCCL on CUDA, gloo on the CPU). A setting whose feature is not built yet is refused by the config
+  size 1 (NCCL on CUDA, gloo on the CPU; on CUDA once more with `trainer.cpu_offload`). A setting whose feature is not built yet is refused by the config
   (`trainer_config.UNBUILT`): that check says NOT BUILT, and runs unchanged once the feature lands.
 
 `--device cpu` runs the same logic on the CPU (tests/functional/test_gpu_check.py). Exit status: 0 when no check
@@ -243,9 +243,7 @@ def check_fsdp(device: str, model_dir: Path, work: Path, result: Result) -> None
             result.status, result.detail = "NOT BUILT", str(err).strip()
             return
         raise
-    import torch.distributed as dist
-
-    from nemo_rl_ext.algorithms.fsdp_workers import RankSpec, TrainerRank  # the rank a Ray actor hosts
+    from nemo_rl_ext.algorithms.fsdp_workers import RankSpec
     from nemo_rl_ext.algorithms.trainer import PolicyTrainer
     from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
@@ -256,30 +254,51 @@ def check_fsdp(device: str, model_dir: Path, work: Path, result: Result) -> None
     optimizer = cfg.optimizer.model_copy(update={"minibatches_per_step": 1})
     reference = PolicyTrainer(model, optimizer=optimizer, loss=loss, temperature=1.0, pad_token_id=pad)
     expected_norm = reference.train_step(items, advantages)["grad_norm"]
+    spec = RankSpec(model_path=str(model_dir), reference_path=None, dtype="float32", device=device,
+                    optimizer=optimizer, loss=loss, temperature=1.0, pad_token_id=pad)
+    want = reference.state_dict()
+    norm, worst, backend = _rank_step(spec, items, advantages, want)
+    result.figures.update({"backend": backend, "grad_norm": norm, "grad_norm_in_process": expected_norm,
+                           "weights_max_diff_of_largest": f"{worst:.2e}"})
+    ok = norm is not None and math.isclose(norm, expected_norm, rel_tol=1e-4) and worst <= 1e-4
+    if device.startswith("cuda"):  # trainer.cpu_offload: FSDP2's CPUOffloadPolicy (refused on the CPU)
+        from nemo_rl_ext.algorithms.fsdp_wrap import WrapSettings
+
+        offload = dataclasses.replace(spec, wrap=WrapSettings(cpu_offload=True))
+        off_norm, off_worst, _ = _rank_step(offload, items, advantages, want)
+        result.figures.update({"cpu_offload_grad_norm": off_norm, "cpu_offload_weights_max_diff": f"{off_worst:.2e}"})
+        ok = ok and off_norm is not None and math.isclose(off_norm, expected_norm, rel_tol=1e-4) and off_worst <= 1e-4
+    else:
+        result.figures["cpu_offload"] = "needs CUDA"
+    _peak_memory(device, result)
+    result.status = "PASS" if ok else "FAIL"
+    if not ok:
+        result.detail = "the world-size-1 FSDP2 step differs from the in-process trainer's"
+
+
+def _rank_step(spec: Any, items: list[Any], advantages: torch.Tensor,
+               want: dict[str, torch.Tensor]) -> tuple[float | None, float, str]:
+    """One FSDP2 rank at world size 1 (in this process) takes one step: its grad norm, the largest weight difference
+    from `want` (relative to each tensor's largest entry) and the process group's backend."""
+    import torch.distributed as dist
+
+    from nemo_rl_ext.algorithms.fsdp_workers import TrainerRank  # the rank a Ray actor hosts
+
     rank = TrainerRank(0, 1)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    spec = RankSpec(model_path=str(model_dir), reference_path=None, dtype="float32", device=device,
-                    optimizer=optimizer, loss=loss, temperature=1.0, pad_token_id=pad)
     try:
         rank.setup("127.0.0.1", port, spec)
-        result.figures["backend"] = dist.get_backend()
+        backend = dist.get_backend()
         count = float(sum(float(x.loss_mask.sum()) for x in items))
         _, norm = rank.train_minibatch([(items, advantages, None, None)], count)
-        got = rank.gather([name for name, _, _ in rank.tensor_sizes()])
+        got = rank.gather([name for name, *_ in rank.tensor_sizes()])
     finally:
         rank.shutdown()
-    want = reference.state_dict()
     worst = max(float((got[k].to(want[k].device) - want[k]).abs().max() / (want[k].abs().max() + 1e-12))
                 for k in got)
-    result.figures.update({"grad_norm": norm, "grad_norm_in_process": expected_norm,
-                           "weights_max_diff_of_largest": f"{worst:.2e}"})
-    _peak_memory(device, result)
-    ok = norm is not None and math.isclose(norm, expected_norm, rel_tol=1e-4) and worst <= 1e-4
-    result.status = "PASS" if ok else "FAIL"
-    if not ok:
-        result.detail = "the world-size-1 FSDP2 step differs from the in-process trainer's"
+    return norm, worst, backend
 
 
 def _batch(tokenizer: Any) -> tuple[list[Any], torch.Tensor]:
@@ -378,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             ("grpo: trainer.lora (r 8 on q_proj, v_proj)",
              lambda r: check_grpo(dev, model_dir, work, "lora",
                                   {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}, r)),
-            ("trainer.workers: FSDP2 rank at world size 1", lambda r: check_fsdp(dev, model_dir, work, r)),
+            ("trainer.workers: FSDP2 rank at world size 1 (and trainer.cpu_offload on CUDA)",
+             lambda r: check_fsdp(dev, model_dir, work, r)),
         ]
         env, results = environment(args.device), [imports]
         for number, (name, fn) in enumerate(checks):

@@ -75,14 +75,7 @@ def compute_group_advantages(
     Arithmetic runs in float64; the result is cast to `dtype`. `torch.cat` the list for a flat tensor in
     completion order.
     """
-    if baseline not in ("mean", "leave_one_out"):
-        raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
-    if std_scope not in ("baseline", "group"):
-        raise ValueError(f"std_scope must be 'baseline' or 'group', got {std_scope!r}")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if valid_per_group is not None and len(valid_per_group) != len(rewards_per_group):
-        raise ValueError(f"{len(rewards_per_group)} reward groups but {len(valid_per_group)} valid-mask groups")
+    _check_settings(baseline, std_scope, eps, len(rewards_per_group), valid_per_group)
     out: list[torch.Tensor] = []
     problems: list[str] = []
     for i, group in enumerate(rewards_per_group):
@@ -109,6 +102,20 @@ def compute_group_advantages(
     if problems:
         raise ValueError("; ".join(problems))
     return out
+
+
+def _check_settings(
+    baseline: str, std_scope: str, eps: float, num_groups: int, valid_per_group: Sequence[Sequence[bool]] | None
+) -> None:
+    """`compute_group_advantages`' settings are known, and there is one valid-mask group per reward group."""
+    if baseline not in ("mean", "leave_one_out"):
+        raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
+    if std_scope not in ("baseline", "group"):
+        raise ValueError(f"std_scope must be 'baseline' or 'group', got {std_scope!r}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if valid_per_group is not None and len(valid_per_group) != num_groups:
+        raise ValueError(f"{num_groups} reward groups but {len(valid_per_group)} valid-mask groups")
 
 
 def flatten_group_advantages(advantages: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

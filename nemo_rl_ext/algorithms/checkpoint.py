@@ -1,21 +1,30 @@
 """Training checkpoints, written atomically: model, optimizer, step, RNG states and data position.
 
-Layout of `<root>/step_<NNNNNNNN>/`:
+Layout of `<root>/step_<NNNNNNNN>/`, written by one process (`trainer.workers: 1`):
 
     policy/          the model and tokenizer (`save_pretrained`: loadable as `policy.model_name=<path>`); of a
                      LoRA policy, its adapters and the tokenizer (`adapter_config.json` names the base model)
     optimizer.pt     the optimizer's state_dict
+
+or by FSDP2 ranks (`trainer.workers > 1`, `write_state`: see `sharded_checkpoint`):
+
+    shards/          torch.distributed.checkpoint: the trained parameters and their optimizer state, one file
+                     per rank and `.metadata`
+    policy/          the model's config (and a LoRA policy's `adapter_config.json`) and the tokenizer; no weights
+
+and in both:
+
     rng.pt           python, numpy and torch (CPU and CUDA) RNG states
     state.json       {"step": int, "data": {...}, "extra": {...}}
     complete.json    the completeness marker, written last: every other file's size and sha256
 
 Everything is written (and fsynced) into a hidden temporary sibling folder, the marker last, and the
-folder is renamed into place, so a run killed mid-save leaves only a `.tmp` folder, which the next save
-removes. A `step_*` folder without the marker (a crash mid-write on a filesystem without atomic renames, a
-partial copy) is not a checkpoint. Loading checks every file against the marker, so a truncated or
-overwritten file, or a missing one, is a `CheckpointError` naming it; `resumable_checkpoint` then falls
-back to the newest checkpoint that is whole. A run never overwrites step folders it cannot resume from
-unless told to start over (`GRPO`, `resume=restart`; `discard_checkpoints`).
+folder is renamed into place, so a run killed mid-save (or a rank that dies while it writes its shards)
+leaves only a `.tmp` folder, which the next save removes. A `step_*` folder without the marker (a crash
+mid-write on a filesystem without atomic renames, a partial copy) is not a checkpoint. Loading checks every
+file against the marker, so a truncated or overwritten file, or a missing one, is a `CheckpointError` naming
+it; `resumable_checkpoint` then falls back to the newest checkpoint that is whole. A run never overwrites
+step folders it cannot resume from unless told to start over (`GRPO`, `resume=restart`; `discard_checkpoints`).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +46,15 @@ import numpy as np
 import torch
 from peft import PeftModel
 
+from nemo_rl_ext.algorithms.sharded_checkpoint import SHARDS, is_sharded
 from nemo_rl_ext.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "state.json"
+ADAPTER_CONFIG = "adapter_config.json"
+"""peft's adapter file: its presence in `policy/` marks a checkpoint of LoRA adapters."""
 MARKER_FILE = "complete.json"
 """Written last: {"step": int, "files": {relative path: {"bytes": int, "sha256": str}}}."""
 
@@ -65,11 +78,28 @@ class Checkpoint:
 
     @property
     def model_dir(self) -> Path:
-        """The `save_pretrained` folder of the policy (model + tokenizer)."""
+        """The `save_pretrained` folder of the policy (model + tokenizer; with shards: config + tokenizer)."""
         return self.path / "policy"
 
+    @property
+    def sharded(self) -> bool:
+        """The weights and optimizer state are `torch.distributed.checkpoint` shards (`shards_dir`)."""
+        return is_sharded(self.path)
+
+    @property
+    def adapters(self) -> bool:
+        """The policy is LoRA adapters over a base model (peft's `adapter_config.json` in `policy/`)."""
+        return (self.model_dir / ADAPTER_CONFIG).is_file()
+
+    @property
+    def shards_dir(self) -> Path:
+        """The `torch.distributed.checkpoint` folder of a sharded checkpoint."""
+        return self.path / SHARDS
+
     def optimizer_state(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-        """The optimizer's state_dict."""
+        """The optimizer's state_dict (of a checkpoint written by one process; a sharded one holds it in shards)."""
+        if self.sharded:
+            raise CheckpointError(f"{self.path} is sharded: its optimizer state is in {self.shards_dir}")
         return torch.load(self.path / "optimizer.pt", map_location=map_location, weights_only=True)
 
     def restore_rng(self) -> None:
@@ -111,19 +141,24 @@ def save_checkpoint(
     root: str | Path,
     step: int,
     *,
-    model: Any,
     tokenizer: Any,
-    optimizer: torch.optim.Optimizer,
     data_state: dict[str, Any],
+    model: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    write_state: Callable[[Path], None] | None = None,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
     rng_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of `step` atomically (replacing an existing one); returns its folder.
 
+    The weights and optimizer state: `model.save_pretrained` and `optimizer.state_dict()`, or `write_state(folder)`
+    (sharded: `shards/` and `policy/`'s config, see `sharded_checkpoint`), called with the temporary folder.
     With `keep_last`, older complete checkpoints beyond the newest `keep_last` are deleted afterwards.
     `rng_state` (a `get_rng_state()` taken earlier, e.g. when the step ended) replaces the RNG states of now.
     """
+    if write_state is None and (model is None or optimizer is None):
+        raise ValueError("save_checkpoint needs model and optimizer, or write_state")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".step_*.tmp*"):
@@ -131,12 +166,11 @@ def save_checkpoint(
     final = checkpoint_dir(root, step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
     try:
-        if isinstance(model, PeftModel):  # the adapters alone: never the base's embeddings or LM head
-            model.save_pretrained(tmp / "policy", save_embedding_layers=False)
+        if write_state is not None:
+            write_state(tmp)
         else:
-            model.save_pretrained(tmp / "policy")
+            write_whole_state(tmp, model, optimizer)
         tokenizer.save_pretrained(tmp / "policy")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(rng_state if rng_state is not None else get_rng_state(), tmp / "rng.pt")
         state = {"step": int(step), "data": data_state, "extra": extra or {}}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
@@ -160,6 +194,16 @@ def save_checkpoint(
         for old in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_whole_state(folder: Path, model: Any, optimizer: torch.optim.Optimizer) -> None:
+    """One process's weights (`policy/`: a Hugging Face folder, or a LoRA policy's adapters) and optimizer state
+    (`optimizer.pt`) into the checkpoint `folder`."""
+    if isinstance(model, PeftModel):  # the adapters alone: never the base's embeddings or LM head
+        model.save_pretrained(folder / "policy", save_embedding_layers=False)
+    else:
+        model.save_pretrained(folder / "policy")
+    torch.save(optimizer.state_dict(), folder / "optimizer.pt")
 
 
 def _sha256(path: Path) -> str:

@@ -1,12 +1,18 @@
 """The trainer with `trainer.workers > 1`: FSDP2 ranks as Ray actors (`fsdp_workers.TrainerRank`), driven from the
 GRPO process, which holds no trainer model. Its interface is `PolicyTrainer`'s (`train_step`, `logprobs`,
-`state_dict`, `model.save_pretrained` and `optimizer.state_dict` for checkpoints), so the loop does not care
-how many ranks train.
+`state_dict`), so the loop does not care how many ranks train; checkpoints are sharded (`save_sharded`: each rank
+writes its shards, see `sharded_checkpoint`), and a checkpoint of one process loads too (its weights as the model
+folder, its optimizer state through `optimizer.load_state_dict`).
 
 A pass over a batch is cut into micro-batches exactly as the in-process trainer cuts it; micro-batch j goes to
 rank j % workers, and every rank gets the same number of slots (None: a dummy). The driver computes each
 minibatch's global token (or sequence) count and combines the per-micro-batch metrics in the in-process
 order, so the metrics and the update are the in-process trainer's up to the order of float sums.
+
+With `trainer.lora` the ranks train adapters (the KL reference is the policy with them off), `refit_weights` gathers
+the merged target modules alone and a checkpoint's `policy/` holds the adapters, as with one worker.
+`activation_checkpointing`, `mixed_precision: bf16`, `cpu_offload` and `sharding: none` are how each rank wraps
+its model (`fsdp_wrap`).
 
 Faults: a rank that dies (or fails) during a call raises `TrainerWorkerError` naming the rank, its pid, node id
 and IP, and the other ranks are killed (they would wait in a collective). More ranks than the cluster can
@@ -25,6 +31,9 @@ from typing import Any
 import torch
 
 from nemo_rl_ext.algorithms.fsdp_workers import RankSpec, TrainerRank
+from nemo_rl_ext.algorithms.fsdp_wrap import WrapSettings
+from nemo_rl_ext.algorithms.sharded_checkpoint import check_shards_visible
+from nemo_rl_ext.algorithms.streamed_weights import StreamedWeights
 from nemo_rl_ext.algorithms.trainer import _MetricSums, minibatch_bounds
 from nemo_rl_ext.algorithms.trainer_config import TrainerSettings
 from nemo_rl_ext.cluster import ClusterConfig, init_ray
@@ -34,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 REFIT_BUCKET_BYTES = 64 * 2**20
 """Most bytes of weights one refit gather carries (a rank holds at most one such bucket beyond its shard)."""
+DEAD_PEER_GRACE_S = 5.0
+"""How long a rank's failure waits for a peer's death to be reported (the death is the cause to name)."""
 START_TIMEOUT_S = 600.0
 """How long the ranks may take to start, join the process group and load the model."""
 
@@ -76,7 +87,10 @@ class DistributedTrainer:
         self.device = torch.device("cpu")
         """Where the driver keeps what it is handed (optimizer state of a checkpoint)."""
         self.world = settings.workers
-        self.model = _CheckpointModel(self)
+        self.lora = spec.lora is not None
+        """The ranks train LoRA adapters; the KL reference is the policy with them disabled."""
+        self.refit_partial = self.lora
+        """`refit_weights` holds only the tensors training changes (the engine keeps the others)."""
         self.optimizer = _CheckpointOptimizer(self)
         self._refit: dict[str, float] = {}
         actor = ray.remote(TrainerRank).options(
@@ -89,8 +103,9 @@ class DistributedTrainer:
         try:
             self.workers = self._call([(r.where, ()) for r in self._ranks], timeout_s=START_TIMEOUT_S)
             master = self.workers[0]
-            self._call([(r.setup, (master["ip"], master["port"], spec)) for r in self._ranks],
-                       timeout_s=START_TIMEOUT_S)
+            self.loaded = self._call([(r.setup, (master["ip"], master["port"], spec)) for r in self._ranks],
+                                     timeout_s=START_TIMEOUT_S)[0]
+            """Rank 0's setup: parameter counts, and whether a reference model was loaded."""
             self._layout = self._call([(self._ranks[0].tensor_sizes, ())])[0]
             self._param_names = self._call([(self._ranks[0].trained_names, ())])[0]
         except BaseException:
@@ -115,10 +130,31 @@ class DistributedTrainer:
                 try:
                     ray.get(ref)
                 except Exception as exc:
-                    self._fail(rank_of[ref], exc)
+                    self._fail(*self._cause(rank_of[ref], exc, [r for r in refs if r is not ref], rank_of))
             if deadline is not None and time.monotonic() >= deadline and pending:
                 self._fail(rank_of[pending[0]], TimeoutError(f"no answer within {timeout_s:g} s"))
         return ray.get(refs)
+
+    def _cause(self, rank: int, exc: BaseException, others: Sequence[Any], rank_of: dict[Any, int]
+               ) -> tuple[int, BaseException]:
+        """The rank to blame for `rank`'s failure: a rank whose collective broke because a peer died fails first
+        (gloo sees the closed connection before Ray reports the death), so wait up to `DEAD_PEER_GRACE_S` for a
+        peer that died, and name it instead."""
+        import ray
+
+        if isinstance(exc, ray.exceptions.RayActorError) or not others:
+            return rank, exc
+        pending, deadline = list(others), time.monotonic() + DEAD_PEER_GRACE_S
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as died:
+                    return rank_of[ref], died
+                except Exception:  # another rank that failed: keep looking for one that died
+                    pass
+        return rank, exc
 
     def _fail(self, rank: int, exc: BaseException) -> None:
         import ray
@@ -160,7 +196,8 @@ class DistributedTrainer:
         bounds = minibatch_bounds(len(items), advantages, self.settings.minibatches_per_step)
         n_mini = len(bounds) - 1
         old = self.logprobs(items) if n_mini > 1 else None
-        ref = self.logprobs(items, reference=True) if self.spec.reference_path is not None else None
+        has_reference = self.spec.reference_path is not None or (self.lora and self.loss_config.kl_coef != 0.0)
+        ref = self.logprobs(items, reference=True) if has_reference else None
         sums, grad_norms, skipped = _MetricSums(), [], 0
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             masks = [items[i].loss_mask for i in range(lo, hi)]
@@ -192,14 +229,34 @@ class DistributedTrainer:
         return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full weights, gathered bucket by bucket (at most `REFIT_BUCKET_BYTES` at a time on a rank) to this
-        process; `refit_metrics` then reports the gather."""
-        start = time.perf_counter()
-        out: dict[str, torch.Tensor] = {}
+        """The full weights of the plain model (LoRA targets merged), gathered bucket by bucket (at most
+        `REFIT_BUCKET_BYTES` at a time on a rank) to this process; `refit_metrics` then reports the gather."""
+        return self._gather(changed_only=False)
+
+    def refit_weights(self) -> Mapping[str, torch.Tensor]:
+        """What a refit hands the engine: `state_dict()`, or with LoRA the merged target weights alone (the
+        engine's other tensors are the base model's, which never change), each bucket gathered when the engine
+        reads it (`StreamedWeights`): this process holds one bucket at a time besides the engine's weights."""
+        if not self.lora:
+            return self.state_dict()
+        buckets, total = self._buckets(changed_only=True)
+        self._refit = {"refit/gathered_bytes": float(total), "timing/refit/gather_seconds": 0.0,
+                       "refit/buckets": float(len(buckets))}
+
+        def fetch(names: list[str]) -> dict[str, torch.Tensor]:
+            start = time.perf_counter()
+            out = self._call([(rank.gather, (names,)) for rank in self._ranks])[0]
+            self._refit["timing/refit/gather_seconds"] += time.perf_counter() - start
+            return out
+
+        return StreamedWeights(buckets, fetch, total)
+
+    def _buckets(self, changed_only: bool) -> tuple[list[list[str]], int]:
+        """The layout's names (a tied alias left out) in buckets of at most `REFIT_BUCKET_BYTES`, and their bytes."""
         buckets: list[list[str]] = [[]]
         size, total = 0, 0
-        for name, nbytes, tied in self._layout:
-            if tied is not None:
+        for name, nbytes, tied, changes in self._layout:
+            if tied is not None or (changed_only and not changes):
                 continue
             if buckets[-1] and size + nbytes > REFIT_BUCKET_BYTES:
                 buckets.append([])
@@ -207,14 +264,31 @@ class DistributedTrainer:
             buckets[-1].append(name)
             size += nbytes
             total += nbytes
+        return buckets, total
+
+    def _gather(self, changed_only: bool) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
+        out: dict[str, torch.Tensor] = {}
+        buckets, total = self._buckets(changed_only)
         for names in buckets:
             out.update(self._call([(rank.gather, (names,)) for rank in self._ranks])[0])
-        for name, _, tied in self._layout:
-            if tied is not None:
+        for name, _, tied, _ in self._layout:
+            if tied is not None and tied in out:
                 out[name] = out[tied]
         self._refit = {"refit/gathered_bytes": float(total), "timing/refit/gather_seconds": time.perf_counter() - start,
                        "refit/buckets": float(len(buckets))}
-        return {name: out[name] for name, _, _ in self._layout}
+        return {name: out[name] for name, _, _, _ in self._layout if name in out}
+
+    def save_sharded(self, folder: Path) -> None:
+        """Every rank writes its shards of the trained parameters and their optimizer state into the checkpoint
+        `folder` (`sharded_checkpoint`: `shards/`, and `policy/`'s config from rank 0); a rank that dies meanwhile
+        raises `TrainerWorkerError`, and the folder never becomes a checkpoint."""
+        self._call([(rank.save_sharded, (str(folder),)) for rank in self._ranks])
+        check_shards_visible(folder)  # ranks on other nodes wrote to this process's filesystem
+
+    def load_sharded(self, folder: Path) -> None:
+        """Every rank loads its shards of a sharded checkpoint folder (written by any number of ranks)."""
+        self._call([(rank.load_sharded, (str(folder),)) for rank in self._ranks])
 
     def _kill_ranks(self) -> None:
         import ray
@@ -237,32 +311,9 @@ class DistributedTrainer:
             self._owns_ray = False
 
 
-class _CheckpointModel:
-    """`trainer.model` for checkpoints: `save_pretrained` writes the gathered full weights as a Hugging Face
-    folder (the same `policy/` folder the in-process trainer writes)."""
-
-    def __init__(self, trainer: DistributedTrainer) -> None:
-        self._trainer = trainer
-
-    def save_pretrained(self, path: str | Path) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        layout = self._trainer._layout
-        state = self._trainer.state_dict()
-        state = {name: state[name] for name, _, tied in layout if tied is None}  # a tied alias is not saved twice
-        config = AutoConfig.from_pretrained(self._trainer.spec.model_path)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self._trainer.spec.dtype))
-        skeleton.save_pretrained(path, state_dict=state)
-        generation_config = Path(self._trainer.spec.model_path) / "generation_config.json"
-        if generation_config.is_file() and not (Path(path) / "generation_config.json").exists():
-            (Path(path) / "generation_config.json").write_text(generation_config.read_text())
-
-
 class _CheckpointOptimizer:
-    """`trainer.optimizer` for checkpoints: the full AdamW state in torch's own layout, parameters numbered in
-    `named_parameters()` order, as the in-process trainer's optimizer saves it; so a checkpoint resumes onto any
-    worker count."""
+    """`trainer.optimizer`: the full AdamW state in torch's own layout, parameters numbered in `named_parameters()`
+    order, as the in-process trainer's optimizer saves it; so a checkpoint of one process resumes onto ranks."""
 
     def __init__(self, trainer: DistributedTrainer) -> None:
         self._trainer = trainer
@@ -292,12 +343,18 @@ class _CheckpointOptimizer:
         t._call([(rank.load_optimizer_state, (ref,)) for rank in t._ranks])
 
 
-def rank_spec(cfg: Any, model_path: str | Path, reference_path: str | Path | None, pad_token_id: int) -> RankSpec:
-    """The `RankSpec` of a GRPO config (`cfg`: a GRPOConfig)."""
+def rank_spec(cfg: Any, model_path: str | Path, reference_path: str | Path | None, pad_token_id: int,
+              adapter_dir: str | Path | None = None) -> RankSpec:
+    """The `RankSpec` of a GRPO config (`cfg`: a GRPOConfig); `adapter_dir`: a LoRA checkpoint's `policy/`."""
+    trainer = cfg.trainer
+    wrap = WrapSettings(mixed_precision=trainer.mixed_precision, activation_checkpointing=trainer.activation_checkpointing,
+                        cpu_offload=trainer.cpu_offload, replicate=trainer.sharding == "none")
     return RankSpec(
         model_path=str(model_path), reference_path=str(reference_path) if reference_path is not None else None,
         dtype=cfg.policy.dtype, device=str(cfg.policy.device), optimizer=cfg.optimizer,
         loss=cfg.loss.to_loss_config(), temperature=cfg.policy.generation.temperature, pad_token_id=pad_token_id,
+        wrap=wrap, lora=trainer.lora, adapter_dir=str(adapter_dir) if adapter_dir is not None else None,
+        init_seed=cfg.grpo.seed,
     )
 
 

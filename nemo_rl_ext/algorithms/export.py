@@ -3,21 +3,21 @@
     python examples/run_grpo.py export RUN_DIR [--step N] [--out DIR] [--force] [--adapter-only]
 
 The folder holds the weights (safetensors), `config.json`, `generation_config.json` (when the model has one) and
-the tokenizer with its chat template, copied byte for byte from the checkpoint's `policy/` folder after every file
-of the checkpoint was checked against its completeness marker (`checkpoint.py`). By default the newest whole
+the tokenizer with its chat template, written after every file of the checkpoint was checked against its
+completeness marker (`checkpoint.py`). By default the newest whole
 checkpoint is exported (`resumable_checkpoint`: a damaged newest one falls back to the previous whole one);
 `--step N` picks one and refuses it when it is missing or damaged. The folder is written into a temporary sibling
 and renamed into place, so an interrupted export leaves no half-written `--out`; an existing non-empty `--out` is
 replaced only with `--force`.
 
-What a checkpoint holds decides how it is exported (`policy_kind`): today's full-weight checkpoints are copied;
-a checkpoint with LoRA adapters (a peft `adapter_config.json` in `policy/`) will export the merged model, or with
-`--adapter-only` the adapter folder alone. Exporting adapters is not built yet and is refused by name.
+What the checkpoint holds decides what is written (`export_weights`): a one-process checkpoint's Hugging Face
+folder is copied byte for byte; a sharded one (`trainer.workers > 1`, `torch.distributed.checkpoint`) is
+consolidated into one; LoRA adapters (either format) are merged into their base model, or with `--adapter-only`
+written as peft's adapter folder (which loads with `PeftModel.from_pretrained(base, DIR)`).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Literal
 
 from nemo_rl_ext.algorithms.checkpoint import (
-    MARKER_FILE,
     Checkpoint,
     CheckpointError,
     checkpoint_dir,
@@ -34,20 +33,11 @@ from nemo_rl_ext.algorithms.checkpoint import (
     load_checkpoint,
     resumable_checkpoint,
 )
-from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.algorithms.export_weights import ExportError, write_export
 
 CHECKPOINTS = "checkpoints"
 """Where a run keeps its checkpoints, under its `output_dir`."""
-ADAPTER_CONFIG = "adapter_config.json"
-"""peft's adapter file: its presence in `policy/` marks a checkpoint of LoRA adapters."""
-REQUIRED_FILES = ("config.json", "tokenizer_config.json")
-"""Files every exported full model has (besides its safetensors weights)."""
-
 PolicyKind = Literal["full", "adapters"]
-
-
-class ExportError(ConfigError):
-    """A user error of `export`: no such run or step, a damaged checkpoint, an `--out` that is in the way."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +84,7 @@ def select_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoin
 
 def policy_kind(checkpoint: Checkpoint) -> PolicyKind:
     """What the checkpoint's `policy/` folder holds: a full model, or LoRA adapters over a base model."""
-    return "adapters" if (checkpoint.model_dir / ADAPTER_CONFIG).is_file() else "full"
+    return "adapters" if checkpoint.adapters else "full"
 
 
 def default_out(run_dir: str | Path, step: int) -> Path:
@@ -116,26 +106,23 @@ def export_checkpoint(
     if adapter_only and kind == "full":
         raise ExportError(f"--adapter-only: this run has no adapters ({checkpoint.path} holds full weights; "
                           "trainer.lora was off). Export it without --adapter-only")
-    if kind == "adapters":
-        raise ExportError(f"{checkpoint.path} holds LoRA adapters: exporting them (merged, or --adapter-only) "
-                          "is not built yet")
     out = Path(out) if out is not None else default_out(run_dir, checkpoint.step)
     _check_out(out, force, Path(run_dir))
-    names = _full_model_files(checkpoint)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}.tmp*"):  # left by an export that was killed
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
     try:
-        for name in names:
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(checkpoint.model_dir / name, tmp / name)
-            fsync_path(tmp / name)
+        write_export(checkpoint, tmp, adapter_only=adapter_only)
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                fsync_path(file)
         tmp.chmod(0o755)
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    names = tuple(sorted(f.relative_to(out).as_posix() for f in out.rglob("*") if f.is_file()))
     total = sum((out / name).stat().st_size for name in names)
     return ExportResult(out=out, checkpoint=checkpoint.path, step=checkpoint.step, files=names, total_bytes=total)
 
@@ -151,21 +138,6 @@ def _check_out(out: Path, force: bool, run_dir: Path) -> None:
         raise ExportError(f"--out {out} is a file; pass a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"--out {out} already exists and is not empty; pass --force to replace it")
-
-
-def _full_model_files(checkpoint: Checkpoint) -> tuple[str, ...]:
-    """The files of the checkpoint's `policy/` folder (relative to it) that its marker lists (the verified ones),
-    after checking they make a model folder."""
-    model_dir = checkpoint.model_dir
-    listed = json.loads((checkpoint.path / MARKER_FILE).read_text())["files"]
-    prefix = model_dir.relative_to(checkpoint.path).as_posix() + "/"
-    names = tuple(sorted(name.removeprefix(prefix) for name in listed if name.startswith(prefix)))
-    missing = [name for name in REQUIRED_FILES if name not in names]
-    if not any(name.endswith(".safetensors") for name in names):
-        missing.append("*.safetensors")
-    if missing:
-        raise ExportError(f"{model_dir} is not a Hugging Face model folder: it has no {', '.join(missing)}")
-    return names
 
 
 def _replace(tmp: Path, out: Path) -> None:

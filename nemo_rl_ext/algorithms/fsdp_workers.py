@@ -14,6 +14,8 @@ dead peer never hangs a rank for ever; the driver notices a dead actor at once a
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import math
 import os
@@ -24,10 +26,20 @@ from typing import Any
 
 import torch
 
+from nemo_rl_ext.algorithms.fsdp_refit import RefitSource
+from nemo_rl_ext.algorithms.fsdp_wrap import (
+    WrapSettings,
+    adapters_off,
+    enable_activation_checkpointing,
+    shard_group,
+    shard_model,
+)
 from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
-from nemo_rl_ext.algorithms.logprobs import right_pad, token_logprobs
+from nemo_rl_ext.algorithms.logprobs import right_pad
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
+from nemo_rl_ext.algorithms.sharded_checkpoint import load_trained_state, save_trained_state
 from nemo_rl_ext.algorithms.trainer import _gen_kl
+from nemo_rl_ext.algorithms.trainer_config import LoraSettings
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -54,44 +66,19 @@ class RankSpec:
     """The sampling temperature the logprobs divide the logits by."""
     pad_token_id: int
     """The id that right-pads a micro-batch."""
+    wrap: WrapSettings = WrapSettings()
+    """Mixed precision, activation checkpointing, CPU offload and replication (`trainer:`)."""
+    lora: LoraSettings | None = None
+    """Train LoRA adapters on these modules instead of every weight (the KL reference: adapters disabled)."""
+    adapter_dir: str | None = None
+    """A LoRA checkpoint's `policy/` folder to resume the adapters from (the base model is `model_path`)."""
+    init_seed: int | None = None
+    """The torch seed new LoRA adapters are drawn under (`grpo.seed`: the in-process trainer draws them right
+    after seeding torch with it, so every worker count starts from the same adapters)."""
 
 
 Slot = Sequence[CompletionTensors] | None
 """One micro-batch of a pass, or None: the rank runs a dummy micro-batch (its peers have a real one)."""
-
-
-class _LogprobPass(torch.nn.Module):
-    """The FSDP root module: one forward = the scored-token logprobs of a micro-batch; it always runs the
-    decoder once and the LM head (every rank runs the same collectives, whatever its micro-batch holds)."""
-
-    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
-        super().__init__()
-        self.model = model
-        self.temperature = temperature
-
-    def forward(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if ids.shape[1] >= 2 and bool((mask[:, 1:] != 0).any()):
-            return token_logprobs(self.model, ids, attention, self.temperature, score_mask=mask)
-        states = self.model.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False)
-        head = self.model.get_output_embeddings()(states.last_hidden_state[:, :1])
-        return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device) + 0.0 * head.float().sum()
-
-
-def shard_model(model: torch.nn.Module, temperature: float) -> _LogprobPass:
-    """FSDP2: `fully_shard` on each decoder layer, then on the root (the logprob pass around the model);
-    gradients summed over ranks (each rank's loss is already divided by the global count)."""
-    from torch.distributed.fsdp import fully_shard
-
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder `layers` to shard")
-    units = [fully_shard(layer) for layer in layers]
-    root = fully_shard(_LogprobPass(model, temperature))
-    for unit in [*units, root]:  # per module: a root's setting does not reach its children
-        unit.set_gradient_divide_factor(1.0)
-        if hasattr(unit, "set_force_sum_reduction_for_comms"):  # torch >= 2.8
-            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
-    return root
 
 
 class TrainerRank:
@@ -120,8 +107,9 @@ class TrainerRank:
             info["port"] = self._listen.getsockname()[1]
         return info
 
-    def setup(self, master: str, port: int, spec: RankSpec) -> int:
-        """Join the process group, load and shard the policy (and the reference); returns the parameter count."""
+    def setup(self, master: str, port: int, spec: RankSpec) -> dict[str, Any]:
+        """Join the process group, load and shard the policy (and the reference); returns the model's parameter
+        count, the trained ones' and whether a reference model was loaded."""
         import torch.distributed as dist
 
         self.spec = spec
@@ -136,24 +124,43 @@ class TrainerRank:
         listen_fd = self._listen.fileno() if self._listen is not None else None
         store = dist.TCPStore(master, port, self.world_size, self.rank == 0, timeout, wait_for_workers=False,
                               master_listen_fd=listen_fd)
-        dist.init_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo", store=store,
-            rank=self.rank, world_size=self.world_size, timeout=timeout,
-        )
-        dtype = getattr(torch, spec.dtype)
-        model, _ = load_model_and_tokenizer(spec.model_path, dtype=dtype, device=str(self.device))
-        self.model = model
-        self.policy = shard_model(model, spec.temperature)
-        if spec.reference_path is not None:
-            reference, _ = load_model_and_tokenizer(spec.reference_path, dtype=dtype, device=str(self.device))
-            self.reference = shard_model(reference.eval().requires_grad_(False), spec.temperature)
+        backend = "gloo"
+        if self.device.type == "cuda":  # offloaded shards live on the CPU: their gathers (refit, checkpoint) use gloo
+            backend = "cpu:gloo,cuda:nccl" if spec.wrap.cpu_offload else "nccl"
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        self._load_models(spec)
         self.parameters = [p for p in self.policy.parameters() if p.requires_grad]
         opt = spec.optimizer
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
             fused=True if self.device.type in ("cpu", "cuda") else None,
         )
-        return sum(p.numel() for p in model.parameters())
+        return {"parameters": sum(p.numel() for p in self.model.parameters()),
+                "trained": sum(p.numel() for p in self.parameters), "reference_loaded": self.reference is not None}
+
+    def _load_models(self, spec: RankSpec) -> None:
+        """Load the policy (LoRA-wrapped with `spec.lora`) and the reference model, each wrapped and sharded."""
+        # bf16 mixed precision keeps float32 master weights: FSDP2 casts the gathered weights for compute
+        dtype = torch.float32 if spec.wrap.mixed_precision == "bf16" else getattr(torch, spec.dtype)
+        # with CPU offload FSDP2 moves the shards to the CPU itself; the model is built on the GPU first
+        model, _ = load_model_and_tokenizer(spec.model_path, dtype=dtype, device=str(self.device))
+        if spec.lora is not None:  # adapters before sharding: each layer's FSDP unit holds its adapters
+            from nemo_rl_ext.algorithms.lora import with_lora
+
+            if spec.init_seed is not None:
+                torch.manual_seed(spec.init_seed)
+            model = with_lora(model, spec.lora, adapter_dir=spec.adapter_dir)
+        if spec.wrap.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        self.model = model
+        self.refit = RefitSource(model)
+        wrap = (spec.wrap, self.device, self.world_size)
+        self.policy = shard_model(model, spec.temperature, *wrap)
+        if spec.reference_path is not None and spec.lora is None:  # a LoRA policy is its own reference
+            reference, _ = load_model_and_tokenizer(spec.reference_path, dtype=dtype, device=str(self.device))
+            no_ac = dataclasses.replace(spec.wrap, activation_checkpointing=False)  # never trained: no backward
+            self.reference = shard_model(reference.eval().requires_grad_(False), spec.temperature, no_ac,
+                                         self.device, self.world_size)
 
     # ---- passes -----------------------------------------------------------------------------------
 
@@ -172,14 +179,18 @@ class TrainerRank:
     def logprobs(self, slots: Sequence[Slot], reference: bool = False) -> list[list[torch.Tensor] | None]:
         """Per-token logprobs (on the loss mask, 0 elsewhere) of each item of each slot, under the policy or
         the reference model; None for a dummy slot."""
-        module = self.reference if reference else self.policy
+        lora_reference = reference and self.spec.lora is not None
+        module = self.policy if lora_reference or not reference else self.reference
         was_training = module.training
         module.eval()
         out: list[list[torch.Tensor] | None] = []
-        for items in slots:
-            ids, attention, mask, _ = self._batch(items)
-            lp = module(ids, attention, mask).cpu()
-            out.append(None if items is None else [lp[b, : x.token_ids.numel()].clone() for b, x in enumerate(items)])
+        # a LoRA policy's reference is itself with the adapters disabled (peft): no copy of the model
+        with adapters_off(self.model) if lora_reference else contextlib.nullcontext():
+            for items in slots:
+                ids, attention, mask, _ = self._batch(items)
+                lp = module(ids, attention, mask).cpu()
+                out.append(None if items is None else [lp[b, : x.token_ids.numel()].clone()
+                                                       for b, x in enumerate(items)])
         module.train(was_training)
         return out
 
@@ -234,47 +245,30 @@ class TrainerRank:
         local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                  for p in self.parameters if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for grad in local:
-            squares += grad.detach().float().pow(2).sum()
-        dist.all_reduce(squares)
+        for grad in local:  # with CPU offload the gradient shards live on the CPU
+            squares += grad.detach().float().pow(2).sum().to(self.device)
+        dist.all_reduce(squares, group=shard_group(self.parameters[0]))  # replicated ranks: each holds the whole
         total = squares.sqrt()
         max_norm = self.spec.optimizer.max_grad_norm
         if max_norm is not None:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(local, coef.to(local[0].dtype))
+            torch._foreach_mul_(local, coef.to(device=local[0].device, dtype=local[0].dtype))
         return float(total)
 
     # ---- weights and optimizer state --------------------------------------------------------------
 
-    def tensor_sizes(self) -> list[tuple[str, int, str | None]]:
-        """The policy's state-dict entries in order: (name, bytes, the earlier name it is tied to, or None)."""
-        first: dict[int, str] = {}
-        alias = {}  # tied parameters (an LM head sharing the embedding): the state dict holds two DTensor views
-        for name, param in self.model.named_parameters(remove_duplicate=False):
-            alias[name] = first.setdefault(id(param), name)
-        out = []
-        for name, tensor in self.model.state_dict().items():
-            tied = alias.get(name, name)
-            out.append((name, tensor.numel() * tensor.element_size(), None if tied == name else tied))
-        return out
+    def tensor_sizes(self) -> list[tuple[str, int, str | None, bool]]:
+        """The plain model's state-dict entries (`RefitSource.layout`): (name, bytes, tied-to name, changes)."""
+        return self.refit.layout()
 
     def trained_names(self) -> list[str]:
         """The names of the trained parameters, in the order an optimizer over `model.parameters()` numbers them."""
         return [name for name, param in self.model.named_parameters() if param.requires_grad]
 
     def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor] | None:
-        """The full tensors of `names` (one all-gather each): on rank 0, on the CPU; None on the others."""
-        from torch.distributed.tensor import DTensor
-
-        state = self.model.state_dict()
-        out = {}
-        for name in names:
-            tensor = state[name].detach()
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            if self.rank == 0:
-                out[name] = full.to("cpu", copy=True)
-            del full
-        return out if self.rank == 0 else None
+        """The full tensors of `names` (plain names; a LoRA target module's weight merged with its adapter): on
+        rank 0, on the CPU; None on the others."""
+        return self.refit.gather(names, keep=self.rank == 0)
 
     def optimizer_state(self) -> dict[str, Any] | None:
         """The full AdamW state keyed by parameter name, gathered tensor by tensor (rank 0; None on the others):
@@ -300,13 +294,25 @@ class TrainerRank:
             entry = saved["state"].get(name)
             if entry is None:
                 continue
+            device = param.to_local().device if isinstance(param, DTensor) else param.device  # CPU when offloaded
             self.optimizer.state[param] = {
-                key: distribute_tensor(value.to(self.device), param.device_mesh, param.placements, src_data_rank=None)
-                if isinstance(param, DTensor) and key != "step" else value.to(self.device)
+                key: distribute_tensor(value.to(device), param.device_mesh, param.placements, src_data_rank=None)
+                if isinstance(param, DTensor) and key != "step" else value.to(device)
                 for key, value in entry.items()
             }
         for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
             group.update(hyper)
+
+    def save_sharded(self, folder: str) -> None:
+        """Write this rank's shards of the trained parameters and their optimizer state into the checkpoint
+        folder (`sharded_checkpoint`); rank 0 also the model's config files."""
+        assert self.optimizer is not None
+        save_trained_state(folder, self.model, self.optimizer, metadata=self.rank == 0)
+
+    def load_sharded(self, folder: str) -> None:
+        """Load this rank's shards of a sharded checkpoint (resharded when another number of ranks wrote it)."""
+        assert self.optimizer is not None
+        load_trained_state(folder, self.model, self.optimizer)
 
     def lr(self) -> float:
         assert self.optimizer is not None

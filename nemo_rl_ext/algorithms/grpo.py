@@ -76,7 +76,9 @@ from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
 from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
 from nemo_rl_ext.algorithms.stopping import LoopStop, Stopped
+from nemo_rl_ext.algorithms.streamed_weights import refit_nbytes
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
+from nemo_rl_ext.algorithms.trainer_state import restore_trainer_state, state_writer, weights_in_model_dir
 from nemo_rl_ext.cluster import loads_model_folder
 from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
@@ -161,8 +163,8 @@ class GRPO:
         seed_everything(cfg.grpo.seed)
         dtype = getattr(torch, cfg.policy.dtype)
         initial_path = resolve_model_path(cfg.policy)
-        # a LoRA checkpoint holds the adapters only: the base model comes from the initial folder
-        model_path = checkpoint.model_dir if checkpoint and lora is None else initial_path
+        # a LoRA checkpoint holds the adapters only, a sharded one its shards: the model comes from the initial folder
+        model_path = checkpoint.model_dir if weights_in_model_dir(checkpoint) else initial_path
         # bf16 mixed precision keeps float32 master weights (the engine keeps policy.dtype)
         train_dtype = torch.float32 if cfg.trainer.mixed_precision == "bf16" else dtype
 
@@ -171,13 +173,16 @@ class GRPO:
         if cfg.trainer.workers > 1:  # FSDP2 ranks on Ray load the policy: this process holds no trainer copy
             self.tokenizer = load_tokenizer(model_path)
             self.trainer = DistributedTrainer(
-                rank_spec(cfg, model_path, initial_path if cfg.loss.kl_coef > 0 else None, _pad_id(self.tokenizer)),
+                rank_spec(cfg, model_path, initial_path if cfg.loss.kl_coef > 0 else None, _pad_id(self.tokenizer),
+                          adapter_dir=checkpoint.model_dir if checkpoint and lora is not None and not checkpoint.sharded
+                          else None),
                 cfg.trainer, cfg.policy.cluster,
             )
         else:
             model, self.tokenizer = load_model_and_tokenizer(model_path, dtype=train_dtype, device=cfg.policy.device)
             if lora is not None:  # its reference is itself with the adapters disabled: no copy
-                model = with_lora(model, lora, adapter_dir=checkpoint.model_dir if checkpoint else None)
+                saved = checkpoint.model_dir if checkpoint and not checkpoint.sharded else None
+                model = with_lora(model, lora, adapter_dir=saved)
             elif cfg.loss.kl_coef > 0:
                 reference, _ = load_model_and_tokenizer(initial_path, dtype=train_dtype, device=cfg.policy.device)
         if not loads_model_folder(cfg.policy):  # an in-process hf engine: its own copy of the weights
@@ -225,9 +230,9 @@ class GRPO:
         self.logger = MetricsLogger(self.output_dir, tensorboard=cfg.logger.tensorboard)
         self._prompt_length_warning = PromptLengthWarning()  # once per run: prompts that leave no room
         if checkpoint is not None:
-            if loads_model_folder(cfg.policy) or lora is not None:  # the engine started from the initial model
-                self.generation.update_weights(self.trainer.state_dict())
-            self.trainer.optimizer.load_state_dict(checkpoint.optimizer_state(self.trainer.device))
+            restore_trainer_state(self.trainer, checkpoint)
+            if loads_model_folder(cfg.policy) or not weights_in_model_dir(checkpoint):  # the engine has the initial model
+                self._refit(in_flight="finish")
             self.train_data.load_state_dict(checkpoint.data_state)
             self.step = checkpoint.step
             checkpoint.restore_rng()
@@ -407,9 +412,8 @@ class GRPO:
         path = save_checkpoint(
             self.checkpoint_root,
             self.step,
-            model=self.trainer.model,
             tokenizer=self.tokenizer,
-            optimizer=self.trainer.optimizer,
+            write_state=state_writer(self.trainer),  # FSDP2 ranks: each writes its shards
             data_state=self.train_data.state_dict(),
             extra={"config": self.cfg.model_dump(mode="json"), **(extra or {})},
             keep_last=self.cfg.keep_last_checkpoints,
@@ -588,10 +592,12 @@ class GRPO:
         """Hand the trainer's weights to the engine; returns `refit/bytes` (of the tensors handed over) and
         `timing/refit/seconds` (building them, a LoRA policy's merge included, and loading them)."""
         start = time.perf_counter()
-        weights = self.trainer.state_dict()
-        self.generation.update_weights(weights, in_flight=in_flight)
+        # with LoRA only the merged target modules change: an engine that takes a partial update gets them alone
+        partial = self.trainer.refit_partial and self.generation.accepts_partial_update
+        weights = self.trainer.refit_weights() if partial else self.trainer.state_dict()
+        self.generation.update_weights(weights, in_flight=in_flight, partial=partial)
         return {
-            "refit/bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+            "refit/bytes": float(refit_nbytes(weights)),
             "timing/refit/seconds": time.perf_counter() - start,
         }
 

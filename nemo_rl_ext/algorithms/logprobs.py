@@ -122,12 +122,8 @@ def shared_prefix_logprobs(
     batch, width = input_ids.shape
     if score_mask is None or width < 2:
         return None
-    lengths = attention_mask.sum(dim=1).tolist()
-    scored_rows = score_mask[:, 1:] != 0
-    hits = scored_rows.any(dim=1).tolist()
-    starts = (scored_rows.int().argmax(dim=1) + 1).tolist()  # each row's first scored token
+    lengths, scored_rows, starts, active = _scored_spans(attention_mask, score_mask)
     prefixes: dict[tuple[int, ...], int] = {}
-    active = [b for b in range(batch) if hits[b]]
     group_of = [prefixes.setdefault(tuple(input_ids[b, : starts[b]].tolist()), len(prefixes)) for b in active]
     if len(prefixes) == len(active):
         return None
@@ -137,8 +133,9 @@ def shared_prefix_logprobs(
     prefix_ids = right_pad([torch.tensor(k, dtype=torch.int64, device=device) for k in prefixes], 0)
     prefix_mask = right_pad([torch.ones(n, dtype=torch.int64, device=device) for n in prefix_lengths], 0)
     cache, keyword = DynamicCache(), cache_kwarg(module)
-    prefix_states = _states(module, input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True,
-                            **{keyword: cache})
+    prefix_states = _states(
+        module, input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True, **{keyword: cache}
+    )
     if cache.get_seq_length() != prefix_ids.shape[1]:  # the model kept no cache (e.g. gradient checkpointing)
         return None
     index = torch.tensor(group_of, dtype=torch.int64, device=device)
@@ -154,6 +151,39 @@ def shared_prefix_logprobs(
         use_cache=True,
         **{keyword: cache},
     )
+    states, targets, where = _scored_states(
+        input_ids, scored_rows, active, group_of, starts, lengths, prefix_states, rest_states
+    )
+    values = _picked(states, targets, head, temperature)
+    out = torch.zeros(batch, width, dtype=torch.float32, device=device)
+    return out.index_put(where, values)
+
+
+def _scored_spans(
+    attention_mask: torch.Tensor, score_mask: torch.Tensor
+) -> tuple[list[int], torch.Tensor, list[int], list[int]]:
+    """For `shared_prefix_logprobs`: each row's length, which of its tokens from 1 on are scored, its first
+    scored token, and the rows with any scored token."""
+    lengths = attention_mask.sum(dim=1).tolist()
+    scored_rows = score_mask[:, 1:] != 0
+    hits = scored_rows.any(dim=1).tolist()
+    starts = (scored_rows.int().argmax(dim=1) + 1).tolist()  # each row's first scored token
+    active = [b for b in range(len(hits)) if hits[b]]
+    return lengths, scored_rows, starts, active
+
+
+def _scored_states(
+    input_ids: torch.Tensor,
+    scored_rows: torch.Tensor,
+    active: list[int],
+    group_of: list[int],
+    starts: list[int],
+    lengths: list[int],
+    prefix_states: torch.Tensor,
+    rest_states: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """For `shared_prefix_logprobs`: the hidden state before each scored token of the active sequences (the
+    first from its prefix's last state, the others from its rest's), those tokens, and their (row, position)."""
     rows, targets, where_b, where_t = [], [], [], []
     for a, b in enumerate(active):
         start, n = starts[b], lengths[b]
@@ -161,12 +191,10 @@ def shared_prefix_logprobs(
         before = torch.cat([prefix_states[group_of[a], start - 1 : start], rest_states[a, : n - start - 1]])
         rows.append(before[keep])
         targets.append(input_ids[b, start:n][keep])
-        t = torch.arange(start, n, device=device)[keep]
+        t = torch.arange(start, n, device=input_ids.device)[keep]
         where_t.append(t)
         where_b.append(torch.full_like(t, b))
-    values = _picked(torch.cat(rows), torch.cat(targets), head, temperature)
-    out = torch.zeros(batch, width, dtype=torch.float32, device=device)
-    return out.index_put((torch.cat(where_b), torch.cat(where_t)), values)
+    return torch.cat(rows), torch.cat(targets), (torch.cat(where_b), torch.cat(where_t))
 
 
 def right_pad(rows: Sequence[torch.Tensor], value: Any, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -10,6 +10,9 @@ module, computed one module at a time.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,6 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from nemo_rl_ext.algorithms.streamed_weights import StreamedWeights
 from nemo_rl_ext.algorithms.trainer_config import LoraSettings
 
 ADAPTER = "default"
@@ -68,9 +72,24 @@ def lora_target_problem(settings: LoraSettings, model_path: str | Path) -> str |
 def with_lora(model: PreTrainedModel, settings: LoraSettings, adapter_dir: str | Path | None = None) -> PeftModel:
     """`model` with trainable LoRA adapters on the target modules: new ones (B = 0, so the policy starts as the
     base model), or those saved in `adapter_dir` (a checkpoint's policy folder). Every base weight is frozen."""
-    if adapter_dir is not None:
-        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
-    config = LoraConfig(
+    with _peft_reads_a_deprecated_alias():
+        if adapter_dir is not None:
+            return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+        return get_peft_model(model, _lora_config(settings))
+
+
+@contextlib.contextmanager
+def _peft_reads_a_deprecated_alias() -> Iterator[None]:
+    """peft 0.21.2 (the newest release) reads `model.is_gradient_checkpointing` in `PeftModel.__init__`, an alias
+    transformers 5.x deprecates with a FutureWarning (the value is `is_activation_checkpointing`'s, so nothing is
+    wrong); that one warning, by its message, is not shown. Nothing of ours reads the alias."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def _lora_config(settings: LoraSettings) -> LoraConfig:
+    return LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
@@ -78,7 +97,6 @@ def with_lora(model: PreTrainedModel, settings: LoraSettings, adapter_dir: str |
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
 
 
 @torch.no_grad()
@@ -97,6 +115,25 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
             weight = module.get_base_layer().weight
             out[f"{name}.weight"] = weight.detach() + module.get_delta_weight(ADAPTER).to(weight.dtype)
     return out
+
+
+def streamed_merged_weights(model: PeftModel) -> StreamedWeights:
+    """Each target module's merged weight alone, under its transformers name, made one module at a time as the
+    engine reads it (`StreamedWeights`): never a copy of every target at once."""
+    modules = {f"{name}.weight": module for name, module in model.get_base_model().named_modules()
+               if isinstance(module, LoraLayer)}
+
+    @torch.no_grad()
+    def merge(names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            weight = modules[name].get_base_layer().weight
+            out[name] = weight.detach() + modules[name].get_delta_weight(ADAPTER).to(weight.dtype)
+        return out
+
+    nbytes = sum(m.get_base_layer().weight.numel() * m.get_base_layer().weight.element_size()
+                 for m in modules.values())
+    return StreamedWeights([[name] for name in modules], merge, nbytes)
 
 
 def lora_modules(model: PeftModel) -> list[str]:

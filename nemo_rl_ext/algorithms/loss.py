@@ -130,6 +130,36 @@ def clipped_pg_loss(
     `is_weight/truncated_fraction`, `num_tokens`, `num_sequences`.
     """
     cfg = config or ClippedPGLossConfig()
+    _check_loss_inputs(
+        logprobs, old_logprobs, advantages, mask, cfg, generation_logprobs, reference_logprobs,
+        global_normalization_count,
+    )
+    valid = mask.to(torch.bool)
+    pg = _clipped_pg_terms(logprobs, old_logprobs, advantages, valid, cfg)
+    raw_is, is_weight = _importance_weights(logprobs, pg.old, generation_logprobs, valid, cfg)
+    kl = _kl_terms(logprobs, generation_logprobs, reference_logprobs, valid, cfg)
+    mode, count = cfg.normalization, global_normalization_count
+    pg_loss = _normalize(is_weight * pg.pg, valid, mode, count)
+    kl_loss = None
+    if kl is not None and cfg.kl_coef != 0.0:  # the IS weight multiplies only the pg term (as NeMo-RL's)
+        kl_loss = _normalize(cfg.kl_coef * kl, valid, mode, count)
+    loss = pg_loss + kl_loss if kl_loss is not None else pg_loss
+    with torch.no_grad():
+        metrics = _loss_metrics(loss, pg_loss, kl_loss, pg, raw_is, is_weight, kl, valid)
+    return loss, metrics
+
+
+def _check_loss_inputs(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: ClippedPGLossConfig,
+    generation_logprobs: torch.Tensor | None,
+    reference_logprobs: torch.Tensor | None,
+    global_normalization_count: float | None,
+) -> None:
+    """`clipped_pg_loss`' inputs have matching shapes and carry what its settings need."""
     shape = logprobs.shape
     if logprobs.ndim != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(shape)}")
@@ -153,13 +183,40 @@ def clipped_pg_loss(
     if global_normalization_count is not None and global_normalization_count < 0:
         raise ValueError(f"global_normalization_count must be >= 0, got {global_normalization_count}")
 
-    dtype = logprobs.dtype
+
+@dataclass(frozen=True, eq=False)
+class _PGTerms:
+    """The per-token clipped policy-gradient term of `clipped_pg_loss` and what its metrics read."""
+
+    adv: torch.Tensor
+    """[B, T] advantages, detached, in the logprobs' dtype."""
+    old: torch.Tensor
+    """[B, T] old logprobs, detached, in the logprobs' dtype."""
+    ratio: torch.Tensor
+    """[B, T] pi / pi_old (1 outside the mask)."""
+    loss_unclipped: torch.Tensor
+    """[B, T] -A * ratio."""
+    loss_clipped: torch.Tensor
+    """[B, T] -A * clip(ratio, 1 - clip_low, 1 + clip_high)."""
+    pg: torch.Tensor
+    """[B, T] the larger of the two, dual-clipped where `dual`."""
+    dual: torch.Tensor
+    """[B, T] bool: where the dual clip bit (all False without `clip_c`)."""
+
+
+def _clipped_pg_terms(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    cfg: ClippedPGLossConfig,
+) -> _PGTerms:
+    """pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), then for A < 0: pg = min(pg, -A * clip_c)."""
+    shape, dtype = logprobs.shape, logprobs.dtype
     zero = torch.zeros_like(logprobs)
-    valid = mask.to(torch.bool)
     adv = advantages.to(dtype).detach()
     adv = (adv.reshape(-1, 1) if adv.ndim == 1 else adv).expand(shape)
     old = old_logprobs.to(dtype).detach()
-
     ratio = torch.exp(torch.where(valid, logprobs - old, zero))
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
@@ -169,9 +226,21 @@ def clipped_pg_loss(
         loss_dual = -adv * cfg.clip_c
         dual = (adv < 0) & (loss_dual < pg)
         pg = torch.where(dual, loss_dual, pg)
+    return _PGTerms(adv, old, ratio, loss_unclipped, loss_clipped, pg, dual)
 
+
+def _importance_weights(
+    logprobs: torch.Tensor,
+    old: torch.Tensor,
+    generation_logprobs: torch.Tensor | None,
+    valid: torch.Tensor,
+    cfg: ClippedPGLossConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp(old - gen), 1 without generation logprobs; the pg term's weight: it capped at
+    `importance_sampling_cap` with `importance_sampling_correction`, else 1), both detached."""
+    zero = torch.zeros_like(logprobs)
     if generation_logprobs is not None:
-        raw_is = torch.exp(torch.where(valid, old - generation_logprobs.to(dtype).detach(), zero))
+        raw_is = torch.exp(torch.where(valid, old - generation_logprobs.to(logprobs.dtype).detach(), zero))
     else:
         raw_is = torch.ones_like(logprobs)
     if cfg.importance_sampling_correction:
@@ -179,49 +248,66 @@ def clipped_pg_loss(
         is_weight = raw_is.clamp(max=cap) if cap is not None else raw_is
     else:
         is_weight = torch.ones_like(logprobs)
+    return raw_is, is_weight
 
-    kl = None
-    if reference_logprobs is not None:
-        current = torch.where(valid, logprobs, zero)
-        gen = torch.where(valid, generation_logprobs.to(dtype), zero) if generation_logprobs is not None else None
-        kl = kl_penalty(
-            current,
-            torch.where(valid, reference_logprobs.to(dtype).detach(), zero),
-            cfg.kl_estimator,
-            cfg.kl_input_clamp_value,
-            cfg.kl_output_clamp_value,
-            weights=kl_weight(current, gen, cfg),
-        )
 
-    mode, count = cfg.normalization, global_normalization_count
-    pg_loss = _normalize(is_weight * pg, valid, mode, count)
-    kl_loss = None
-    if kl is not None and cfg.kl_coef != 0.0:  # the IS weight multiplies only the pg term (as NeMo-RL's)
-        kl_loss = _normalize(cfg.kl_coef * kl, valid, mode, count)
-    loss = pg_loss + kl_loss if kl_loss is not None else pg_loss
+def _kl_terms(
+    logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor | None,
+    reference_logprobs: torch.Tensor | None,
+    valid: torch.Tensor,
+    cfg: ClippedPGLossConfig,
+) -> torch.Tensor | None:
+    """The per-token weighted KL estimate (see `kl_penalty`, `kl_weight`); None without reference logprobs."""
+    if reference_logprobs is None:
+        return None
+    dtype = logprobs.dtype
+    zero = torch.zeros_like(logprobs)
+    current = torch.where(valid, logprobs, zero)
+    gen = torch.where(valid, generation_logprobs.to(dtype), zero) if generation_logprobs is not None else None
+    return kl_penalty(
+        current,
+        torch.where(valid, reference_logprobs.to(dtype).detach(), zero),
+        cfg.kl_estimator,
+        cfg.kl_input_clamp_value,
+        cfg.kl_output_clamp_value,
+        weights=kl_weight(current, gen, cfg),
+    )
 
-    with torch.no_grad():
-        clipped = (loss_clipped > loss_unclipped) & valid & ~dual
-        metrics = {
-            "loss": float(loss),
-            "loss/pg": float(pg_loss),
-            "loss/kl": float(kl_loss) if kl_loss is not None else 0.0,
-            "clip_fraction": _masked_mean(clipped.to(dtype), valid),
-            "clip_fraction/low": _masked_mean((clipped & (adv < 0)).to(dtype), valid),
-            "clip_fraction/high": _masked_mean((clipped & (adv > 0)).to(dtype), valid),
-            "dual_clip_fraction": _masked_mean(dual.to(dtype), valid),
-            "policy_ratio/mean": _masked_mean(ratio, valid),
-            "policy_ratio/max": _masked_max(ratio, valid),
-            "importance_ratio/mean": _masked_mean(raw_is, valid),
-            "importance_ratio/max": _masked_max(raw_is, valid),
-            "is_weight/mean": _masked_mean(is_weight, valid),
-            "is_weight/truncated_fraction": _masked_mean((raw_is > is_weight).to(dtype), valid),
-            "num_tokens": float(valid.sum()),
-            "num_sequences": float((valid.sum(dim=-1) > 0).sum()),
-        }
-        if kl is not None:
-            metrics["kl/mean"] = _masked_mean(kl, valid)
-    return loss, metrics
+
+def _loss_metrics(
+    loss: torch.Tensor,
+    pg_loss: torch.Tensor,
+    kl_loss: torch.Tensor | None,
+    pg: _PGTerms,
+    raw_is: torch.Tensor,
+    is_weight: torch.Tensor,
+    kl: torch.Tensor | None,
+    valid: torch.Tensor,
+) -> dict[str, float]:
+    """`clipped_pg_loss`' metrics (see its docstring), over the valid tokens."""
+    dtype = pg.ratio.dtype
+    clipped = (pg.loss_clipped > pg.loss_unclipped) & valid & ~pg.dual
+    metrics = {
+        "loss": float(loss),
+        "loss/pg": float(pg_loss),
+        "loss/kl": float(kl_loss) if kl_loss is not None else 0.0,
+        "clip_fraction": _masked_mean(clipped.to(dtype), valid),
+        "clip_fraction/low": _masked_mean((clipped & (pg.adv < 0)).to(dtype), valid),
+        "clip_fraction/high": _masked_mean((clipped & (pg.adv > 0)).to(dtype), valid),
+        "dual_clip_fraction": _masked_mean(pg.dual.to(dtype), valid),
+        "policy_ratio/mean": _masked_mean(pg.ratio, valid),
+        "policy_ratio/max": _masked_max(pg.ratio, valid),
+        "importance_ratio/mean": _masked_mean(raw_is, valid),
+        "importance_ratio/max": _masked_max(raw_is, valid),
+        "is_weight/mean": _masked_mean(is_weight, valid),
+        "is_weight/truncated_fraction": _masked_mean((raw_is > is_weight).to(dtype), valid),
+        "num_tokens": float(valid.sum()),
+        "num_sequences": float((valid.sum(dim=-1) > 0).sum()),
+    }
+    if kl is not None:
+        metrics["kl/mean"] = _masked_mean(kl, valid)
+    return metrics
 
 
 def build_loss_mask(

@@ -102,8 +102,17 @@ class SaltedGeneration(GenerationInterface):
             config = config.model_copy(update={"seed": mix_seed(config.seed, salt)})
         return scope, config
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
-        self.inner.update_weights(state_dict, in_flight=in_flight)
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish", partial: bool = False
+    ) -> None:
+        if partial:  # only a backend that `accepts_partial_update` is asked to
+            self.inner.update_weights(state_dict, in_flight=in_flight, partial=True)
+        else:
+            self.inner.update_weights(state_dict, in_flight=in_flight)
+
+    @property
+    def accepts_partial_update(self) -> bool:
+        return self.inner.accepts_partial_update
 
     @property
     def weight_version(self) -> int:

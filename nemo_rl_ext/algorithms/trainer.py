@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
 from nemo_rl_ext.algorithms.logprobs import right_pad, shared_prefix_logprobs, token_logprobs
-from nemo_rl_ext.algorithms.lora import merged_state_dict
+from nemo_rl_ext.algorithms.lora import merged_state_dict, streamed_merged_weights
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
 
 _MEAN_METRICS = (
@@ -101,6 +101,8 @@ class PolicyTrainer:
     ) -> None:
         self.lora = isinstance(model, PeftModel)
         """The model is a LoRA policy: adapters train, its reference is itself with the adapters disabled."""
+        self.refit_partial = self.lora
+        """`refit_weights` holds only the tensors training changes (the engine keeps the others)."""
         if loss.kl_coef != 0.0 and reference_model is None and not self.lora:
             raise ValueError("loss.kl_coef != 0 needs a reference_model (the initial policy)")
         if self.lora and reference_model is not None:
@@ -278,6 +280,14 @@ class PolicyTrainer:
         if self.lora:
             return merged_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def refit_weights(self) -> Mapping[str, torch.Tensor]:
+        """What a refit hands the engine: `state_dict()`, or of a LoRA policy the merged target weights alone
+        (the engine's embeddings, norms and untargeted layers are the base model's, which never change), each
+        made as the engine reads it (`lora.streamed_merged_weights`)."""
+        if self.lora:
+            return streamed_merged_weights(self.model)
+        return self.state_dict()
 
     def refit_metrics(self) -> dict[str, float]:
         """Metrics of the last `state_dict` hand-over: none here (the weights are not copied)."""

@@ -68,18 +68,10 @@ class TrainerSettings(StrictModel):
     worker: TrainerWorkerSettings = Field(default_factory=TrainerWorkerSettings)
 
 
-WITH_WORKERS_UNBUILT: dict[str, tuple[Any, str]] = {
-    "sharding": ("fsdp2", "replicated ranks (sharding: none)"),
-    "mixed_precision": (None, "bf16 mixed precision"),
-    "activation_checkpointing": (False, "activation checkpointing"),
-    "cpu_offload": (False, "CPU offload"),
-    "lora": (None, "LoRA adapters"),
-}
+WITH_WORKERS_UNBUILT: dict[str, tuple[Any, str]] = {}
 """Settings not built yet for `workers > 1` (FSDP2 ranks): the only value accepted there, and the feature."""
 
-UNBUILT: dict[str, tuple[Any, str]] = {
-    "cpu_offload": (False, "CPU offload"),
-}
+UNBUILT: dict[str, tuple[Any, str]] = {}
 """Settings whose feature is not built yet: the only value accepted, and what the feature is. A feature that
 lands removes its entry."""
 
@@ -108,4 +100,7 @@ def trainer_rule_problems(data: Mapping[str, Any], device: str) -> list[RuleProb
             (("trainer", "cpu_offload"), "needs a GPU policy (policy.device): on the CPU there is nothing to offload",
              offload)
         )
+    elif offload is True and workers is not INVALID and workers == 1:
+        problems.append((("trainer", "cpu_offload"), "is FSDP2's CPU offload: it needs trainer.workers > 1 (the "
+                         "in-process trainer of trainer.workers: 1 is not sharded)", offload))
     return problems

@@ -47,6 +47,7 @@ class GenerationReplica:
         weights: Mapping[str, Any] | None = None,
         weight_version: int = 0,
         torch_threads: int | None = 1,
+        partial: bool = False,
     ) -> None:
         if torch_threads:
             import torch
@@ -58,7 +59,8 @@ class GenerationReplica:
         """Pool version minus the backend's own version."""
         self._update_lock: asyncio.Lock | None = None
         if weights is not None:  # a restarted replica serves the pool's current weights from its first request
-            self._load_sync(weights, weight_version, "finish")
+            # (a partial update, a LoRA refit's merged target modules, applies on top of the folder's weights)
+            self._load_sync(weights, weight_version, "finish", partial)
 
     def ready(self) -> dict[str, Any]:
         """Where this replica runs and what it serves (returns once the backend is built)."""
@@ -70,26 +72,32 @@ class GenerationReplica:
     def weight_version(self) -> int:
         return self.backend.weight_version + self._offset
 
+    def accepts_partial_update(self) -> bool:
+        """Whether this replica's backend serves `update_weights(..., partial=True)`."""
+        return self.backend.accepts_partial_update
+
     async def generate(self, prompt_token_ids: Sequence[int], config: GenerationConfig) -> GenerationOutput:
         out = await self.backend.generate_async(prompt_token_ids, config)
         return dataclasses.replace(out, weight_version=out.weight_version + self._offset)
 
     async def update_weights(
-        self, state_dict: Mapping[str, Any], version: int, in_flight: InFlightPolicy = "finish"
+        self, state_dict: Mapping[str, Any], version: int, in_flight: InFlightPolicy = "finish", partial: bool = False
     ) -> int:
         """Serve `state_dict` as pool version `version`; returns the version now served."""
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
         async with self._update_lock:  # the backend's call blocks: run it off the loop that serves requests
-            await asyncio.to_thread(self._load_sync, state_dict, version, in_flight)
+            await asyncio.to_thread(self._load_sync, state_dict, version, in_flight, partial)
             return self.weight_version()
 
-    def _load_sync(self, state_dict: Mapping[str, Any], version: int, in_flight: str) -> None:
+    def _load_sync(self, state_dict: Mapping[str, Any], version: int, in_flight: str, partial: bool = False) -> None:
         before = self.backend.weight_version
-        if in_flight == "finish":
-            self.backend.update_weights(state_dict)
-        else:
-            self.backend.update_weights(state_dict, in_flight=in_flight)
+        kwargs: dict[str, Any] = {}  # only what differs from the defaults: test backends may not take them
+        if in_flight != "finish":
+            kwargs["in_flight"] = in_flight
+        if partial:
+            kwargs["partial"] = True
+        self.backend.update_weights(state_dict, **kwargs)
         if self.backend.weight_version != before + 1:
             raise RuntimeError(
                 f"{type(self.backend).__name__}.update_weights did not advance its weight_version "

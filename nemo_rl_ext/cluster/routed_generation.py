@@ -114,6 +114,9 @@ class RoutedGeneration(GenerationInterface):
         """The object-store reference of the latest weights (None: the factory's own); restarts load it."""
         self._ref_version = 0
         """The pool version `_weights_ref` holds (one above `_weight_version` while an update runs)."""
+        self._ref_partial = False
+        """`_weights_ref` holds only changed tensors (applied on top of the model folder's weights)."""
+        self._accepts_partial: bool | None = None
         self._weight_version = 0
         self._spread_max = 0
         self._closed = False
@@ -205,32 +208,49 @@ class RoutedGeneration(GenerationInterface):
             return out
         raise RuntimeError(f"generation failed on every replica after {len(exclude)} replica failures")
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
-        """One `ray.put` of `state_dict`, the same reference to every live replica; returns when all serve it."""
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish", partial: bool = False
+    ) -> None:
+        """One `ray.put` of `state_dict`, the same reference to every live replica; returns when all serve it.
+        `partial`: only the tensors that changed (a LoRA refit's merged target modules); a replica restarted later
+        applies the latest one on top of its model folder's weights."""
         if self._closed:
             raise RuntimeError("RoutedGeneration was shut down")
         check_in_flight(in_flight)
+        if partial and not self.accepts_partial_update:
+            raise ValueError("update_weights(partial=True): this pool's backend takes every weight")
         ray = self._ray
         ref = ray.put(dict(state_dict))
         version = self._weight_version + 1
         with self._lock:
-            previous = (self._weights_ref, self._ref_version)
-            self._weights_ref, self._ref_version = ref, version  # a replica restarted from now on loads it
+            previous = (self._weights_ref, self._ref_version, self._ref_partial)
+            # a replica restarted from now on loads it
+            self._weights_ref, self._ref_version, self._ref_partial = ref, version, partial
             targets = [(r, r.incarnation) for r in self._replicas if not r.removed]
         try:
             for replica, incarnation in targets:
-                self._update_one(replica, incarnation, ref, version, in_flight)
+                self._update_one(replica, incarnation, ref, version, in_flight, partial)
         except BaseException:
             with self._lock:
-                self._weights_ref, self._ref_version = previous
+                self._weights_ref, self._ref_version, self._ref_partial = previous
             raise
         self._weight_version = version
 
-    def _update_one(self, replica: _Replica, incarnation: int, ref: Any, version: int, in_flight: str) -> None:
+    @property
+    def accepts_partial_update(self) -> bool:
+        """Whether the replicas' backend serves partial updates (asked of one live replica, once)."""
+        if self._accepts_partial is None:
+            replica = next(r for r in self._replicas if not r.removed)
+            self._accepts_partial = bool(self._ray.get(replica.actor.accepts_partial_update.remote()))
+        return self._accepts_partial
+
+    def _update_one(
+        self, replica: _Replica, incarnation: int, ref: Any, version: int, in_flight: str, partial: bool = False
+    ) -> None:
         """Send the update to one replica; a replica that dies meanwhile restarts on the new weights."""
         ray = self._ray
         try:
-            served = ray.get(replica.actor.update_weights.remote(ref, version, in_flight))
+            served = ray.get(replica.actor.update_weights.remote(ref, version, in_flight, partial))
         except ray.exceptions.RayTaskError as exc:
             raise exc.as_instanceof_cause() from None  # e.g. the ValueError naming missing weights
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
@@ -319,6 +339,7 @@ class RoutedGeneration(GenerationInterface):
             weights=self._weights_ref,
             weight_version=self._ref_version,
             torch_threads=self._torch_threads,
+            partial=self._ref_partial,
         )
 
     def _replica_failed(self, replica: _Replica, incarnation: int, exc: BaseException) -> None:

@@ -157,24 +157,34 @@ def rollouts_rule_problems(
     - with `seq_len_within_model` (GRPO: a training sequence is that long), `rollouts.max_seq_len` fits
       `policy.max_model_len`; without (the eval), a rollout is capped by both (see `build_rollouts`).
     """
+    rollouts, policy = _section(data, "rollouts"), _section(data, "policy")
+    gen = _section(policy, "generation")
+    mode = raw_field(rollouts_cls, rollouts, "mode")
+    problems = _gym_section_problems(mode, _section(rollouts, "gym"))
+    if mode == "nemo_gym":
+        problems += _nemo_gym_problems(rollouts, rollouts_cls, gen)
+    problems += _greedy_sampling_problems(raw_field(rollouts_cls, rollouts, "num_generations_per_prompt"), gen)
+    max_seq_len = raw_field(rollouts_cls, rollouts, "max_seq_len")
+    max_model_len = raw_field(PolicyConfig, policy, "max_model_len")
+    if seq_len_within_model and INVALID not in (max_seq_len, max_model_len) and max_seq_len > max_model_len:
+        problems.append(
+            (("rollouts", "max_seq_len"), f"exceeds policy.max_model_len ({max_model_len})", max_seq_len)
+        )
+    return problems
 
-    def section(parent: Any, name: str) -> Any:
-        return parent.get(name) if isinstance(parent, Mapping) else None
 
-    rollouts, policy = section(data, "rollouts"), section(data, "policy")
-    gen, env = section(policy, "generation"), section(rollouts, "env")
+def _section(parent: Any, name: str) -> Any:
+    """`parent[name]` when `parent` is a mapping (raw data may hold anything), else None."""
+    return parent.get(name) if isinstance(parent, Mapping) else None
 
-    def r(name: str) -> Any:
-        return raw_field(rollouts_cls, rollouts, name)
 
-    def g(name: str) -> Any:
-        return raw_field(GenerationConfig, gen, name)
+def _written(parent: Any, name: str, parsed: Any) -> Any:
+    """The value as the user wrote it, for the problem's report; `parsed` when the raw data lacks it."""
+    return parent[name] if isinstance(parent, Mapping) and name in parent else parsed
 
-    def written(parent: Any, name: str, parsed: Any) -> Any:
-        return parent[name] if isinstance(parent, Mapping) and name in parent else parsed
 
-    mode, turns, counts = r("mode"), r("max_rollout_turns"), r("num_generations_per_prompt")
-    gym = section(rollouts, "gym")
+def _gym_section_problems(mode: Any, gym: Any) -> list[RuleProblem]:
+    """`rollouts.gym` is set exactly in nemo_gym mode."""
     problems: list[RuleProblem] = []
     if mode == "nemo_gym" and gym is None:
         problems.append(
@@ -187,60 +197,69 @@ def rollouts_rule_problems(
         )
     if mode == "native" and gym is not None:
         problems.append((("rollouts", "gym"), "is only used with rollouts.mode=nemo_gym", gym))
-    if mode == "nemo_gym":
-        owned = "in nemo_gym mode the Gym agents own the turn loop"
-        if turns is not INVALID and turns is not None:
-            problems.append((("rollouts", "max_rollout_turns"), f"must be null: {owned}", written(rollouts, "max_rollout_turns", turns)))
-        for name, why in (
-            ("top_k", "the OpenAI API that Gym agents call the policy through has no top_k"),
-            ("stop_strings", "stops are set by the Gym agents, not by this config"),
-            ("stop_token_ids", "stops are set by the Gym agents, not by this config"),
-        ):
-            value = g(name)
-            if value is not INVALID and value:
-                problems.append(
-                    (
-                        ("policy", "generation", name),
-                        f"must be {'null' if name == 'top_k' else 'empty'} in nemo_gym mode: {why}",
-                        written(gen, name, value),
-                    )
+    return problems
+
+
+def _nemo_gym_problems(rollouts: Any, rollouts_cls: type[RolloutsConfig], gen: Any) -> list[RuleProblem]:
+    """nemo_gym mode: no turn cap, top_k null, no stops, no environment settings (the Gym agents own them)."""
+    problems: list[RuleProblem] = []
+    owned = "in nemo_gym mode the Gym agents own the turn loop"
+    turns = raw_field(rollouts_cls, rollouts, "max_rollout_turns")
+    if turns is not INVALID and turns is not None:
+        written = _written(rollouts, "max_rollout_turns", turns)
+        problems.append((("rollouts", "max_rollout_turns"), f"must be null: {owned}", written))
+    for name, why in (
+        ("top_k", "the OpenAI API that Gym agents call the policy through has no top_k"),
+        ("stop_strings", "stops are set by the Gym agents, not by this config"),
+        ("stop_token_ids", "stops are set by the Gym agents, not by this config"),
+    ):
+        value = raw_field(GenerationConfig, gen, name)
+        if value is not INVALID and value:
+            problems.append(
+                (
+                    ("policy", "generation", name),
+                    f"must be {'null' if name == 'top_k' else 'empty'} in nemo_gym mode: {why}",
+                    _written(gen, name, value),
                 )
-        for name in ("name", "system_prompt", "kwargs", "remote"):
-            value = raw_field(EnvironmentSettings, env, name)
-            if value is not INVALID and value:
-                why = (
-                    "must be null in nemo_gym mode: the Gym rows carry their own input and the Gym agents score it"
-                    if name in ("name", "system_prompt")
-                    else "is only used with rollouts.mode=native: in nemo_gym mode the Gym agents score"
-                )
-                problems.append((("rollouts", "env", name), why, written(env, name, value)))
+            )
+    env = _section(rollouts, "env")
+    for name in ("name", "system_prompt", "kwargs", "remote"):
+        value = raw_field(EnvironmentSettings, env, name)
+        if value is not INVALID and value:
+            why = (
+                "must be null in nemo_gym mode: the Gym rows carry their own input and the Gym agents score it"
+                if name in ("name", "system_prompt")
+                else "is only used with rollouts.mode=native: in nemo_gym mode the Gym agents score"
+            )
+            problems.append((("rollouts", "env", name), why, _written(env, name, value)))
+    return problems
+
+
+def _greedy_sampling_problems(counts: Any, gen: Any) -> list[RuleProblem]:
+    """More than one sample of a prompt needs `policy.generation.temperature` > 0."""
     try:
         parsed = GenerationCounts.parse(counts) if counts is not INVALID else None
     except ValueError:
         parsed = None
-    if parsed is not None:
-        many = {a: n for a, n in parsed.per_agent.items() if n > 1}
-        if parsed.default is not None and parsed.default > 1:
-            many[DEFAULT_KEY] = parsed.default
-        temperature = g("temperature")
-        if many and temperature is not INVALID and temperature <= 0:
-            what = (
-                f"num_generations_per_prompt={counts}"
-                if isinstance(counts, int)
-                else "num_generations_per_prompt gives more than one sample to "
-                + ", ".join(f"{a}: {n}" for a, n in many.items())
-            )
-            problems.append(
-                (
-                    ("policy", "generation", "temperature"),
-                    f"temperature={temperature} is greedy decoding, so the samples of a prompt would all be the "
-                    f"same but {what}; set temperature > 0 or one sample per prompt",
-                    written(gen, "temperature", temperature),
-                )
-            )
-    max_seq_len, max_model_len = r("max_seq_len"), raw_field(PolicyConfig, policy, "max_model_len")
-    if seq_len_within_model and INVALID not in (max_seq_len, max_model_len) and max_seq_len > max_model_len:
-        problems.append(
-            (("rollouts", "max_seq_len"), f"exceeds policy.max_model_len ({max_model_len})", max_seq_len)
+    if parsed is None:
+        return []
+    many = {a: n for a, n in parsed.per_agent.items() if n > 1}
+    if parsed.default is not None and parsed.default > 1:
+        many[DEFAULT_KEY] = parsed.default
+    temperature = raw_field(GenerationConfig, gen, "temperature")
+    if not many or temperature is INVALID or not temperature <= 0:
+        return []
+    what = (
+        f"num_generations_per_prompt={counts}"
+        if isinstance(counts, int)
+        else "num_generations_per_prompt gives more than one sample to "
+        + ", ".join(f"{a}: {n}" for a, n in many.items())
+    )
+    return [
+        (
+            ("policy", "generation", "temperature"),
+            f"temperature={temperature} is greedy decoding, so the samples of a prompt would all be the "
+            f"same but {what}; set temperature > 0 or one sample per prompt",
+            _written(gen, "temperature", temperature),
         )
-    return problems
+    ]

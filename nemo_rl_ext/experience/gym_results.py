@@ -37,51 +37,11 @@ def result_to_completion(
     length unknown here: Gym does not pass the refusal on).
     """
     response = result.get("response") or {}
-    messages: list[Message] = []
-    seen: list[int] = []
-    last_call: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-    previous_type = None
-    last_generated_has_ids: bool | None = None  # None: no generated item at all
-    last_generated: Mapping[str, Any] = {}
-    for n, item in enumerate(response.get("output") or []):
-        has_ids = all(item.get(k) is not None for k in TOKEN_KEYS)
-        if _is_generated(item):
-            last_generated_has_ids, last_generated = has_ids, item
-        else:  # what came in between calls (a tool output, a user message) names the ids in between
-            previous_type = item.get("type", previous_type)
-        if not has_ids:
-            continue
-        prompt, generated = tuple(item["prompt_token_ids"]), tuple(item["generation_token_ids"])
-        if (prompt, generated) == last_call:  # several items from the same model call
-            continue
-        last_call = (prompt, generated)
-        if len(generated) != len(item["generation_log_probs"]):
-            raise GymResultError(
-                f"output item {n}: {len(generated)} generation ids but {len(item['generation_log_probs'])} logprobs"
-            )
-        if list(prompt[: len(seen)]) != seen:
-            raise GymResultError(
-                f"output item {n}: its prompt ids do not start with the previous prompt + generation ids "
-                "(the policy server re-tokenized an earlier turn)"
-            )
-        between = prompt[len(seen) :]
-        if between:
-            role = "user" if not seen else ("tool" if previous_type == "function_call_output" else "user")
-            messages.append(Message(role, tokenizer.decode(between, skip_special_tokens=True), between))
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-        messages.append(Message("assistant", text, generated, tuple(float(x) for x in item["generation_log_probs"])))
-        seen = list(prompt) + list(generated)
-
+    messages, last_generated_has_ids, last_generated = _output_messages(response.get("output") or [], tokenizer)
     turns = sum(m.role == "assistant" for m in messages)
-    failure = result.get("failure_kind")
     incomplete = response.get("status") == "incomplete" or bool(response.get("incomplete_details"))
     refused_for_length = incomplete and last_generated_has_ids is False
-    if failure:
-        reason, error = StopReason.ERROR, f"{failure}: {result.get('failure_reason')}"[:500]
-    elif turns == 0 and not refused_for_length:
-        reason, error = StopReason.ERROR, "Gym result has no output item with token ids"
-    else:
-        reason, error = (StopReason.TRUNCATED if incomplete else StopReason.NATURAL), None
+    reason, error = _stop_reason(result, incomplete, turns, refused_for_length)
     last_text = next((m.content for m in reversed(messages) if m.role == "assistant"), None)
     extras: dict[str, Any] = {"answer": _final_answer(last_text), "gym_result": dict(result)}
     if refused_for_length and turns == 0 and error is None and _is_placeholder(last_generated):
@@ -97,6 +57,81 @@ def result_to_completion(
         env_extras=extras,
         error=error,
     )
+
+
+def _output_messages(
+    output: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[Message], bool | None, Mapping[str, Any]]:
+    """The messages of a Gym response's output items (see `result_to_completion`), whether the last generated
+    item carried token ids (None: no generated item at all), and that item ({} when none)."""
+    messages: list[Message] = []
+    seen: list[int] = []
+    last_call: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    previous_type = None
+    last_generated_has_ids: bool | None = None  # None: no generated item at all
+    last_generated: Mapping[str, Any] = {}
+    for n, item in enumerate(output):
+        has_ids = all(item.get(k) is not None for k in TOKEN_KEYS)
+        if _is_generated(item):
+            last_generated_has_ids, last_generated = has_ids, item
+        else:  # what came in between calls (a tool output, a user message) names the ids in between
+            previous_type = item.get("type", previous_type)
+        if not has_ids:
+            continue
+        prompt, generated = tuple(item["prompt_token_ids"]), tuple(item["generation_token_ids"])
+        if (prompt, generated) == last_call:  # several items from the same model call
+            continue
+        last_call = (prompt, generated)
+        _check_call(n, item, prompt, generated, seen)
+        messages.extend(_call_messages(item, prompt, generated, seen, previous_type, tokenizer))
+        seen = list(prompt) + list(generated)
+    return messages, last_generated_has_ids, last_generated
+
+
+def _check_call(
+    n: int, item: Mapping[str, Any], prompt: tuple[int, ...], generated: tuple[int, ...], seen: list[int]
+) -> None:
+    """A model call's ids are consistent: one logprob per generated id, and its prompt extends `seen`."""
+    if len(generated) != len(item["generation_log_probs"]):
+        raise GymResultError(
+            f"output item {n}: {len(generated)} generation ids but {len(item['generation_log_probs'])} logprobs"
+        )
+    if list(prompt[: len(seen)]) != seen:
+        raise GymResultError(
+            f"output item {n}: its prompt ids do not start with the previous prompt + generation ids "
+            "(the policy server re-tokenized an earlier turn)"
+        )
+
+
+def _call_messages(
+    item: Mapping[str, Any],
+    prompt: tuple[int, ...],
+    generated: tuple[int, ...],
+    seen: list[int],
+    previous_type: str | None,
+    tokenizer: PreTrainedTokenizerBase,
+) -> list[Message]:
+    """A model call's messages: the ids its prompt adds to `seen` (a user or tool turn), if any, then its reply."""
+    messages: list[Message] = []
+    between = prompt[len(seen) :]
+    if between:
+        role = "user" if not seen else ("tool" if previous_type == "function_call_output" else "user")
+        messages.append(Message(role, tokenizer.decode(between, skip_special_tokens=True), between))
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    messages.append(Message("assistant", text, generated, tuple(float(x) for x in item["generation_log_probs"])))
+    return messages
+
+
+def _stop_reason(
+    result: Mapping[str, Any], incomplete: bool, turns: int, refused_for_length: bool
+) -> tuple[StopReason, str | None]:
+    """The completion's stop reason and error: Gym's failure, no model call at all, else truncated or natural."""
+    failure = result.get("failure_kind")
+    if failure:
+        return StopReason.ERROR, f"{failure}: {result.get('failure_reason')}"[:500]
+    if turns == 0 and not refused_for_length:
+        return StopReason.ERROR, "Gym result has no output item with token ids"
+    return (StopReason.TRUNCATED if incomplete else StopReason.NATURAL), None
 
 
 def _is_placeholder(item: Mapping[str, Any]) -> bool:

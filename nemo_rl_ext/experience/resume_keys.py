@@ -67,5 +67,5 @@ GRPO_RESUME_MAY_CHANGE: tuple[str, ...] = (
 )
 """Keys (and sections) that may differ between a GRPO run and its resumption: how long to train, when to
 checkpoint and validate and on what, where logs and outputs go, the hf batch size, where the Gym servers
-listen, and how many trainer ranks train (a checkpoint holds full weights and the optimizer state in torch's
-layout, whatever the count). None of them changes a training step's rollouts or update."""
+listen, and how many trainer ranks train (a checkpoint of any count loads onto any other: shards are resharded,
+a one-process checkpoint is sharded on load). None of them changes a training step's rollouts or update."""

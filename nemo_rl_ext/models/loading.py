@@ -27,5 +27,7 @@ def load_model_and_tokenizer(
 
 def cache_kwarg(module: torch.nn.Module) -> str:
     """The keyword `module.forward` takes its KV cache under: `cache` from transformers 5.24 on (which deprecates
-    `past_key_values` and drops it in 5.40), else `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+    `past_key_values` and drops it in 5.40), else `past_key_values`. A peft wrapper (a LoRA policy) takes
+    `**kwargs` and hands them to the model it wraps: that model's keyword is the one."""
+    base = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"

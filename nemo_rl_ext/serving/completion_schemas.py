@@ -20,6 +20,7 @@ from nemo_rl_ext.serving.openai_schemas import (
     ChatCompletionRequest,
     _Lenient,
 )
+from nemo_rl_ext.serving.response_format import ResponseFormat
 from nemo_rl_ext.serving.streaming import StreamOptions
 
 MAX_PROMPTS = 256
@@ -89,7 +90,7 @@ class CompletionRequest(_Lenient):
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
@@ -156,8 +157,6 @@ class CompletionRequest(_Lenient):
             unsupported.append(("repetition_penalty", self.repetition_penalty, "not supported; send 1.0"))
         if self.logit_bias:
             unsupported.append(("logit_bias", self.logit_bias, "logit_bias is not supported"))
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            unsupported.append(("response_format", self.response_format, "only type 'text' is supported"))
         choices = len(self.prompts()) * self.n
         if choices > MAX_CHOICES:
             unsupported.append(("n", self.n, f"{choices} choices (prompts x n); at most {MAX_CHOICES}"))

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from nemo_rl_ext.models.generation.interfaces import MAX_TOP_K, MAX_TOP_LOGPROBS, SEED_LIMIT, GenerationConfig
+from nemo_rl_ext.serving.response_format import ResponseFormat
 from nemo_rl_ext.serving.streaming import StreamOptions
 
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
@@ -350,7 +351,7 @@ class ChatCompletionRequest(PromptParams):
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     tool_choice: str | dict[str, Any] | None = None
     required_prefix_token_ids: list[int] | None = None
 
@@ -418,10 +419,6 @@ class ChatCompletionRequest(PromptParams):
             )
         if self.logit_bias:
             unsupported.append(("logit_bias", self.logit_bias, "logit_bias is not supported"))
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            unsupported.append(
-                ("response_format", self.response_format, "only response_format type 'text' is supported")
-            )
         if self.tool_choice not in (None, "auto", "none"):
             unsupported.append(
                 (

@@ -8,6 +8,7 @@ Endpoints, shaped like vLLM's OpenAI server as NeMo-RL extends it:
   `generation_token_ids` and `generation_log_probs`; an assistant message in the request that carries them
   makes the new prompt start with exactly those ids (see `chat_prompt`). `stream: true`: SSE (`chat_stream`).
 - `POST /v1/completions`: OpenAI text completions (see `completions`), each choice with the same token fields.
+  Both take `response_format` json_object / json_schema (structured output, see `response_format`).
 - `POST /tokenize`: the prompt ids a completion with the same messages would use (`{tokens, count,
   max_model_len}`), or the ids of a plain `prompt` string.
 - `GET /v1/models`, `GET /health`.

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 from nemo_rl_ext.serving.openai_schemas import ApiError, validation_api_error
+
+if TYPE_CHECKING:
+    from nemo_rl_ext.serving.response_format import ResponseFormat
 
 
 class SamplingRequest(Protocol):
@@ -21,6 +24,7 @@ class SamplingRequest(Protocol):
     n: int
     seed: int | None
     stop_token_ids: list[int] | None
+    response_format: ResponseFormat | None
 
     def stop_strings(self) -> tuple[str, ...]: ...
 
@@ -37,9 +41,10 @@ def generation_configs(
     """One `GenerationConfig` per choice (`n`), max tokens clipped to the room left in the context.
 
     Fields the request leaves out come from `defaults`; without defaults an absent max_tokens means
-    "up to max_model_len" (vLLM's default). With `n > 1` and a seed, choice i uses seed + i. `extra` are further
-    `GenerationConfig` fields (top_logprobs, prompt_logprobs); `prompt_field` is what a prompt too long for the
-    context is blamed on.
+    "up to max_model_len" (vLLM's default). With `n > 1` and a seed, choice i uses seed + i. `response_format`
+    becomes `structured_output` (an invalid schema: a 400 naming `response_format.json_schema.schema`). `extra`
+    are further `GenerationConfig` fields (top_logprobs, prompt_logprobs); `prompt_field` is what a prompt too
+    long for the context is blamed on.
     """
     room = max_model_len - prompt_len
     if room <= 0:
@@ -60,6 +65,9 @@ def generation_configs(
         "stop_strings": base.stop_strings + request.stop_strings(),
         "stop_token_ids": base.stop_token_ids + tuple(request.stop_token_ids or ()),
         "seed": base.seed if request.seed is None else request.seed,
+        "structured_output": (
+            request.response_format.structured_output() if request.response_format else base.structured_output
+        ),
         **extra,
     }
     try:

@@ -22,11 +22,12 @@ from test_cli_errors import assert_one_message
 from tolerances import SAME_MODEL_LOGPROBS
 
 from nemo_rl_ext.algorithms import export as export_module
-from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir
+from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from nemo_rl_ext.algorithms.export import ExportError, export_checkpoint
 from nemo_rl_ext.algorithms.grpo import GRPO
 from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.algorithms.loss import CompletionTensors
+from nemo_rl_ext.algorithms.sharded_checkpoint import save_trained_state
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.models.loading import load_tokenizer
 
@@ -40,7 +41,7 @@ def export_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
                           cwd=REPO, env=one_thread_env(), capture_output=True, text=True, timeout=120)
 
 
-def _items(tokenizer: Any) -> list[CompletionTensors]:
+def chat_items(tokenizer: Any) -> list[CompletionTensors]:
     """Chat prompts with a reply each: the loss mask on the reply (the tokens the trainer scores)."""
     items = []
     for question, reply in [("Say yes. apple", "yes"), ("Say yes. river", "no, maybe yes"), ("Hi", "hello there")]:
@@ -53,13 +54,10 @@ def _items(tokenizer: Any) -> list[CompletionTensors]:
     return items
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A 2-step GRPO run (checkpoints of steps 1 and 2) and what its trainer said at the end."""
-    from nemo_rl_ext.models.tiny import build_tiny_model
-
-    folder = tmp_path_factory.mktemp("export_run")
-    model_dir = build_tiny_model(folder / "tiny", seed=0, initializer_range=0.05)
+def _train(folder: Path, model_dir: Path, *overrides: str) -> dict[str, Any]:
+    """A 2-step GRPO run in `folder/run` (checkpoints of steps 1 and 2) and what its trainer said at the end; the
+    same final state also written as a sharded checkpoint (what FSDP2 ranks write; here one process writes one
+    shard) in `folder/sharded`."""
     data = folder / "say_yes.jsonl"
     data.write_text("".join(json.dumps({"question": f"Say yes. {w}", "answer": "yes"}) + "\n"
                             for w in ("apple", "river", "blue", "seven")))
@@ -78,26 +76,53 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
     config = folder / "grpo.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    with GRPO(load_config(config, [], GRPOConfig)) as grpo:
+    with GRPO(load_config(config, list(overrides), GRPOConfig)) as grpo:
         grpo.run()
-        items = _items(grpo.tokenizer)
+        items = chat_items(grpo.tokenizer)
         trained = grpo.trainer.logprobs(items)
         weights = {k: v.clone() for k, v in grpo.trainer.state_dict().items()}
-    return {"dir": folder / "run", "model_dir": model_dir, "items": items, "trained": trained, "weights": weights}
+        saved = load_checkpoint(checkpoint_dir(folder / "run" / "checkpoints", 2))
+        save_checkpoint(folder / "sharded" / "checkpoints", 2, tokenizer=grpo.tokenizer, data_state=saved.data_state,
+                        extra=saved.extra, write_state=lambda f: save_trained_state(f, grpo.trainer.model,
+                                                                                    grpo.trainer.optimizer))
+    return {"dir": folder / "run", "sharded": folder / "sharded", "model_dir": model_dir, "items": items,
+            "trained": trained, "weights": weights}
 
 
-def _reload_logprobs(folder: Path, items: list[CompletionTensors]) -> tuple[list[torch.Tensor], dict]:
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The full fine-tune's 2-step run (`_train`)."""
+    from nemo_rl_ext.models.tiny import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("export_run")
+    return _train(folder, build_tiny_model(folder / "tiny", seed=0, initializer_range=0.05))
+
+
+@pytest.fixture(scope="module")
+def lora_run(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same 2 steps training LoRA adapters (r 8 on q_proj and v_proj) of the same tiny model."""
+    return _train(tmp_path_factory.mktemp("export_lora"), run["model_dir"], "trainer.lora.r=8",
+                  "trainer.lora.alpha=16", "trainer.lora.target_modules=[q_proj,v_proj]", "optimizer.lr=1.5e-2")
+
+
+def reload_logprobs(folder: Path, items: list[CompletionTensors], temperature: float = TEMPERATURE
+                    ) -> tuple[list[torch.Tensor], dict]:
     """transformers' own loading and forward pass: log_softmax(logits / T) of each next token, 0 off the mask."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model_logprobs(model, items, temperature), model.state_dict()
+
+
+def model_logprobs(model: Any, items: list[CompletionTensors], temperature: float = TEMPERATURE) -> list[torch.Tensor]:
+    """A model's own forward pass: log_softmax(logits / T) of each next token, 0 off the mask."""
     out = []
     with torch.no_grad():
         for item in items:
             logits = model(input_ids=item.token_ids[None]).logits[0, :-1].float()
-            picked = torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, item.token_ids[1:, None])[:, 0]
+            picked = torch.log_softmax(logits / temperature, dim=-1).gather(-1, item.token_ids[1:, None])[:, 0]
             out.append(torch.cat([torch.zeros(1), picked]) * item.loss_mask)
-    return out, model.state_dict()
+    return out
 
 
 @pytest.mark.timeout(180)
@@ -111,7 +136,7 @@ def test_export_reloads_with_the_trainers_weights_and_logprobs(run: dict[str, An
             "chat_template.jinja"} <= set(names), names
     assert not list(out.parent.glob(".*tmp*"))  # nothing left from the atomic write
 
-    got, state = _reload_logprobs(out, run["items"])
+    got, state = reload_logprobs(out, run["items"])
     # a copy of the trainer's final weights: the same bits (tied embeddings appear under both names)
     assert set(state) == set(run["weights"]), set(state) ^ set(run["weights"])
     assert all(torch.equal(state[k], v) for k, v in run["weights"].items())
@@ -121,7 +146,7 @@ def test_export_reloads_with_the_trainers_weights_and_logprobs(run: dict[str, An
         assert item.loss_mask.sum() > 0
         torch.testing.assert_close(mine, theirs, rtol=SAME_MODEL_LOGPROBS["rtol"], atol=SAME_MODEL_LOGPROBS["atol"])
     # and the step-2 weights are not the initial model's: training moved these logprobs far beyond that tolerance
-    initial, _ = _reload_logprobs(run["model_dir"], run["items"])
+    initial, _ = reload_logprobs(run["model_dir"], run["items"])
     assert max(float((a - b).abs().max()) for a, b in zip(initial, got, strict=True)) > 1e-3
 
 
@@ -227,3 +252,58 @@ def test_an_interrupted_export_leaves_no_folder(run: dict[str, Any], tmp_path: P
     monkeypatch.undo()
     with pytest.raises(ExportError, match="this run has no adapters"):
         export_checkpoint(run["dir"], adapter_only=True, out=tmp_path / "hf")
+
+
+@pytest.mark.timeout(120)
+def test_a_sharded_checkpoint_exports_as_the_same_model(run: dict[str, Any], tmp_path: Path) -> None:
+    """The run's final state written as shards exports as the Hugging Face folder one process wrote: the same files,
+    the weights equal to the bit (consolidating copies them), the same config."""
+    from safetensors.torch import load_file
+
+    copied = export_checkpoint(run["dir"], out=tmp_path / "copied")
+    consolidated = export_checkpoint(run["sharded"], out=tmp_path / "consolidated")
+    assert consolidated.files == copied.files, set(consolidated.files) ^ set(copied.files)
+    a, b = load_file(copied.out / "model.safetensors"), load_file(consolidated.out / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((copied.out / "config.json").read_text()) == json.loads((consolidated.out / "config.json").read_text())
+    for name in copied.files:
+        if name not in ("model.safetensors", "config.json"):  # the tokenizer and generation config: copies
+            assert (copied.out / name).read_bytes() == (consolidated.out / name).read_bytes(), name
+
+
+@pytest.mark.timeout(240)
+def test_lora_exports_merged_or_as_its_adapters_with_the_trainers_logprobs(lora_run: dict[str, Any],
+                                                                           tmp_path: Path) -> None:
+    """Of either checkpoint format: the merged model (transformers alone reloads it) and the adapter folder (peft
+    loads it on the base model) both give the trainer's logprobs; the merged weights are the refit's."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    items, trained = lora_run["items"], lora_run["trained"]
+    initial = model_logprobs(AutoModelForCausalLM.from_pretrained(lora_run["model_dir"]).eval(), items)
+    assert max(float((a - b).abs().max()) for a, b in zip(initial, trained, strict=True)) > 1e-3  # the adapters moved
+    adapter_files = {}
+    for source in ("dir", "sharded"):
+        merged = export_checkpoint(lora_run[source], out=tmp_path / source / "merged")
+        assert "model.safetensors" in merged.files and "chat_template.jinja" in merged.files
+        assert not [f for f in merged.files if f.startswith("adapter")], merged.files
+        got, state = reload_logprobs(merged.out, items)
+        # W + (alpha / r) B A: peft's merge and the refit's merge, the same arithmetic on the same tensors
+        for name, value in lora_run["weights"].items():
+            torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
+        for mine, theirs in zip(got, trained, strict=True):  # merged weights against the adapters' separate matmul
+            torch.testing.assert_close(mine, theirs, **SAME_MODEL_LOGPROBS)
+
+        adapters = export_checkpoint(lora_run[source], out=tmp_path / source / "adapters", adapter_only=True)
+        assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json", "chat_template.jinja"
+                } <= set(adapters.files) and "model.safetensors" not in adapters.files, adapters.files
+        config = json.loads((adapters.out / "adapter_config.json").read_text())
+        assert Path(config["base_model_name_or_path"]) == lora_run["model_dir"]  # the run's policy.model_name
+        base = AutoModelForCausalLM.from_pretrained(lora_run["model_dir"], dtype=torch.float32)
+        peft_model = PeftModel.from_pretrained(base, adapters.out).eval()
+        for mine, theirs in zip(model_logprobs(peft_model, items), trained, strict=True):
+            torch.testing.assert_close(mine, theirs, **SAME_MODEL_LOGPROBS)
+        adapter_files[source] = load_file(adapters.out / "adapter_model.safetensors")
+    one, sharded = adapter_files["dir"], adapter_files["sharded"]
+    assert one.keys() == sharded.keys() and all(torch.equal(one[k], sharded[k]) for k in one)  # the same adapters

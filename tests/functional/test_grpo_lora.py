@@ -109,6 +109,10 @@ def test_refit_reports_bytes_and_seconds(lora_config: Path, tmp_path: Path, lora
     weights = load_file(Path(cfg.policy.model_name) / "model.safetensors")
     assert "lm_head.weight" in weights  # untied: the folder holds every tensor update_weights gets
     expected = sum(t.numel() * t.element_size() for t in weights.values())
+    if lora:  # the merged target modules alone (every Linear here): never the embeddings or the norms
+        targets = ("_proj.weight", "lm_head.weight")
+        expected = sum(t.numel() * t.element_size() for k, t in weights.items() if k.endswith(targets))
+        assert 0 < expected < sum(t.numel() * t.element_size() for t in weights.values())
     for step in metrics:
         assert step["refit/bytes"] == expected
         assert 0.0 < step["timing/refit/seconds"] <= step["timing/refit_s"]

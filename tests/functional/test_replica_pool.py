@@ -115,6 +115,40 @@ def test_a_refit_reaches_both_replicas(hf_pool, tiny_model_and_tokenizer):
     assert hf_pool.weight_version == 2
 
 
+def test_a_partial_refit_reaches_both_replicas_and_one_restarted_after_it(hf_pool, tiny_model_and_tokenizer, ray_env):
+    """A LoRA refit sends only the merged target modules: both replicas serve them, and a replica killed after it
+    restarts from its model folder with that partial update applied on top (the same greedy outputs)."""
+    model, tokenizer = tiny_model_and_tokenizer
+    prompts = chat_prompts(tokenizer, 8)
+    greedy = [GenerationConfig(max_new_tokens=10, temperature=0.0)] * len(prompts)
+    trained = copy.deepcopy(model)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for name, p in trained.named_parameters():
+            if name.endswith(("q_proj.weight", "v_proj.weight")):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    changed = {k: v for k, v in trained.state_dict().items() if k.endswith(("q_proj.weight", "v_proj.weight"))}
+    assert hf_pool.accepts_partial_update and 0 < len(changed) < len(model.state_dict()) // 4
+    version = hf_pool.weight_version
+    try:
+        hf_pool.update_weights(changed, partial=True)
+        assert hf_pool.weight_version == version + 1
+        new = gather(hf_pool, prompts, greedy)
+        for prompt, out in zip(prompts, new, strict=True):
+            assert not_greedy(trained, prompt, out.output_ids) == []
+            torch.testing.assert_close(torch.tensor(out.logprobs), forward_logprobs(trained, prompt, out.output_ids, 0.0),
+                                       **ENGINE_LOGPROBS)
+        restarts = hf_pool.metrics()["cluster/replica/0/restarts"]
+        ray_env.kill(hf_pool._replicas[0].actor)
+        again = gather(hf_pool, prompts, greedy)  # the first request to the dead replica restarts it
+        after = gather(hf_pool, prompts, greedy)  # both replicas serve, the restarted one included
+        assert hf_pool.metrics()["cluster/replica/0/restarts"] == restarts + 1
+        for a, b, c in zip(new, again, after, strict=True):
+            assert a.output_ids == b.output_ids == c.output_ids
+    finally:
+        hf_pool.update_weights(model.state_dict())  # leave the shared pool as the other tests expect
+
+
 def test_a_refit_missing_weights_names_them_and_changes_nothing(hf_pool, tiny_model_and_tokenizer):
     model, _ = tiny_model_and_tokenizer
     version = hf_pool.weight_version

@@ -17,15 +17,12 @@ def test_the_shipped_config_spells_out_every_trainer_setting_at_its_default():
     assert (cfg.trainer.workers, cfg.trainer.sharding, cfg.trainer.lora) == (1, "fsdp2", None)
 
 
-NOT_ACCEPTED = {"workers": "2", "mixed_precision": "bf16", "activation_checkpointing": "true",
-                "cpu_offload": "true", "lora": "{r: 8}"}
-"""A value other than the only accepted one, per setting that can be unbuilt."""
-
-
-@pytest.mark.parametrize("name", sorted(UNBUILT))
-def test_a_setting_whose_feature_is_not_built_is_refused_by_name(name):
-    with pytest.raises(ConfigError, match=rf"trainer.{name}: .* is not built yet"):
-        load_config(SHIPPED, [f"trainer.{name}={NOT_ACCEPTED[name]}"], GRPOConfig)
+def test_a_setting_whose_feature_is_not_built_is_refused_by_name(monkeypatch):
+    """Every setting is built today; the mechanism stays for the next one (`UNBUILT` names it)."""
+    monkeypatch.setitem(UNBUILT, "activation_checkpointing", (False, "activation checkpointing"))
+    with pytest.raises(ConfigError, match=r"trainer.activation_checkpointing: activation checkpointing is not built "
+                                          r"yet: only False is accepted"):
+        load_config(SHIPPED, ["trainer.activation_checkpointing=true"], GRPOConfig)
 
 
 def test_every_trainer_problem_is_reported_in_one_error():

@@ -12,7 +12,13 @@ from test_grpo_trainer import sample
 from tolerances import ENGINE_LOGPROBS, GRADIENT_OF_LARGEST, SAME_MODEL_LOGPROBS
 
 from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
-from nemo_rl_ext.algorithms.lora import adaptable_modules, lora_modules, lora_target_problem, with_lora
+from nemo_rl_ext.algorithms.lora import (
+    adaptable_modules,
+    lora_modules,
+    lora_target_problem,
+    merged_state_dict,
+    with_lora,
+)
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
 from nemo_rl_ext.algorithms.trainer_config import LoraSettings
@@ -92,10 +98,27 @@ def test_lora_refit_hands_over_merged_target_modules_without_a_second_copy(tiny_
     for key, value in weights.items():
         # the frozen tensors are the trainer's own storage; only the merged target modules are new tensors
         assert (value.data_ptr() == base[key].data_ptr()) == (key not in targets), key
+    # a refit sends the merged target modules alone: the engine's other tensors are the base model's already
+    refit = trainer.refit_weights()
+    assert trainer.refit_partial and set(refit) == targets
+    full_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    assert sum(t.numel() * t.element_size() for t in refit.values()) < full_bytes / 4
     engine = copy.deepcopy(model)
+    untouched = {k: v.clone() for k, v in engine.state_dict().items() if k not in targets}
     backend = HfGeneration(engine, tokenizer)
-    backend.update_weights(weights)
+    assert backend.accepts_partial_update
+    with pytest.raises(ValueError, match="lacks"):  # without partial=True a subset is refused
+        backend.update_weights(refit)
+    with pytest.raises(ValueError, match=r"partial=True.*no weights named \['model.nope'\]"):
+        backend.update_weights({**refit, "model.nope": refit[next(iter(targets))]}, partial=True)
+    backend.update_weights(refit, partial=True)
+    assert backend.weight_version == 1
     backend.shutdown()
+    for key, value in engine.state_dict().items():
+        if key in targets:
+            assert torch.equal(value, refit[key]), key
+        else:
+            assert torch.equal(value, untouched[key]), key
     scored = sample(engine, tokenizer, 1.0, n=4, seed=3)
     for item, lp in zip(scored, trainer.logprobs(scored), strict=True):
         on = item.loss_mask.bool()
@@ -103,6 +126,39 @@ def test_lora_refit_hands_over_merged_target_modules_without_a_second_copy(tiny_
         torch.testing.assert_close(lp[on], item.generation_logprobs[on], **ENGINE_LOGPROBS)
     moved = [float((weights[k] - model.state_dict()[k]).abs().max()) for k in targets]
     assert min(moved) > 1e-3  # the adapters moved the merged weights: the check above would see a stale merge
+
+
+def test_a_lora_refit_makes_one_merged_module_at_a_time_as_the_engine_reads_it(tiny_model_and_tokenizer):
+    """The engine copies a partial update tensor by tensor; the refit makes each merged weight when asked and drops
+    the one before, so no copy of every target module exists at once (counted with weak references)."""
+    import weakref
+
+    model, tokenizer = tiny_model_and_tokenizer
+    policy = with_lora(copy.deepcopy(model), LoraSettings(r=4, target_modules=("q_proj", "v_proj", "down_proj")))
+    trainer = trainer_for(policy)
+    trainer.train_step(sample(model, tokenizer, 1.0, n=4), ADVANTAGES)
+    refit = trainer.refit_weights()
+    made: list[weakref.ref] = []
+    alive_at_fetch: list[int] = []
+    fetch = refit._fetch
+
+    def counted(names):
+        alive_at_fetch.append(sum(1 for ref in made if ref() is not None))
+        out = fetch(names)
+        made.extend(weakref.ref(t) for t in out.values())
+        return out
+
+    refit._fetch = counted
+    backend = HfGeneration(copy.deepcopy(model), tokenizer)
+    backend.update_weights(refit, partial=True)
+    engine = backend.model.state_dict()
+    backend.shutdown()
+    assert refit.fetches == len(refit) == 6  # 2 layers x 3 targets, one module per bucket
+    assert alive_at_fetch == [0] * 6  # each bucket was gone before the next was made
+    assert refit.nbytes == sum(engine[k].numel() * engine[k].element_size() for k in refit)
+    expected = merged_state_dict(policy)
+    for name in refit:
+        assert torch.equal(engine[name], expected[name]), name
 
 
 def test_lora_kl_reference_is_the_policy_with_its_adapters_disabled(tiny_model_and_tokenizer):

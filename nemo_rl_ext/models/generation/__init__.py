@@ -7,6 +7,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     StreamEvent,
+    StructuredOutput,
     TokenDelta,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "GenerationInterface",
     "GenerationOutput",
     "StreamEvent",
+    "StructuredOutput",
     "TokenDelta",
 ]

@@ -13,6 +13,8 @@ backend runs its own decode loop, on one engine thread:
   else is in the batch, and its logprobs are those of a separate forward pass.
 - **Streaming**: `generate_stream` hands each sampled token to its caller's loop as it is decoded (a
   per-request hook on the row; requests nobody streams skip it).
+- **Structured output**: a request's `config.structured_output` is compiled (llguidance, `grammar`) before it
+  joins; each step masks that row's logits to what its grammar allows next (rows without one are untouched).
 - **Faults**: a row that fails alone (its sampler cannot be built, its logits cannot be sampled, its
   stop check raises) gets its own error and leaves while the others go on; a cancelled `generate_async`
   call (a client that went away, a rollout past its deadline) leaves at the next decode step.
@@ -42,6 +44,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from nemo_rl_ext.models.generation.extra_logprobs import rows_top_logprobs, score_prompts
+from nemo_rl_ext.models.generation.grammar import Grammars
 from nemo_rl_ext.models.generation.hf_batch import KvBatch, Request, Row
 from nemo_rl_ext.models.generation.interfaces import (
     EngineLoad,
@@ -75,6 +78,7 @@ class _Update:
 
     state_dict: Mapping[str, torch.Tensor]
     in_flight: InFlightPolicy
+    partial: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -120,6 +124,7 @@ class HfGeneration(GenerationInterface):
         self._eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else next(iter(self._eos_ids)))
+        self._grammars = Grammars(tokenizer, self._vocab_size, self._eos_ids)  # built on first use
         self._cond = threading.Condition()
         self._pending: collections.deque[Request] = collections.deque()
         self._updates: collections.deque[_Update] = collections.deque()
@@ -177,7 +182,7 @@ class HfGeneration(GenerationInterface):
         return EngineLoad(running=self._num_running, waiting=waiting)
 
     async def generate_async(self, prompt_token_ids: Sequence[int], config: GenerationConfig) -> GenerationOutput:
-        request = self._submit(prompt_token_ids, config)
+        request = await self._submit(prompt_token_ids, config)
         try:
             return await request.future
         except asyncio.CancelledError:
@@ -189,7 +194,7 @@ class HfGeneration(GenerationInterface):
     ) -> AsyncIterator[StreamEvent]:
         """Each decode step's token as it is sampled (see `GenerationInterface.generate_stream`)."""
         tokens = TokenQueue()
-        request = self._submit(prompt_token_ids, config, on_token=tokens.put_token)
+        request = await self._submit(prompt_token_ids, config, on_token=tokens.put_token)
         try:
             async with contextlib.aclosing(tokens.events(request.future)) as events:
                 async for event in events:
@@ -198,16 +203,22 @@ class HfGeneration(GenerationInterface):
             if not request.future.done():
                 request.cancelled = True  # the reader left: the engine drops the row at its next step
 
-    def _submit(
+    async def _submit(
         self, prompt_token_ids: Sequence[int], config: GenerationConfig, on_token=None
     ) -> Request:
-        """Check the prompt and queue a request for the engine thread."""
+        """Check the prompt, compile its grammar (if any) and queue a request for the engine thread."""
         if self._closed:
             raise RuntimeError("HfGeneration was shut down")
+        arrived = time.monotonic()
         prompt = [int(t) for t in prompt_token_ids]
         check_prompt(prompt, self._max_model_len, self._vocab_size)
+        grammar = None  # compiled here, off the engine thread; a bad schema is a ValueError
+        if config.structured_output is not None:
+            grammar = await asyncio.to_thread(self._grammars.row, config.structured_output)
         loop = asyncio.get_running_loop()
-        request = Request(prompt, config, loop, loop.create_future(), on_token=on_token)
+        request = Request(
+            prompt, config, loop, loop.create_future(), arrived=arrived, grammar=grammar, on_token=on_token
+        )
         with self._cond:
             if self._closed:
                 raise RuntimeError("HfGeneration was shut down")
@@ -216,13 +227,19 @@ class HfGeneration(GenerationInterface):
             self._cond.notify()
         return request
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+    @property
+    def accepts_partial_update(self) -> bool:
+        return True  # `load_state_dict(strict=False)` keeps the tensors not named
+
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish", partial: bool = False
+    ) -> None:
         """Load new weights in place between two decode steps (see `GenerationInterface.update_weights`)."""
         if self._closed:
             raise RuntimeError("HfGeneration was shut down")
         check_in_flight(in_flight)
-        check_state_dict(self.model.state_dict().keys(), state_dict)
-        update = _Update(state_dict, in_flight)
+        check_state_dict(self.model.state_dict().keys(), state_dict, partial)
+        update = _Update(state_dict, in_flight, partial)
         with self._cond:
             if self._closed:
                 raise RuntimeError("HfGeneration was shut down")
@@ -322,7 +339,12 @@ class HfGeneration(GenerationInterface):
     def _apply(self, update: _Update) -> None:
         try:
             with torch.no_grad():
-                self.model.load_state_dict(dict(update.state_dict), strict=True)
+                if update.partial:  # tensor by tensor, in the mapping's order: a streamed one is made as read
+                    own = self.model.state_dict()
+                    for name in update.state_dict:
+                        own[name].copy_(update.state_dict[name])
+                else:
+                    self.model.load_state_dict(dict(update.state_dict), strict=True)
             self._weight_version += 1
         except Exception as exc:  # the caller hears why; the engine goes on serving
             update.error = exc
@@ -410,6 +432,7 @@ class HfGeneration(GenerationInterface):
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Select and append one token per row (a failed row gets its error instead); returns the tokens."""
+        logits = Grammars.mask(logits, [row.request.grammar for row in rows])
         tokens, logprobs = self._select(logits, rows)
         tops = rows_top_logprobs(logits, rows, self._fail)
         for pos, row in enumerate(rows):
@@ -523,6 +546,8 @@ class HfGeneration(GenerationInterface):
             row.request.on_token(token, logprob, top)
         self.num_generated_tokens += 1
         try:
+            if row.request.grammar is not None:
+                row.request.grammar.accept(token)
             self._check_finished(row, token)
         except Exception as exc:
             self._fail(row, "checking its stop conditions", exc)

@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
@@ -24,6 +25,9 @@ from nemo_rl_ext.models.generation.interfaces import (
     PromptScores,
     TopLogprobs,
 )
+
+if TYPE_CHECKING:
+    from nemo_rl_ext.models.generation.grammar import RowGrammar
 
 
 @dataclass
@@ -39,6 +43,8 @@ class Request:
     """Set on the caller's loop when the caller stopped waiting; the engine then drops the row."""
     arrived: float = field(default_factory=time.monotonic)
     """`time.monotonic()` when `generate_async` accepted it (the start of its time to first token)."""
+    grammar: RowGrammar | None = None
+    """Its structured output's matcher (`config.structured_output`); None: unconstrained."""
     on_token: Callable[[int, float, TopLogprobs | None], None] | None = None
     """Streamed requests: called on the engine thread with each sampled (id, logprob); must not raise."""
 

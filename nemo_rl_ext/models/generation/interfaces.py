@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -26,6 +27,29 @@ PromptScores = tuple[tuple[float, ...], tuple[TopLogprobs, ...] | None]
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on a generation's text: JSON that matches a JSON Schema (compiled by llguidance)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    json_schema: str = Field(
+        default='{"type": "object"}',
+        description="The JSON Schema, as JSON text, that the generated text must match; the default accepts "
+        "any JSON object (OpenAI's response_format json_object).",
+    )
+
+    @field_validator("json_schema")
+    @classmethod
+    def _a_json_object(cls, value: str) -> str:
+        try:
+            schema = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"json_schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        return value
 
 
 class GenerationConfig(BaseModel):
@@ -69,6 +93,11 @@ class GenerationConfig(BaseModel):
         exclude=True,
         description="Routing key, e.g. (prompt index, sample index): a replica pool keeps a session's turns on "
         "one replica (its prefix cache); engines ignore it, and it is left out of dumped configs.",
+    )
+    structured_output: StructuredOutput | None = Field(
+        default=None,
+        description="Constrain the generation to JSON matching a schema (a per-row token mask on the hf backend, "
+        "vLLM's structured outputs on vllm); its logprobs are then those of the masked distribution. None: free.",
     )
 
     @field_validator("stop_strings")
@@ -208,7 +237,9 @@ class GenerationInterface(abc.ABC):
         yield await self.generate_async(prompt_token_ids, config)
 
     @abc.abstractmethod
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish", partial: bool = False
+    ) -> None:
         """Serve new weights (transformers parameter names, every weight of the model); returns once they serve.
 
         Safe to call while generations are in flight. `in_flight="finish"`: they finish on the old weights,
@@ -216,7 +247,17 @@ class GenerationInterface(abc.ABC):
         keeping the tokens and logprobs made so far (under the old version), then the update applies.
         Requests that arrive during the update wait and run on the new weights. `weight_version` then grows
         by one. Raises ValueError naming the missing weights if `state_dict` lacks any, before loading anything.
+
+        `partial=True`: `state_dict` holds only the tensors that changed (a LoRA refit's merged target modules);
+        the others keep what the engine holds, and a backend that reloads its model folder (a restarted pool
+        replica) applies the latest partial update on top of the folder's weights. Names the model lacks are
+        then the ValueError.
         """
+
+    @property
+    def accepts_partial_update(self) -> bool:
+        """Whether `update_weights(..., partial=True)` is served (False: the caller sends every weight)."""
+        return False
 
     @property
     def weight_version(self) -> int:
@@ -249,8 +290,14 @@ def check_in_flight(in_flight: str) -> None:
         raise ValueError(f'update_weights: in_flight must be "finish" or "abort", got {in_flight!r}')
 
 
-def check_state_dict(expected: Iterable[str], state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Raise a ValueError naming the weights `state_dict` lacks (a partial reload would leave layers stale)."""
+def check_state_dict(expected: Iterable[str], state_dict: Mapping[str, torch.Tensor], partial: bool = False) -> None:
+    """Raise a ValueError naming the weights `state_dict` lacks (a partial reload would leave layers stale), or
+    with `partial`, the names the model does not have."""
+    if partial:
+        unknown = sorted(set(state_dict) - set(expected))
+        if unknown:
+            raise ValueError(f"update_weights(partial=True): the model has no weights named {unknown[:10]}")
+        return
     missing = sorted(set(expected) - set(state_dict))
     if missing:
         raise ValueError(

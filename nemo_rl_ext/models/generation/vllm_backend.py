@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl_ext.models.generation.grammar import vllm_structured_outputs
 from nemo_rl_ext.models.generation.interfaces import (
     FinishReason,
     GenerationConfig,
@@ -287,9 +288,12 @@ class VllmGeneration(GenerationInterface):
             logprobs=config.top_logprobs,  # the sampled token's, plus this many alternatives
             prompt_logprobs=config.prompt_logprobs,
             output_kind=self._cumulative if stream else self._final_only,
+            structured_outputs=vllm_structured_outputs(config.structured_output),  # grammar.py
         )
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish") -> None:
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, in_flight: InFlightPolicy = "finish", partial: bool = False
+    ) -> None:
         """Load new weights (transformers names) into the running engine; the next generation uses them.
 
         `in_flight="finish"`: requests in flight finish on the old weights first (vLLM pauses with mode
@@ -300,7 +304,9 @@ class VllmGeneration(GenerationInterface):
         check_in_flight(in_flight)
         if self._closed:
             raise RuntimeError("VllmGeneration was shut down")
-        check_state_dict(self._checkpoint_names, state_dict)  # first: a partial reload leaves stale layers
+        # first: a partial reload leaves stale layers. `accepts_partial_update` is False: whether vLLM's layerwise
+        # reload finishes a fused layer (qkv_proj) from some of its parts is unverified, so callers send all
+        check_state_dict(self._checkpoint_names, state_dict, partial)
         payload = pack_state_dict(state_dict)
         with self._update_lock:
             version = self._weight_version + 1
