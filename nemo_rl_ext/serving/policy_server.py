@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -60,6 +61,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
 )
+from nemo_rl_ext.plugins import PluginError, add_import_argument, load_plugins
 from nemo_rl_ext.serving.api_errors import ApiError, validation_api_error
 from nemo_rl_ext.serving.chat_prompt import ChatPrompt, build_chat_prompt
 from nemo_rl_ext.serving.chat_stream import ChatStream, tool_call_dict
@@ -454,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
     parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: --model)")
-    parser.add_argument("--backend", default=defaults.backend, help="a registered backend: hf, vllm, or one of yours")
+    parser.add_argument("--backend", default=defaults.backend, help="a registered backend: hf, vllm, or one of yours (--import its module)")
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
@@ -482,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager", action="store_true", help="vllm backend: no CUDA graphs / compilation (faster start)"
     )
     parser.add_argument("--log-level", default="info")
+    add_import_argument(parser)
     return parser
 
 
@@ -508,6 +511,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from nemo_rl_ext.models.policy import resolve_model_path
 
     args = build_parser().parse_args(argv)
+    try:
+        load_plugins(args.imports)  # before --backend is checked: a plugin may register it
+    except PluginError as err:  # its message alone, no traceback; 2 as for any bad command line
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
