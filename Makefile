@@ -87,11 +87,13 @@ functional: setup
 # TEST_WORKERS pytest-xdist workers take whole test files (--dist loadfile); each is one pytest session, with at
 # most one local Ray (the session fixture). The functional tests wait on servers and subprocesses most of the
 # time: on 2 cores, 2 workers ran the suite in 9 minutes instead of 14.5. TEST_WORKERS=0: one process.
+# --no-loadscope-reorder keeps the files in collection order, which tests/conftest.py sets: the slowest files first,
+# the short unit files last (xdist's own order, most tests first, left long files of few tests for the end).
 TEST_WORKERS ?= 2
 test: lint
 	@bash scripts/setup_nemo_gym.sh > $(VENV)/nemo-gym-setup.log 2>&1 &
 	@$(MAKE) --no-print-directory docs
-	@$(call run_pytest,tests/unit tests/functional --durations=15 -n $(TEST_WORKERS) --dist loadfile)
+	@$(call run_pytest,tests/unit tests/functional --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 	@$(MAKE) --no-print-directory numerics
 
 # The documentation site (mkdocs.yml). --strict: a broken link or anchor, or a page missing from the nav, fails.
