@@ -22,7 +22,7 @@ from nemo_rl_ext.evals.report import format_metric_table, markdown_report
 from nemo_rl_ext.evals.store import CompletionStore, dumps
 from nemo_rl_ext.evals.summary import EvalSummary, summarize
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "extending.md"
 SECTION = "## 3. A metric"
 
 
