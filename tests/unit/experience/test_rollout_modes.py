@@ -143,7 +143,7 @@ async def test_gym_per_call_counts_and_an_override_that_cannot_take_them(tiny_mo
 
 async def test_the_documented_rollout_mode_runs_as_written(tiny_model_and_tokenizer, registry):
     """docs/extending.md's section 4, run as is: its mode is selected by rollouts.mode through the front door."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "extending.md").read_text()
     section = text.split("## 4. A rollout mode", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"^```python\n(.*?)^```$", section, flags=re.S | re.M)
     exec(compile(block, "docs/extending.md", "exec"), {"__name__": "extending_doc_mode"})
