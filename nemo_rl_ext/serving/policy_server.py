@@ -39,6 +39,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +51,7 @@ from starlette.requests import ClientDisconnect
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
+from nemo_rl_ext.plugins import PluginError, add_import_argument, load_plugins
 from nemo_rl_ext.serving.api_errors import ApiError
 from nemo_rl_ext.serving.policy_service import (  # re-exported: imported from here by callers
     PolicyService,
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
     parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: --model)")
-    parser.add_argument("--backend", default=defaults.backend, help="a registered backend: hf, vllm, or one of yours")
+    parser.add_argument("--backend", default=defaults.backend, help="a registered backend: hf, vllm, or one of yours (--import its module)")
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
@@ -243,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager", action="store_true", help="vllm backend: no CUDA graphs / compilation (faster start)"
     )
     parser.add_argument("--log-level", default="info")
+    add_import_argument(parser)
     return parser
 
 
@@ -269,6 +272,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from nemo_rl_ext.models.policy import resolve_model_path
 
     args = build_parser().parse_args(argv)
+    try:
+        load_plugins(args.imports)  # before --backend is checked: a plugin may register it
+    except PluginError as err:  # its message alone, no traceback; 2 as for any bad command line
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

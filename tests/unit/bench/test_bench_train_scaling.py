@@ -16,7 +16,7 @@ from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors
 from nemo_rl_ext.algorithms.trainer import PolicyTrainer
 from nemo_rl_ext.algorithms.trainer_config import LoraSettings
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "train_scaling.py"
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "train_scaling.py"
 
 
 @pytest.fixture(scope="module")

