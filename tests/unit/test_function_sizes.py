@@ -19,7 +19,6 @@ PACKAGE = Path(nemo_rl_ext.__file__).resolve().parent
 
 EVAL_PIPELINE = "the eval pipeline is being rebuilt as plan, roll out, store, summarise (issue 27 item 3)"
 GRPO = "grpo.py is being split by the issue 26 helpers (trainer workers)"
-GRAMMAR = "serving/ and models/generation/ are being edited for grammar-constrained decoding (issue 28)"
 
 ALLOWED: dict[str, str] = {
     # "path under nemo_rl_ext/" (a module) or "path:Qualified.name" (a function) -> why it may be long for now
@@ -31,11 +30,6 @@ ALLOWED: dict[str, str] = {
     "evals/ray_shards.py:run_ray_eval": EVAL_PIPELINE,
     "evals/summary.py:summarize": EVAL_PIPELINE,
     "evals/votes.py:cons_at_k": EVAL_PIPELINE,
-    "models/generation/hf_backend.py": GRAMMAR,
-    "models/generation/hf_backend.py:HfGeneration.__init__": GRAMMAR,
-    "models/generation/vllm_backend.py:VllmGeneration.__init__": GRAMMAR,
-    "serving/policy_server.py": GRAMMAR,
-    "serving/policy_server.py:create_app": GRAMMAR,
 }
 
 
