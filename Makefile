@@ -65,10 +65,10 @@ unit: setup
 # (ATEN_CPU_CAPABILITY) and MKL's generic GEMM code path (MKL_CBWR=COMPATIBLE; ignored where torch has no MKL).
 # If that fails, the same files run under ATEN_CPU_CAPABILITY=default with 2 torch threads, to say whether the
 # failure is specific to those kernels. 15-20 s on 2 cores, about 50 s when they are busy (load average 8).
-NUMERICS_TESTS := tests/unit/test_trainer_logprobs.py tests/unit/test_grpo_trainer.py tests/unit/test_loss.py \
-	tests/unit/test_kl_gradient.py tests/unit/test_advantages.py tests/unit/test_grpo_checkpoint.py \
-	tests/unit/test_hf_backend_weights.py tests/unit/test_hf_backend_faults.py tests/unit/test_hf_backend_continuous.py \
-	tests/unit/test_generation_contract.py tests/unit/test_trainer_memory.py
+NUMERICS_TESTS := tests/unit/algorithms/test_trainer_logprobs.py tests/unit/algorithms/test_grpo_trainer.py tests/unit/algorithms/test_loss.py \
+	tests/unit/algorithms/test_kl_gradient.py tests/unit/algorithms/test_advantages.py tests/unit/algorithms/test_grpo_checkpoint.py \
+	tests/unit/models/test_hf_backend_weights.py tests/unit/models/test_hf_backend_faults.py tests/unit/models/test_hf_backend_continuous.py \
+	tests/unit/models/test_generation_contract.py tests/unit/algorithms/test_trainer_memory.py
 numerics: setup
 	@echo "numerics check: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
 	@if ( export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1; \
@@ -87,11 +87,13 @@ functional: setup
 # TEST_WORKERS pytest-xdist workers take whole test files (--dist loadfile); each is one pytest session, with at
 # most one local Ray (the session fixture). The functional tests wait on servers and subprocesses most of the
 # time: on 2 cores, 2 workers ran the suite in 9 minutes instead of 14.5. TEST_WORKERS=0: one process.
+# --no-loadscope-reorder keeps the files in collection order, which tests/conftest.py sets: the slowest files first,
+# the short unit files last (xdist's own order, most tests first, left long files of few tests for the end).
 TEST_WORKERS ?= 2
 test: lint
 	@bash scripts/setup_nemo_gym.sh > $(VENV)/nemo-gym-setup.log 2>&1 &
 	@$(MAKE) --no-print-directory docs
-	@$(call run_pytest,tests/unit tests/functional --durations=15 -n $(TEST_WORKERS) --dist loadfile)
+	@$(call run_pytest,tests/unit tests/functional --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 	@$(MAKE) --no-print-directory numerics
 
 # The documentation site (mkdocs.yml). --strict: a broken link or anchor, or a page missing from the nav, fails.

@@ -283,7 +283,8 @@ def main() -> None:
             steps = res["steps"][1:]  # the first step warms up
             assert len(steps) == timed and all(s["samples"] == PROMPTS * SAMPLES for s in steps), steps
             results[contender].append(steps)
-            line = ", ".join(f"{s['wall_s']:.1f}s (gen {s['gen_s']:.1f} + train {s['train_s']:.1f})" for s in steps)
+            line = ", ".join(f"{s['wall_s']:.1f}s (gen {s['gen_s']:.1f} + train {s['train_s']:.1f}; CPU {s['cpu_s']:.1f}s)"
+                             for s in steps)
             print(f"  round {r + 1}/{rounds} {contender:>15}: {line}", flush=True)
 
     def rate(steps: list[dict]) -> float:

@@ -271,6 +271,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 200 and 1k rollouts, 1 round")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per case (default 3, quick 1)")
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="rollout counts (default 1000 10000)")
+    parser.add_argument("--turn-counts", type=int, nargs="+", default=[1, 4], help="turns per rollout (default 1 4)")
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--obs-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -301,7 +302,7 @@ def main() -> None:
         f"{args.gen_tokens} generated tokens per turn, {args.obs_tokens}-token observations; "
         f"instant fakes; {rounds} round(s), contenders alternate; each run in its own process"
     )
-    cases = [(turns, n) for n in sizes for turns in (1, 4)]
+    cases = [(turns, n) for n in sizes for turns in args.turn_counts]
     results: dict[tuple, list[dict]] = {}
     start = time.perf_counter()
     for r in range(rounds):
@@ -314,6 +315,7 @@ def main() -> None:
                 print(f"  round {r + 1}/{rounds} turns={turns} rollouts={n:>6} {contender:>7}: {rates} rollouts/s",
                       flush=True)
     rows = []
+    per_rollout: dict[tuple[int, int, str], tuple[float, float]] = {}  # (turns, n, contender) -> (wall, CPU) µs
     for turns, n in cases:
         bare, mgr = results[(turns, n, "bare")], results[(turns, n, "manager")]
         for res in (*bare, *mgr):
@@ -326,6 +328,8 @@ def main() -> None:
         bare_cpu = [median(res["cpu_seconds"]) for res in bare]
         mgr_cpu = [median(res["cpu_seconds"]) for res in mgr]
         cpu_ratios = [b / m for m, b in zip(mgr_cpu, bare_cpu, strict=True)]
+        for name, rates, cpus in (("bare", bare_rate, bare_cpu), ("manager", mgr_rate, mgr_cpu)):
+            per_rollout[(turns, n, name)] = (1e6 / median(rates), 1e6 * median(cpus) / n)
 
         def mib(key: str, runs: list[dict]) -> str:
             values = [res[key] for res in runs if res.get(key) is not None]
@@ -333,6 +337,7 @@ def main() -> None:
 
         rows.append([
             turns, n, f"{median(bare_rate):,.0f}", f"{median(mgr_rate):,.0f}",
+            f"{per_rollout[(turns, n, 'bare')][1]:.0f} / {per_rollout[(turns, n, 'manager')][1]:.0f}",
             f"{mib('peak_rss_growth', bare)} / {mib('peak_rss_growth', mgr)}",
             *([f"{mib('tracemalloc_peak', bare)} / {mib('tracemalloc_peak', mgr)}"] if args.tracemalloc else []),
             f"{median(cpu_ratios):.2f} ({spread(cpu_ratios)})",
@@ -340,12 +345,23 @@ def main() -> None:
         ])
     print_table(
         ["turns", "rollouts", "bare loop rollouts/s", "RolloutManager rollouts/s",
+         "CPU µs per rollout (bare / manager)",
          "peak RSS growth MiB (bare / manager)",
          *(["tracemalloc peak MiB (bare / manager)"] if args.tracemalloc else []),
          "CPU-time ratio (min-max)", "ratio manager/bare, rollouts/s (min-max)"],
         rows,
         title=f"Native rollout overhead (medians over {rounds} round(s); target ratio >= 0.5)",
     )
+    small, large = min(sizes), max(sizes)
+    for turns in args.turn_counts:
+        if small == large:
+            break
+        growth = []
+        for name in CONTENDERS:
+            (wall_s, cpu_s), (wall_l, cpu_l) = per_rollout[(turns, small, name)], per_rollout[(turns, large, name)]
+            growth.append(f"{name} {wall_l / wall_s:.2f} wall, {cpu_l / cpu_s:.2f} CPU")
+        print(f"cost per rollout at {large:,} over {small:,} ({turns} turn(s); target <= 1.2 for the manager): "
+              + "; ".join(growth))
     print(f"total bench time {time.perf_counter() - start:.0f} s")
 
 

@@ -12,8 +12,10 @@ prompts from a shared queue into `<save_path>/shards/worker-<k>/`; a dead worker
 (`<save_path>/ray_workers.jsonl` records it), and this process merges when the queue is done.
 
 Rollout modes (`rollouts.mode`): native (the environment loop in this process; `rollouts.max_rollout_turns: 1`
-for single turn) or nemo_gym (Gym agents); summary.json's `rollout_mode` names them single_turn, multi_turn,
-nemo_gym. Outputs in `eval.save_path`: config.yaml, completions.jsonl, summary.json, runs.jsonl,
+for single turn), nemo_gym (Gym agents), or one a plugin registers; summary.json's `rollout_mode` names them
+single_turn, multi_turn, nemo_gym (or the plugin's name). Plugins: `--import MODULE` (repeatable) and installed
+packages' `nemo_rl_ext.plugins` entry points register environments, backends, metrics and rollout modes before
+the config is read (docs/extending.md). Outputs in `eval.save_path`: config.yaml, completions.jsonl, summary.json, runs.jsonl,
 pass_at_k.png, report.md; in nemo_gym mode with rollouts.gym.launch, the Gym servers' logs in gym/ (summary.json's
 `gym_logs`). Re-running with the same save_path (or a copy of the folder) resumes: finished (prompt, sample) pairs
 are skipped, error samples (infrastructure failures) are retried, and the summary equals that of an
@@ -35,6 +37,7 @@ from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig, check_inputs
 from nemo_rl_ext.gym.launcher import GymLaunchError
 from nemo_rl_ext.lifecycle import stop_on_signals
+from nemo_rl_ext.plugins import add_import_argument, load_plugins
 
 
 def merge_main(argv: list[str]) -> int:
@@ -66,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config (examples/configs/evals/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. eval.num_prompts=8")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_import_argument(parser)
     args = parser.parse_intermixed_args(argv)  # overrides may come before and after the flags
     try:
+        load_plugins(args.imports)  # before the config: the names they register validate in it
         cfg = load_config(args.config, args.overrides, EvalConfig)
         check_inputs(cfg)  # missing files and counts: found before the model loads
 

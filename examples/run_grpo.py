@@ -27,6 +27,7 @@ import time
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.gym.launcher import GymLaunchError
 from nemo_rl_ext.lifecycle import stop_on_signals
+from nemo_rl_ext.plugins import add_import_argument, load_plugins
 
 
 def export_main(argv: list[str]) -> int:
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config (see examples/configs/grpo_*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    add_import_argument(parser)
     args = parser.parse_intermixed_args(argv)  # overrides may come before and after the flags
     import transformers  # here, not at the top: `export` does without transformers and the trainer
 
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()  # per-load weight bars would bury the step lines
     start = time.perf_counter()
     try:
+        load_plugins(args.imports)  # before the config: the names they register validate in it
         cfg = load_config(args.config, args.overrides, GRPOConfig)
         with GRPO(cfg) as grpo:  # checks inputs, checkpoint and resume config before any model loads
             first_step = grpo.step

@@ -257,30 +257,36 @@ def check_fsdp(device: str, model_dir: Path, work: Path, result: Result) -> None
     spec = RankSpec(model_path=str(model_dir), reference_path=None, dtype="float32", device=device,
                     optimizer=optimizer, loss=loss, temperature=1.0, pad_token_id=pad)
     want = reference.state_dict()
-    norm, worst, backend = _rank_step(spec, items, advantages, want)
+    norm, worst, backend, where = _rank_step(spec, items, advantages, want)
     result.figures.update({"backend": backend, "grad_norm": norm, "grad_norm_in_process": expected_norm,
-                           "weights_max_diff_of_largest": f"{worst:.2e}"})
-    ok = norm is not None and math.isclose(norm, expected_norm, rel_tol=1e-4) and worst <= 1e-4
+                           "weights_max_diff_of_largest": f"{worst:.2e}", "shards_on": where})
+    problems = []
+    if not (norm is not None and math.isclose(norm, expected_norm, rel_tol=1e-4) and worst <= 1e-4):
+        problems.append("the world-size-1 FSDP2 step differs from the in-process trainer's")
     if device.startswith("cuda"):  # trainer.cpu_offload: FSDP2's CPUOffloadPolicy (refused on the CPU)
         from nemo_rl_ext.algorithms.fsdp_wrap import WrapSettings
 
         offload = dataclasses.replace(spec, wrap=WrapSettings(cpu_offload=True))
-        off_norm, off_worst, _ = _rank_step(offload, items, advantages, want)
-        result.figures.update({"cpu_offload_grad_norm": off_norm, "cpu_offload_weights_max_diff": f"{off_worst:.2e}"})
-        ok = ok and off_norm is not None and math.isclose(off_norm, expected_norm, rel_tol=1e-4) and off_worst <= 1e-4
+        off_norm, off_worst, _, off_where = _rank_step(offload, items, advantages, want)
+        result.figures.update({"cpu_offload_grad_norm": off_norm, "cpu_offload_weights_max_diff": f"{off_worst:.2e}",
+                               "cpu_offload_shards_on": off_where})
+        if not (off_norm is not None and math.isclose(off_norm, expected_norm, rel_tol=1e-4) and off_worst <= 1e-4):
+            problems.append("with cpu_offload the step differs from the in-process trainer's")
+        if off_where != "cpu":  # offloaded: the shards and AdamW's state stay in CPU memory between steps
+            problems.append(f"cpu_offload: the shards and the optimizer state are on {off_where}, not cpu")
     else:
         result.figures["cpu_offload"] = "needs CUDA"
     _peak_memory(device, result)
-    result.status = "PASS" if ok else "FAIL"
-    if not ok:
-        result.detail = "the world-size-1 FSDP2 step differs from the in-process trainer's"
+    result.status, result.detail = ("FAIL", "; ".join(problems)) if problems else ("PASS", "")
 
 
 def _rank_step(spec: Any, items: list[Any], advantages: torch.Tensor,
-               want: dict[str, torch.Tensor]) -> tuple[float | None, float, str]:
+               want: dict[str, torch.Tensor]) -> tuple[float | None, float, str, str]:
     """One FSDP2 rank at world size 1 (in this process) takes one step: its grad norm, the largest weight difference
-    from `want` (relative to each tensor's largest entry) and the process group's backend."""
+    from `want` (relative to each tensor's largest entry), the process group's backend, and the device types its
+    parameter shards and AdamW state are on after the step (e.g. "cpu", or "cpu,cuda" if mixed)."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from nemo_rl_ext.algorithms.fsdp_workers import TrainerRank  # the rank a Ray actor hosts
 
@@ -293,12 +299,15 @@ def _rank_step(spec: Any, items: list[Any], advantages: torch.Tensor,
         backend = dist.get_backend()
         count = float(sum(float(x.loss_mask.sum()) for x in items))
         _, norm = rank.train_minibatch([(items, advantages, None, None)], count)
+        held = [*rank.policy.parameters(), *(v for state in rank.optimizer.state.values()
+                                             for k, v in state.items() if k != "step")]
+        where = ",".join(sorted({(t.to_local() if isinstance(t, DTensor) else t).device.type for t in held}))
         got = rank.gather([name for name, *_ in rank.tensor_sizes()])
     finally:
         rank.shutdown()
     worst = max(float((got[k].to(want[k].device) - want[k]).abs().max() / (want[k].abs().max() + 1e-12))
                 for k in got)
-    return norm, worst, backend
+    return norm, worst, backend, where
 
 
 def _batch(tokenizer: Any) -> tuple[list[Any], torch.Tensor]:

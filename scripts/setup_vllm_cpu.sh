@@ -3,7 +3,7 @@
 #
 #   scripts/setup_vllm_cpu.sh            # builds if needed; the LAST line of stdout is the venv path
 #   VENV=$(scripts/setup_vllm_cpu.sh | tail -n1)
-#   VLLM_CPU_KVCACHE_SPACE=1 "$VENV/bin/python" -m pytest tests/unit/test_vllm_backend.py -q
+#   VLLM_CPU_KVCACHE_SPACE=1 "$VENV/bin/python" -m pytest tests/unit/models/test_vllm_backend.py -q
 #
 # Environment:
 #   NEMO_RL_EXT_CACHE   cache root (default: $HOME/.cache/nemo_rl_ext)

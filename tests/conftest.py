@@ -7,6 +7,43 @@ from typing import Any
 
 import pytest
 
+# The test files that take longest (seconds in CI's `--durations`, all their tests together), slowest first. `make
+# test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: each worker takes whole files in collection order, so
+# these run first and the many short unit files come last, where they fill whichever worker frees up first. In
+# pytest-xdist's own order (most tests first) the long functional files of 1-5 tests ran last, and the suite's end
+# waited for one of them on one worker while the other sat idle. The first two need no NeMo Gym venv, which
+# `make test` may still be building in the background while they run.
+SLOW_FILES_FIRST = (
+    "test_eval_ray_shards.py",
+    "test_trainer_workers.py",
+    "test_stop_signals.py",
+    "test_eval_shard_jobs.py",
+    "test_eval.py",
+    "test_export.py",
+    "test_eval_ray_gym.py",
+    "test_ray_multinode.py",
+    "test_faults.py",
+    "test_grpo.py",
+    "test_gym_faults.py",
+    "test_grading_faults.py",
+    "test_cluster_wiring.py",
+    "test_cluster_environments.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of `SLOW_FILES_FIRST` first (in its order), then the other functional tests, then the unit tests;
+    a stable sort, so each file's tests keep their order."""
+    rank = {name: k for k, name in enumerate(SLOW_FILES_FIRST)}
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        path = Path(item.fspath)
+        if path.name in rank:
+            return 0, rank[path.name]
+        return (1 if "functional" in path.parts else 2), 0
+
+    items.sort(key=key)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

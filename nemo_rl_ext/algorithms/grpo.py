@@ -10,14 +10,16 @@ sampling, groups whose rewards are all equal are dropped and more rows are rolle
 normalization, grad clipping); then `update_weights(trainer.state_dict())` refits the generation backend,
 which holds its own copy of the model. Validation runs every `val_period` steps through the eval metrics;
 metrics go to `metrics.jsonl` (and TensorBoard); checkpoints every `save_period` steps make `resume` exact.
+`grpo_setup` checks the inputs and the checkpoint to resume and builds the policy's parts (tokenizer, trainer,
+reference, engine) before the loop starts.
 
 Sampling seeds: every rollout request is seeded (policy.generation.seed, else grpo.seed, then per prompt,
 sample and turn by the rollout implementation), and the backend mixes in the step and rollout-batch number
 (`SaltedGeneration`), so each step samples afresh and a resumed run replays the same draws.
 
-Asynchronous GRPO (`grpo.async.enabled`, `_run_async`): `AsyncCollector` keeps groups in flight while the
-trainer trains and refits on a worker thread; each trained group is at most `grpo.async.max_lag` policy
-versions behind (see `staleness` and `async_collector`). With `max_lag: 0` it is the synchronous loop.
+Asynchronous GRPO (`grpo.async.enabled`, `_run_async` and `grpo_async.AsyncLoop`): `AsyncCollector` keeps
+groups in flight while the trainer trains and refits on a worker thread; each trained group is at most
+`grpo.async.max_lag` policy versions behind (see `staleness` and `async_collector`). With `max_lag: 0` it is the synchronous loop.
 
 Stopping (`run` runs inside `stopping.LoopStop`): the first SIGTERM / Ctrl-C cuts a wait for rollouts
 or validation at once, but never a training step (it updates weights and optimizer state, on a thread in
@@ -31,73 +33,48 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
-import random
 import time
 from collections.abc import Awaitable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
-import torch
 from tqdm.auto import tqdm
 
-from nemo_rl_ext.algorithms.async_collector import AsyncCollector
-from nemo_rl_ext.algorithms.checkpoint import (
-    MARKER_FILE,
-    Checkpoint,
-    discard_checkpoints,
-    get_rng_state,
-    latest_checkpoint,
-    load_checkpoint,
-    resumable_checkpoint,
-    save_checkpoint,
-    step_folders,
-)
-from nemo_rl_ext.algorithms.distributed_trainer import DistributedTrainer, rank_spec
+from nemo_rl_ext.algorithms.checkpoint import Checkpoint, discard_checkpoints, get_rng_state, save_checkpoint
+from nemo_rl_ext.algorithms.grpo_async import AsyncLoop
 from nemo_rl_ext.algorithms.grpo_batch import (
     TrainingBatch,
     build_training_batch,
     has_reward_variance,
     training_batch_metrics,
 )
-from nemo_rl_ext.algorithms.grpo_config import (
-    RESTART,
-    RESUME_MAY_CHANGE,
-    GRPOConfig,
-    async_wedge_warning,
-    input_problems,
-    saved_config_settings,
+from nemo_rl_ext.algorithms.grpo_config import RESTART, GRPOConfig, async_wedge_warning
+from nemo_rl_ext.algorithms.grpo_setup import (
+    build_policy_parts,
+    check_inputs,
+    checkpoint_to_resume,
+    seed_everything,
 )
-from nemo_rl_ext.algorithms.lora import lora_target_problem, with_lora
-from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger, read_metrics
+from nemo_rl_ext.algorithms.metrics_logger import MetricsLogger
 from nemo_rl_ext.algorithms.prompt_stream import PromptStream
-from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration
+from nemo_rl_ext.algorithms.step_seeds import TRAIN_SALT, VAL_SALT
 from nemo_rl_ext.algorithms.stopping import LoopStop, Stopped
 from nemo_rl_ext.algorithms.streamed_weights import refit_nbytes
-from nemo_rl_ext.algorithms.trainer import PolicyTrainer
 from nemo_rl_ext.algorithms.trainer_state import restore_trainer_state, state_writer, weights_in_model_dir
 from nemo_rl_ext.cluster import loads_model_folder
-from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
+from nemo_rl_ext.config import dump_config
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
-from nemo_rl_ext.experience.build import build_policy, build_rollouts, load_rollout_rows, make_datums
+from nemo_rl_ext.experience.build import build_rollouts, load_rollout_rows, make_datums
 from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, count_prompts_too_long
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, InFlightPolicy
-from nemo_rl_ext.models.loading import load_model_and_tokenizer, load_tokenizer
-from nemo_rl_ext.models.policy import resolve_model_path
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TRAIN_SALT = 1
-"""First element of the seed salt of training rollouts: (TRAIN_SALT, step, rollout batch)."""
-VAL_SALT = 2
-"""Seed salt of validation rollouts: the same draws at every validation, so they compare across steps."""
 GYM_LOGS = "gym"
 """The folder in output_dir where the Gym servers a run launches write env.yaml and their logs (unless
 `rollouts.gym.launch.work_dir` names another)."""
@@ -122,18 +99,6 @@ def weight_by_loss_multiplier(batch: TrainingBatch, records: Sequence[PromptGrou
     return dataclasses.replace(batch, items=items)
 
 
-def _pad_id(tokenizer: Any) -> int:
-    pad = tokenizer.pad_token_id
-    return int(pad if pad is not None else tokenizer.eos_token_id)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 class GRPO:
     """A GRPO run: builds the trainer, the generation backend, the data and the RolloutManager from a config.
 
@@ -154,55 +119,41 @@ class GRPO:
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
-        problems = input_problems(cfg, train=train_datums is None, val=val_datums is None)
-        lora = cfg.trainer.lora
-        if lora is not None and cfg.policy.model_folder_problem() is None:
-            problems += [p for p in (lora_target_problem(lora, resolve_model_path(cfg.policy)),) if p]
-        raise_problems(problems, "the GRPO run's inputs")
-        checkpoint = self._checkpoint_to_resume()
+        check_inputs(cfg, train_datums, val_datums)
+        checkpoint = checkpoint_to_resume(cfg, self.output_dir, self.checkpoint_root)
         seed_everything(cfg.grpo.seed)
-        dtype = getattr(torch, cfg.policy.dtype)
-        initial_path = resolve_model_path(cfg.policy)
-        # a LoRA checkpoint holds the adapters only, a sharded one its shards: the model comes from the initial folder
-        model_path = checkpoint.model_dir if weights_in_model_dir(checkpoint) else initial_path
-        # bf16 mixed precision keeps float32 master weights (the engine keeps policy.dtype)
-        train_dtype = torch.float32 if cfg.trainer.mixed_precision == "bf16" else dtype
+        parts = build_policy_parts(cfg, checkpoint)
+        self.tokenizer, self.trainer, self.generation = parts.tokenizer, parts.trainer, parts.generation
+        self._build_data(task_to_env, train_datums, val_datums)
 
-        self.trainer: PolicyTrainer | DistributedTrainer | None = None
-        model = reference = None
-        if cfg.trainer.workers > 1:  # FSDP2 ranks on Ray load the policy: this process holds no trainer copy
-            self.tokenizer = load_tokenizer(model_path)
-            self.trainer = DistributedTrainer(
-                rank_spec(cfg, model_path, initial_path if cfg.loss.kl_coef > 0 else None, _pad_id(self.tokenizer),
-                          adapter_dir=checkpoint.model_dir if checkpoint and lora is not None and not checkpoint.sharded
-                          else None),
-                cfg.trainer, cfg.policy.cluster,
-            )
-        else:
-            model, self.tokenizer = load_model_and_tokenizer(model_path, dtype=train_dtype, device=cfg.policy.device)
-            if lora is not None:  # its reference is itself with the adapters disabled: no copy
-                saved = checkpoint.model_dir if checkpoint and not checkpoint.sharded else None
-                model = with_lora(model, lora, adapter_dir=saved)
-            elif cfg.loss.kl_coef > 0:
-                reference, _ = load_model_and_tokenizer(initial_path, dtype=train_dtype, device=cfg.policy.device)
-        if not loads_model_folder(cfg.policy):  # an in-process hf engine: its own copy of the weights
-            engine_model, _ = load_model_and_tokenizer(model_path, dtype=dtype, device=cfg.policy.device)
-            _, engine = build_policy(cfg.policy, model=engine_model, tokenizer=self.tokenizer)
-        else:  # vllm, or a Ray pool, loads the initial model folder itself; a resumed run refits it below
-            _, engine = build_policy(cfg.policy, tokenizer=self.tokenizer)
-        self.generation = SaltedGeneration(engine)
-        if self.trainer is None:
-            self.trainer = PolicyTrainer(
-                model,
-                optimizer=cfg.optimizer,
-                loss=cfg.loss.to_loss_config(),
-                temperature=cfg.policy.generation.temperature,
-                pad_token_id=_pad_id(self.tokenizer),
-                reference_model=reference,
-                mixed_precision=cfg.trainer.mixed_precision,
-                activation_checkpointing=cfg.trainer.activation_checkpointing,
-            )
+        self.step = 0
+        self.logger = MetricsLogger(self.output_dir, tensorboard=cfg.logger.tensorboard)
+        self._prompt_length_warning = PromptLengthWarning()  # once per run: prompts that leave no room
+        if checkpoint is not None:
+            self._restore(checkpoint)
+        if cfg.resume == RESTART:  # every check passed: now the earlier run's checkpoints go
+            discard_checkpoints(self.checkpoint_root)
+        self.logger.truncate_after(self.step if checkpoint is not None else -1)  # a fresh run starts empty
+        (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+        self._runner = asyncio.Runner()
+        self._stop: LoopStop | None = None
+        """Stopping on a signal, while `run` runs."""
+        self._saved_step = self.step if checkpoint is not None else None
+        """The step of the newest checkpoint this run wrote or resumed from."""
+        self._rng_after_step: dict[str, Any] | None = None
+        """The RNG states when the last step ended (what a checkpoint of that step saves)."""
 
+    @property
+    def task_to_env(self) -> Mapping[str, EnvironmentInterface] | None:
+        """The environments of native rollouts (the given ones, or the one the manager built and owns)."""
+        return self.manager.task_to_env
+
+    # ---- set-up helpers -------------------------------------------------------------------------
+
+    def _build_data(self, task_to_env: Mapping[str, EnvironmentInterface] | None,
+                    train_datums: Sequence[DatumSpec] | None, val_datums: Sequence[DatumSpec] | None) -> None:
+        """The RolloutManager, the seeded training prompt stream and the validation prompts."""
+        cfg = self.cfg
         keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
         train_rows = load_rollout_rows(cfg.rollouts, cfg.data.train_path, **keys) if train_datums is None else ()
         datums, self.manager = build_rollouts(
@@ -226,96 +177,15 @@ class GRPO:
         self.val_datums = list(val_datums)[: cfg.validation.num_prompts]
         self.manager.preflight(train)
 
-        self.step = 0
-        self.logger = MetricsLogger(self.output_dir, tensorboard=cfg.logger.tensorboard)
-        self._prompt_length_warning = PromptLengthWarning()  # once per run: prompts that leave no room
-        if checkpoint is not None:
-            restore_trainer_state(self.trainer, checkpoint)
-            if loads_model_folder(cfg.policy) or not weights_in_model_dir(checkpoint):  # the engine has the initial model
-                self._refit(in_flight="finish")
-            self.train_data.load_state_dict(checkpoint.data_state)
-            self.step = checkpoint.step
-            checkpoint.restore_rng()
-            logger.info("resumed from %s at step %d", checkpoint.path, self.step)
-        if cfg.resume == RESTART:  # every check passed: now the earlier run's checkpoints go
-            discard_checkpoints(self.checkpoint_root)
-        self.logger.truncate_after(self.step if checkpoint is not None else -1)  # a fresh run starts empty
-        (self.output_dir / "config.yaml").write_text(dump_config(cfg))
-        self._runner = asyncio.Runner()
-        self._stop: LoopStop | None = None
-        """Stopping on a signal, while `run` runs."""
-        self._saved_step = self.step if checkpoint is not None else None
-        """The step of the newest checkpoint this run wrote or resumed from."""
-        self._rng_after_step: dict[str, Any] | None = None
-        """The RNG states when the last step ended (what a checkpoint of that step saves)."""
-
-    @property
-    def task_to_env(self) -> Mapping[str, EnvironmentInterface] | None:
-        """The environments of native rollouts (the given ones, or the one the manager built and owns)."""
-        return self.manager.task_to_env
-
-    # ---- set-up helpers -------------------------------------------------------------------------
-
-    def _checkpoint_to_resume(self) -> Checkpoint | None:
-        """The verified checkpoint to resume (falling back past damaged ones), after checking its config.
-
-        Neither a fresh run nor a resume destroys an earlier run's outputs: with `resume=false`, checkpoints or
-        step folders in output_dir are refused; with `resume=true`, step folders or step metrics without a
-        complete checkpoint to continue from are refused, naming what is there. Only `resume=restart` starts
-        over in such a folder (its checkpoints are deleted once every other check passed)."""
-        resume = self.cfg.resume
-        if resume == RESTART:
-            return None
-        if resume is False:
-            if latest_checkpoint(self.checkpoint_root) is not None or step_folders(self.checkpoint_root):
-                raise ConfigError(
-                    f"{self.output_dir} already holds checkpoints: set resume=true to continue that run, "
-                    "resume=restart to discard it and start over, or choose another output_dir"
-                )
-            return None
-        checkpoint = resumable_checkpoint(self.checkpoint_root) if resume is True else load_checkpoint(resume)
-        if checkpoint is None:
-            found = self._earlier_outputs()
-            if found:
-                raise ConfigError(
-                    f"resume=true, but {self.output_dir} holds no complete checkpoint to continue from, only "
-                    f"{' and '.join(found)}; starting from step 0 would overwrite them. Set resume=restart to "
-                    "discard them and start over, or choose another output_dir"
-                )
-            logger.warning("resume=true but %s holds no checkpoint: starting from step 0", self.checkpoint_root)
-            return None
-        saved = checkpoint.extra.get("config")
-        if saved:  # a config saved in an older spelling compares by its settings
-            try:
-                saved = GRPOConfig.model_validate(saved_config_settings(saved)).model_dump(mode="json")
-            except ValueError:
-                pass
-        changes = (
-            config_changes(saved, self.cfg.model_dump(mode="json"), RESUME_MAY_CHANGE, self.cfg.key_as_written)
-            if saved
-            else []
-        )
-        if changes:
-            raise ConfigError(
-                f"{checkpoint.path} was saved by a run with a different config; resuming would mix two runs. "
-                "Changed keys:\n  - " + "\n  - ".join(changes) + "\nRestore these values or use another "
-                f"output_dir. Keys that may change on resume: {', '.join(RESUME_MAY_CHANGE)}"
-            )
-        return checkpoint
-
-    def _earlier_outputs(self) -> list[str]:
-        """What an earlier run left in output_dir besides complete checkpoints: step folders without their
-        completeness marker, and step records in metrics.jsonl (empty: nothing to lose)."""
-        found = []
-        folders = step_folders(self.checkpoint_root)
-        if folders:
-            names = ", ".join(p.name for p in folders[:5]) + (", ..." if len(folders) > 5 else "")
-            found.append(f"{len(folders)} step folder(s) in {self.checkpoint_root} ({names}), none of them "
-                         f"complete (no {MARKER_FILE}: a save that never finished, or a partial copy)")
-        records = read_metrics(self.output_dir / "metrics.jsonl")
-        if records:
-            found.append(f"{len(records)} step record(s) in {self.output_dir / 'metrics.jsonl'}")
-        return found
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        """Continue from `checkpoint`: trainer state, engine weights, data position, step and RNG states."""
+        restore_trainer_state(self.trainer, checkpoint)
+        if loads_model_folder(self.cfg.policy) or not weights_in_model_dir(checkpoint):  # the engine has the initial model
+            self._refit(in_flight="finish")
+        self.train_data.load_state_dict(checkpoint.data_state)
+        self.step = checkpoint.step
+        checkpoint.restore_rng()
+        logger.info("resumed from %s at step %d", checkpoint.path, self.step)
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -503,90 +373,14 @@ class GRPO:
         bar.set_postfix(reward=f"{metrics.get('rollout/reward/mean', float('nan')):.3f}")
 
     async def _run_async(self, history: list[dict[str, float]], bar: Any) -> None:
-        """Asynchronous GRPO (`grpo.async`, see `async_collector`): the collector keeps groups in flight while
-        the trainer steps on the groups it hands over; every step refits the engine (`in_flight` says what
-        happens to the generations in flight), even one without an optimizer step, so that the policy
-        version is the step count. A checkpoint skips the rows in flight or waiting (`data_state` counts
-        them as drawn): a resumed run never replays a group that may have wedged the run.
-
-        A stop request cuts the wait for a step's groups; a training step in progress finishes (not its
-        refit: a resumed engine loads the checkpoint's weights), then the last whole step is checkpointed
-        with the rows in flight or waiting at the request as skipped."""
-        settings = self.cfg.grpo
-        knobs = settings.async_
-        warning = async_wedge_warning(knobs)
+        """Asynchronous GRPO (`grpo.async`, see `async_collector` and `grpo_async`): the collector keeps groups in
+        flight while the trainer steps on the groups it hands over and the engine is refitted after every step;
+        a stop request checkpoints the last whole step with the rows in flight or waiting as skipped."""
+        warning = async_wedge_warning(self.cfg.grpo.async_)
         if warning:
             logger.warning(warning)
-        collector = AsyncCollector(
-            self.manager, self.train_data, knobs, per_step=settings.num_prompts_per_step, version=self.step,
-            offset=self.step - self.generation.weight_version, salt_prefix=TRAIN_SALT,
-            dynamic=settings.dynamic_sampling, measures_tokens=self.manager.records_token_versions,
-        )
-        self.generation.salt = (TRAIN_SALT, self.step + 1, 0)  # requests outside a group's scope (nemo_gym)
-        loop = asyncio.get_running_loop()
-        threads = torch.get_num_threads()  # the trainer thread computes as the main thread would
-        executor = ThreadPoolExecutor(1, thread_name_prefix="grpo-trainer", initializer=torch.set_num_threads,
-                                      initargs=(threads,))
-        skipped: list[int] | None = None
-        """The rows drawn and not trained when a stop was requested (then the collector is closed)."""
+        await AsyncLoop(self, history, bar).run()
 
-        async def close_for_stop() -> None:
-            nonlocal skipped
-            if skipped is None:
-                skipped = collector.pending_rows()
-                await collector.aclose()  # also frees the requests a refit in "finish" mode waits for
-
-        collector.start()
-        try:
-            while self.step < settings.max_num_steps:
-                start = time.perf_counter()
-                try:
-                    taken = await self._unless_stopped(collector.take(final=self.step + 1 == settings.max_num_steps))
-                except Stopped:
-                    break
-                rollout_done = time.perf_counter()
-                records = [g.record for g in taken.groups]
-                metrics = batch_metrics(taken.generated, rollout_done - start)
-                too_long, longest = count_prompts_too_long(taken.generated)
-                self._prompt_length_warning(too_long, len(taken.generated), longest)
-                metrics.update(taken.metrics)
-                # never cut: it updates the weights and the optimizer state on the trainer's thread
-                await collector.guard(loop.run_in_executor(executor, self._train_records, records, metrics))
-                train_done = time.perf_counter()
-                if not self._stopping():
-                    refit = loop.run_in_executor(executor, functools.partial(self._refit, in_flight=knobs.in_flight))
-                    try:
-                        metrics.update(await self._unless_stopped(collector.guard(asyncio.shield(refit))))
-                    except Stopped:
-                        await close_for_stop()
-                        metrics.update(await refit)
-                refit_done = time.perf_counter()
-                self.step += 1
-                collector.set_version(self.step)
-                self.generation.salt = (TRAIN_SALT, self.step + 1, 0)
-                self._cluster_metrics(metrics)
-                metrics["timing/rollout_s"] = rollout_done - start
-                metrics["timing/train_s"] = train_done - rollout_done
-                metrics["timing/refit_s"] = refit_done - train_done
-                if self._validates_now() and not self._stopping():
-                    try:
-                        metrics.update(await self._unless_stopped(collector.guard(self._validate())))
-                    except Stopped:
-                        pass
-                    self.generation.salt = (TRAIN_SALT, self.step + 1, 0)
-                if self._stopping():
-                    await close_for_stop()
-                pending = skipped if skipped is not None else collector.pending_rows()
-                extra = {"async": {"policy_version": self.step, "skipped_rows": pending}}
-                self._end_step(metrics, start, history, bar, extra)  # checkpoints it when stopping
-                if self._stopping():
-                    return
-            if self._stopping() and self.step > 0:  # stopped while waiting for a step's groups
-                await close_for_stop()
-                self.save({"async": {"policy_version": self.step, "skipped_rows": skipped}})
-        finally:
-            await collector.aclose()
-            executor.shutdown(wait=True)
 
     def _refit(self, in_flight: InFlightPolicy) -> dict[str, float]:
         """Hand the trainer's weights to the engine; returns `refit/bytes` (of the tensors handed over) and

@@ -34,6 +34,11 @@ from nemo_rl_ext.models.generation.interfaces import (
     StreamEvent,
 )
 
+TRAIN_SALT = 1
+"""First element of the seed salt of GRPO's training rollouts: (TRAIN_SALT, step, rollout batch)."""
+VAL_SALT = 2
+"""Seed salt of GRPO's validation rollouts: the same draws at every validation, so they compare across steps."""
+
 
 def mix_seed(seed: int, salt: Sequence[int]) -> int:
     """A well-mixed 31-bit seed from a seed and a salt (deterministic, distinct salts differ)."""

@@ -50,6 +50,8 @@ def _keeping_sigterm_handler() -> Iterator[None]:
 def _start_or_join(ray: Any, cfg: ClusterConfig) -> None:
     if cfg.address is None:
         ray.init(
+            # "local": always a new instance; with no address Ray joins a cluster `ray start` left on this machine
+            address="local",
             num_cpus=cfg.local_num_cpus,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",

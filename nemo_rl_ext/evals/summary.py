@@ -81,7 +81,7 @@ class EvalSummary(JsonView):
     """What an eval found (summary.json); also readable by its JSON keys (`summary["metrics"]`)."""
 
     rollout_mode: str
-    """single_turn, multi_turn or nemo_gym (`rollouts.mode_name`: NeMo-RL's `eval.rollout_mode`)."""
+    """single_turn, multi_turn or nemo_gym (`rollouts.mode_name`: NeMo-RL's `eval.rollout_mode`), or a plugin's mode."""
     model: str
     """`policy.model_name`."""
     dataset_path: str

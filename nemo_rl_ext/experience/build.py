@@ -114,9 +114,9 @@ def build_rollouts(
     question_key: str = "question",
     answer_key: str = "answer",
 ) -> tuple[list[DatumSpec], RolloutManager]:
-    """The datums of `rows` and the RolloutManager of `cfg.mode`.
+    """The datums of `rows` and the RolloutManager of `cfg.mode` (a registered rollout mode).
 
-    Native mode builds the configured environment (in this process, or in a Ray actor with
+    Native mode (and any other mode but nemo_gym: rows, environment and turn cap as native's) builds the configured environment (in this process, or in a Ray actor with
     `rollouts.env.remote`, on `cluster`'s Ray) and the manager owns it (its `shutdown` stops it); a given
     `task_to_env` is used instead and stays the caller's. A rollout's tokens are capped by the engine's
     `max_model_len` as well as by `rollouts.max_seq_len`.
@@ -131,7 +131,7 @@ def build_rollouts(
         fault_policy=cfg.fault_policy,
     )
     if cfg.mode == "nemo_gym":
-        return datums, RolloutManager(**common, task_to_env=None, use_nemo_gym=True, gym_config=cfg.gym)
+        return datums, RolloutManager(**common, task_to_env=None, mode=cfg.mode, gym_config=cfg.gym)
     owned: list[EnvironmentInterface] = []
     if task_to_env is None:
         from nemo_rl_ext.cluster import build_environment
@@ -144,7 +144,8 @@ def build_rollouts(
         task_to_env = {name: env}
     try:
         manager = RolloutManager(
-            **common, task_to_env=task_to_env, max_rollout_turns=cfg.max_rollout_turns, owned_environments=owned
+            **common, mode=cfg.mode, task_to_env=task_to_env, max_rollout_turns=cfg.max_rollout_turns,
+            owned_environments=owned,
         )
     except BaseException:
         for env in owned:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, field_validator
 
@@ -69,10 +69,11 @@ class RolloutsConfig(StrictModel):
     """How rollouts are made, for training and evaluation alike: the mode is the only difference between
     native and NeMo Gym rollouts."""
 
-    mode: Literal["native", "nemo_gym"] = Field(
+    mode: str = Field(
         default="native",
-        description="native: the generate -> environment step loop in this process; nemo_gym: NeMo Gym agents "
-        "own the turn loop and the reward.",
+        description="A registered rollout mode: native: the generate -> environment step loop in this process; "
+        "nemo_gym: NeMo Gym agents own the turn loop and the reward; or one a plugin registers "
+        "(`experience.rollout_modes.register_rollout_mode`).",
     )
     num_generations_per_prompt: int | dict[str, int] = Field(
         default=1, description="Samples per prompt: an int, or agent name -> int with `_default` as fallback."
@@ -85,6 +86,15 @@ class RolloutsConfig(StrictModel):
     env: EnvironmentSettings = Field(default_factory=EnvironmentSettings, description="native: the environment.")
     gym: GymConfig | None = Field(default=None, description="nemo_gym: where the Gym agents are.")
     fault_policy: FaultPolicy = Field(default_factory=FaultPolicy, description="Retries, deadlines, errors.")
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, value: str) -> str:
+        # imported here: the registry imports the implementations (and torch); this module stays light to load
+        from nemo_rl_ext.experience.rollout_modes import rollout_mode_class
+
+        rollout_mode_class(value)  # an unknown name lists the registered ones
+        return value
 
     @field_validator("num_generations_per_prompt", mode="before")
     @classmethod
@@ -104,9 +114,10 @@ class RolloutsConfig(StrictModel):
 
     @property
     def mode_name(self) -> str:
-        """single_turn, multi_turn or nemo_gym: the eval's name of this setting (NeMo-RL's `rollout_mode`)."""
-        if self.mode == "nemo_gym":
-            return "nemo_gym"
+        """single_turn, multi_turn (native) or nemo_gym: the eval's name of this setting (NeMo-RL's `rollout_mode`);
+        a plugin's mode by its own name."""
+        if self.mode != "native":
+            return self.mode
         return "single_turn" if self.max_rollout_turns == 1 else "multi_turn"
 
     @property

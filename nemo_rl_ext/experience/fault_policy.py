@@ -41,7 +41,10 @@ class FaultPolicy(BaseModel):
         delay = self.retry_backoff_s
         for attempt in range(self.generation_retries + 1):
             try:
-                return await asyncio.wait_for(make_call(), self.generation_timeout_s)
+                if self.generation_timeout_s is None:
+                    return await make_call()
+                async with asyncio.timeout(self.generation_timeout_s):  # in this task: no task per call
+                    return await make_call()
             except ValueError:
                 raise
             except Exception as exc:
@@ -54,8 +57,14 @@ class FaultPolicy(BaseModel):
         raise AssertionError("unreachable")
 
     async def call_env(self, call: Awaitable[T]) -> T:
-        """Run one environment step with its timeout."""
-        return await asyncio.wait_for(call, self.env_step_timeout_s)
+        """Run one environment step with its timeout (in this task: no task per step, as `wait_for` makes)."""
+        async with self.env_deadline():
+            return await call
+
+    def env_deadline(self) -> asyncio.Timeout:
+        """The deadline of one environment step, as `async with policy.env_deadline(): await env.step(...)` (what
+        `call_env` does, without a coroutine of its own: the turn loop keeps thousands of steps in flight)."""
+        return asyncio.timeout(self.env_step_timeout_s)
 
 
 async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import inspect
 import json
 import logging
 import threading
@@ -40,8 +41,9 @@ from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, descr
 from nemo_rl_ext.experience.gym_results import gym_numeric_metrics, result_to_completion
 from nemo_rl_ext.experience.native_rollouts import rollout_seed
 from nemo_rl_ext.experience.prompt_length import prompt_too_long, too_long_extras
+from nemo_rl_ext.experience.rollout_impl import NO_CALL, RolloutCall, RolloutImpl, RolloutSetup
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
-from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters, effective_counts
+from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
 from nemo_rl_ext.gym.client import GymClient, GymRowError, agent_name_of
 from nemo_rl_ext.gym.config import GymConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
@@ -67,7 +69,7 @@ ROW_KEYS = ("agent_ref", "_ng_task_index", "_ng_rollout_index")
 """Row keys copied into a Gym result that lacks them (Gym 0.7.0 does not echo the row), as Gym's collector does."""
 
 
-class AsyncNemoGymRolloutImpl:
+class AsyncNemoGymRolloutImpl(RolloutImpl):
     """Manages per-prompt NeMo Gym rollouts: each `run_rollout` sends the prompt's N rows as one batch.
 
     `task_to_env` is unused (Gym agents own the environments) and may be None; `max_rollout_turns` must be
@@ -113,10 +115,21 @@ class AsyncNemoGymRolloutImpl:
         self._closed = False
         self._pinned: dict[int, list[dict[str, Any]]] = {}
 
+    records_token_versions = False  # Gym's results carry no weight version per token
+
+    @classmethod
+    def from_setup(cls, setup: RolloutSetup) -> AsyncNemoGymRolloutImpl:
+        """The nemo_gym mode of a RolloutManager (`rollout_impl.RolloutSetup`)."""
+        return cls(
+            setup.tokenizer, setup.task_to_env, setup.num_generations_per_prompt, setup.max_seq_len,
+            setup.generation_config, setup.max_rollout_turns, policy_generation=setup.policy_generation,
+            fault_policy=setup.fault_policy, gym_config=setup.gym_config,
+        )
+
     @property
     def counts(self) -> GenerationCounts:
-        """The per-agent sample counts in force (a `stream_rollouts(counts=...)` call's, else the constructor's)."""
-        return effective_counts(self._counts)
+        """The per-agent sample counts (the constructor's `num_generations_per_prompt`, parsed)."""
+        return self._counts
 
     def request_rows(self, datums: Sequence[DatumSpec]) -> dict[int, list[dict[str, Any]]]:
         """Prompt index -> the rows `run_rollout` sends for that datum (`_build_inputs`: pinned rows as pinned)."""
@@ -246,12 +259,13 @@ class AsyncNemoGymRolloutImpl:
 
     # ---- rollouts -------------------------------------------------------------------------------
 
-    async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
-        """Send the prompt's N rows (N from the per-agent counts) to its Gym agent as one batch; one record."""
+    async def run_rollout(self, input_sample: DatumSpec, *, call: RolloutCall = NO_CALL) -> PromptGroupRecord:
+        """Send the prompt's N rows (N from `call`'s counts, else the mode's) to its Gym agent as one batch;
+        one record."""
         if input_sample.stop_strings:
             raise ValueError(f"row {input_sample.idx}: stop_strings must be empty with NeMo Gym (agents own the "
                              f"turns), got {list(input_sample.stop_strings)}")
-        inputs = self._build_inputs(input_sample)
+        inputs = self._inputs_for_call(input_sample, call)
         agent = agent_name_of(inputs[0])
         known = await (await self.client()).agent_urls()
         if agent not in known:
@@ -270,15 +284,29 @@ class AsyncNemoGymRolloutImpl:
             agent_name=agent,
         )
 
+    def _inputs_for_call(self, input_sample: DatumSpec, call: RolloutCall) -> list[dict[str, Any]]:
+        """`_build_inputs`, with the call's own sample counts when it has them (a TypeError naming the fix when
+        an override of that hook, NeMo-RL's one-argument signature, cannot take them)."""
+        if call.counts is None:
+            return self._build_inputs(input_sample)
+        if "counts" not in inspect.signature(self._build_inputs).parameters:
+            raise TypeError(
+                f"{type(self).__name__}._build_inputs takes no `counts` keyword, so it cannot build the rows of a "
+                "call with its own sample counts (stream_rollouts(counts=...)); add `*, counts=None` to it and "
+                "pass it on to super()._build_inputs"
+            )
+        return self._build_inputs(input_sample, counts=call.counts)
+
     # ---- the hooks ------------------------------------------------------------------------------
 
-    def _build_inputs(self, input_sample: DatumSpec) -> list[dict[str, Any]]:
+    def _build_inputs(self, input_sample: DatumSpec, *, counts: GenerationCounts | None = None) -> list[dict[str, Any]]:
         """The N rows of one prompt, as Gym's collector builds them (see `datasets.prepare_gym_rows`):
         `agent_ref` (the row's, else the datum's agent, else `gym.agent_name`), `responses_create_params`
         with `gym.responses_create_params` merged in, then the sampling parameters of the generation config
         and a seed per sample in `metadata.extra_body`; Gym's `_ng_task_index` (from the datum's metadata,
         shared by identical rows, else the datum's index) and `_ng_rollout_index` (counting on across
-        identical rows). Rows pinned with `pin_rows` are returned as pinned."""
+        identical rows). Rows pinned with `pin_rows` are returned as pinned. `counts`: this call's (None: the
+        mode's own)."""
         if input_sample.idx in self._pinned:
             return copy.deepcopy(self._pinned[input_sample.idx])
         row = input_sample.extra_env_info
@@ -289,7 +317,7 @@ class AsyncNemoGymRolloutImpl:
         else:
             agent = input_sample.agent_name or self.gym.agent_name or input_sample.agent
         config = self.generation_config
-        count = self.counts.for_agent(agent)
+        count = (self._counts if counts is None else counts).for_agent(agent)
         first_rollout = int(input_sample.metadata.get(GYM_REPEAT_KEY, 0)) * count
         rows = []
         for sample in range(count):

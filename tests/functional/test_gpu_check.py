@@ -55,6 +55,8 @@ def test_gpu_check_runs_on_the_cpu_and_reports_every_check(tmp_path: Path) -> No
         assert status == ("NOT BUILT" if key in UNBUILT else "PASS"), (key, report)
         if status == "NOT BUILT":
             assert f"{row_start}: " in report and "is not built yet" in report  # the config's own message
+    (fsdp,) = [v for k, v in rows.items() if k.startswith("trainer.workers")]
+    assert "backend=gloo" in fsdp[1] and "shards_on=cpu" in fsdp[1], fsdp  # shards and AdamW state, after the step
 
 
 @pytest.mark.timeout(60)

@@ -97,9 +97,51 @@ def eval_args(tiny_model_dir: Path, gym_venv: Path, out: Path) -> list[str]:
     ]
 
 
+def expected_completions() -> int:
+    rows = [json.loads(line) for line in ROWS.read_text().splitlines()]
+    return sum(COUNTS.get(r["agent_ref"]["name"], COUNTS["_default"]) for r in rows)
+
+
 @pytest.mark.gym
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
-def test_a_signal_to_the_nemo_gym_eval_stops_every_gym_server(tiny_model_dir, gym_venv, tmp_path, sig):
+def test_sigterm_then_sigint_to_the_nemo_gym_eval_stop_every_gym_server_and_each_run_resumes(
+    tiny_model_dir, gym_venv, tmp_path
+):
+    """SIGTERM to a fresh eval, SIGINT to the run that resumes it, then a third run finishes the eval: each signal
+    stops every Gym server and leaves whole lines that the next run resumes from. One chain of three runs instead
+    of a fresh run and its resume per signal (four Gym launches): the signal path is the same in a resumed run."""
+    out = tmp_path / "eval"
+    completions = out / "completions.jsonl"
+    expected = expected_completions()
+    written = 0
+    for k, sig in enumerate((signal.SIGTERM, signal.SIGINT)):
+        log = tmp_path / f"run-{k}.log"
+        proc = start("run_eval.py", eval_args(tiny_model_dir, gym_venv, out), log)
+        # Gym is up and this run's first 2 groups are on disk
+        wait_for(proc, lambda need=written + 2: completions.exists() and completions.read_bytes().count(b"\n") >= need,
+                 log, 400, "completions")
+        signal_and_check(proc, sig, log)
+        text = log.read_text()
+        assert proc.returncode == 128 + sig, text[-3000:]
+        assert f"stopped by {sig.name}" in text and "Traceback" not in text, text[-3000:]
+        if written:
+            assert f"resume: {written} completion(s) already in" in text, text[-3000:]
+        now = len(read_lines(completions))
+        assert written + 2 <= now < expected and not (out / "summary.json").exists()
+        written = now
+
+    again = tmp_path / "last.log"
+    rerun = start("run_eval.py", eval_args(tiny_model_dir, gym_venv, out), again)
+    assert rerun.wait(600) == 0, again.read_text()[-3000:]
+    assert f"resume: {written} completion(s) already in" in again.read_text()
+    final = read_lines(completions)
+    assert len(final) == expected
+    assert len({(x["prompt_idx"], x["sample_idx"]) for x in final}) == expected
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_completions"] == expected
+
+
+@pytest.mark.gym
+def test_sigkill_to_the_nemo_gym_eval_leaves_no_gym_server(tiny_model_dir, gym_venv, tmp_path):
     out = tmp_path / "eval"
     log = tmp_path / "first.log"
     proc = start("run_eval.py", eval_args(tiny_model_dir, gym_venv, out), log)
@@ -107,27 +149,8 @@ def test_a_signal_to_the_nemo_gym_eval_stops_every_gym_server(tiny_model_dir, gy
     # Gym is up and the first groups are on disk
     wait_for(proc, lambda: completions.exists() and completions.read_bytes().count(b"\n") >= 2, log, 400,
              "completions")
-    signal_and_check(proc, sig, log)
-    text = log.read_text()
-    if sig == signal.SIGKILL:
-        assert proc.returncode == -signal.SIGKILL
-        return  # the resume after a SIGKILL is tested in test_eval.py
-    assert proc.returncode == 128 + sig, text[-3000:]
-    assert f"stopped by {sig.name}" in text and "Traceback" not in text, text[-3000:]
-    written = read_lines(completions)
-    rows = [json.loads(line) for line in ROWS.read_text().splitlines()]
-    expected = sum(COUNTS.get(r["agent_ref"]["name"], COUNTS["_default"]) for r in rows)
-    assert 2 <= len(written) < expected and not (out / "summary.json").exists()
-
-    again = tmp_path / "second.log"
-    rerun = start("run_eval.py", eval_args(tiny_model_dir, gym_venv, out), again)
-    assert rerun.wait(600) == 0, again.read_text()[-3000:]
-    assert f"resume: {len(written)} completion(s) already in" in again.read_text()
-    final = read_lines(completions)
-    assert len(final) == expected
-    assert len({(x["prompt_idx"], x["sample_idx"]) for x in final}) == expected
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["num_completions"] == expected
+    signal_and_check(proc, signal.SIGKILL, log)
+    assert proc.returncode == -signal.SIGKILL  # the resume after a SIGKILL is tested in test_eval.py
 
 
 # ---- GRPO ---------------------------------------------------------------------------------------

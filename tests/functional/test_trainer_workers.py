@@ -298,12 +298,12 @@ def test_two_ranks_resume_exactly_export_and_a_rank_killed_mid_step_stops_the_ru
 def test_more_ranks_than_the_cluster_has_cpus_is_refused_before_any_model_loads(
     config_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import nemo_rl_ext.algorithms.grpo as grpo_module
+    import nemo_rl_ext.algorithms.grpo_setup as grpo_setup
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(grpo_module, "load_model_and_tokenizer", no_model)
+    monkeypatch.setattr(grpo_setup, "load_model_and_tokenizer", no_model)
     cfg = load_config(config_file, [f"output_dir={tmp_path}", "trainer.workers=3"], GRPOConfig)
     with pytest.raises(ConfigError, match=r"trainer.workers=3 x trainer.worker.num_cpus=1 needs 3 CPUs, the Ray "
                                           r"cluster has 2"):

@@ -48,7 +48,7 @@ def test_the_page_lists_every_key_with_its_default_and_description(generator, mo
     text = generator.render()
     assert "| `policy.hf.max_prefill_tokens` | int (>= 1) | `16384` | Padded prompt tokens prefilled per step. |" in text
     assert "| `grpo.async.max_lag` | int (>= 0) | `1` |" in text  # the YAML alias, not the attribute `async_`
-    assert '| `rollouts.mode` | "native" or "nemo_gym" | `"native"` |' in text
+    assert '| `rollouts.mode` | str | `"native"` | A registered rollout mode: native: ' in text  # a registry name
     assert "| `eval.dataset_path` | str | required |" in text
     assert "`rollouts.num_generations_per_prompt` | int or dict[str, int] | `8` |" in text  # GRPO's own default
     assert "The same keys as the eval config's [`policy`](#eval-config-policy)." in text  # shown once

@@ -17,19 +17,8 @@ MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 500
 PACKAGE = Path(nemo_rl_ext.__file__).resolve().parent
 
-GRPO = "grpo.py is being split by the issue 26 helpers (trainer workers)"
-GRAMMAR = "serving/ and models/generation/ are being edited for grammar-constrained decoding (issue 28)"
-
 ALLOWED: dict[str, str] = {
     # "path under nemo_rl_ext/" (a module) or "path:Qualified.name" (a function) -> why it may be long for now
-    "algorithms/grpo.py": GRPO,
-    "algorithms/grpo.py:GRPO.__init__": GRPO,
-    "algorithms/grpo.py:GRPO._run_async": GRPO,
-    "models/generation/hf_backend.py": GRAMMAR,
-    "models/generation/hf_backend.py:HfGeneration.__init__": GRAMMAR,
-    "models/generation/vllm_backend.py:VllmGeneration.__init__": GRAMMAR,
-    "serving/policy_server.py": GRAMMAR,
-    "serving/policy_server.py:create_app": GRAMMAR,
 }
 
 

@@ -202,7 +202,7 @@ class GenerationInterface(abc.ABC):
     """A generation backend: many concurrent `generate_async` calls, served in batches.
 
     Everything a caller (rollouts, the eval driver, GRPO, the policy server) uses is declared here, so a
-    backend that implements this class works behind every entry point: `tests/unit/test_generation_contract.py`
+    backend that implements this class works behind every entry point: `tests/unit/models/test_generation_contract.py`
     holds the checks every backend must pass.
     """
 

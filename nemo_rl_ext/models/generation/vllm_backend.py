@@ -67,6 +67,7 @@ from nemo_rl_ext.models.generation.interfaces import (
 )
 from nemo_rl_ext.models.generation.token_stream import TokenQueue
 from nemo_rl_ext.models.generation.vllm_logprobs import send_new_tokens, with_extra_logprobs
+from nemo_rl_ext.models.generation.vllm_outputs import to_generation_output, weight_version_of
 from nemo_rl_ext.models.generation.vllm_worker import pack_state_dict
 from nemo_rl_ext.models.loading import load_tokenizer
 
@@ -134,20 +135,8 @@ class VllmGeneration(GenerationInterface):
         }
         self.engine_args = AsyncEngineArgs(**(args | dict(engine_kwargs or {})))
         self._start_engine_loop()
-        try:
-            self._engine = self._call(self._start_engine(), timeout=startup_timeout_s)
-            self.logprobs_definition: str = (
-                self._call(self._install_logprob_hook())
-                if logprob_hook
-                else f"{self.engine_args.logprobs_mode} (stock vLLM)"
-            )
-            """Which logprobs requests with top_k/top_p get: `pre_filter ...` (as hf) or `post_filter`."""
-        except BaseException:
-            self._closed = True
-            if self._engine is not None:
-                self._call(self._shutdown_engine(), timeout=120)
-            self._stop_loop()
-            raise
+        self.logprobs_definition: str = self._start(startup_timeout_s, logprob_hook)
+        """Which logprobs requests with top_k/top_p get: `pre_filter ...` (as hf) or `post_filter`."""
         model_config = self._engine.model_config
         self._max_model_len = int(model_config.max_model_len)
         self._vocab_size = int(model_config.get_vocab_size())
@@ -160,6 +149,21 @@ class VllmGeneration(GenerationInterface):
             self._max_model_len,
             self.logprobs_definition,
         )
+
+    def _start(self, startup_timeout_s: float, logprob_hook: bool) -> str:
+        """Start the engine on the engine loop and install the logprob hook (or not): the logprobs' definition.
+        Whatever fails stops the engine and its loop again."""
+        try:
+            self._engine = self._call(self._start_engine(), timeout=startup_timeout_s)
+            if logprob_hook:
+                return self._call(self._install_logprob_hook())
+            return f"{self.engine_args.logprobs_mode} (stock vLLM)"
+        except BaseException:
+            self._closed = True
+            if self._engine is not None:
+                self._call(self._shutdown_engine(), timeout=120)
+            self._stop_loop()
+            raise
 
     def _start_engine_loop(self, thread_name: str = "vllm-engine-loop") -> None:
         """The state of a backend whose engine is not attached yet, and the engine loop's thread, started
@@ -412,63 +416,6 @@ class VllmGeneration(GenerationInterface):
                 self.shutdown()
             except Exception:
                 pass
-
-
-def to_generation_output(
-    completion,
-    config: GenerationConfig,
-    budget: int,
-    budget_reason: FinishReason,
-    eos_ids: frozenset[int],
-    *,
-    weight_version: int = 0,
-    aborted_by_update: bool = False,
-) -> GenerationOutput:
-    """Our `GenerationOutput` from a vLLM `CompletionOutput` (token_ids, logprobs, finish/stop reason).
-
-    vLLM says "length" for both limits; `budget` (the max_tokens we asked for) and `budget_reason` say
-    which one it was. For "stop" the precedence is the hf backend's: a requested stop token, then EOS,
-    then a stop string (vLLM's stop_reason is the string, the stop token id, or None for EOS). "abort" is
-    `FinishReason.ABORTED` (partial output kept) when an abort-mode weight update ended the request, and
-    an error otherwise.
-    """
-    ids = tuple(int(t) for t in completion.token_ids)
-    steps = completion.logprobs
-    if steps is None or len(steps) != len(ids):
-        raise RuntimeError(f"vLLM returned {len(steps or ())} logprob entries for {len(ids)} tokens")
-    logprobs = tuple(float(step[tok].logprob) for step, tok in zip(steps, ids, strict=True))
-    reason, stop = completion.finish_reason, completion.stop_reason
-    v = weight_version
-    if reason == "abort" and aborted_by_update:
-        return GenerationOutput(ids, logprobs, FinishReason.ABORTED, weight_version=v)
-    if reason == "length":
-        if len(ids) != budget:
-            raise RuntimeError(f"vLLM stopped for length after {len(ids)} tokens; max_tokens was {budget}")
-        return GenerationOutput(ids, logprobs, budget_reason, weight_version=v)
-    if reason != "stop" or not ids:
-        raise RuntimeError(f"vLLM ended the request with finish_reason={reason!r} (stop_reason={stop!r})")
-    last = ids[-1]
-    if last in config.stop_token_ids:
-        return GenerationOutput(ids, logprobs, FinishReason.STOP_TOKEN, last, v)
-    if last in eos_ids or not isinstance(stop, str):
-        return GenerationOutput(ids, logprobs, FinishReason.EOS, last, v)
-    return GenerationOutput(ids, logprobs, FinishReason.STOP_STRING, stop, v)
-
-
-def weight_version_of(completion) -> int:
-    """The one weight version a finished vLLM `CompletionOutput`'s tokens were sampled under.
-
-    Read from vLLM's `weight_versions` spans (the engine labels each step with the version set during the
-    last update); raises if the tokens span several versions or carry no label.
-    """
-    spans = getattr(completion, "weight_versions", None)
-    versions = {span.version for span in spans or () if span.end > span.start}
-    if len(versions) != 1:
-        raise RuntimeError(
-            f"vLLM reported weight versions {sorted(versions)} for {len(completion.token_ids)} tokens "
-            f"(spans {spans!r}); an output must carry exactly one"
-        )
-    return int(versions.pop())
 
 
 def _checkpoint_names(folder: Path) -> frozenset[str]:

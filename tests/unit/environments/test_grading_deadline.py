@@ -24,7 +24,7 @@ from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
 from nemo_rl_ext.testing import ScriptedGeneration
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # Each made math-verify run for 40-70 s or more with its timeouts off (the unclosed boxes in extraction).
 HOSTILE = [

@@ -21,7 +21,7 @@ from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.testing import ScriptedGeneration
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EVAL_CONFIGS = REPO / "examples" / "configs" / "evals"
 
 

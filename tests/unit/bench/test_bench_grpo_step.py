@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "grpo_step.py"
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "grpo_step.py"
 
 
 def load_bench():

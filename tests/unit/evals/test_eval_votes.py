@@ -28,7 +28,7 @@ from nemo_rl_ext.evals.store import CompletionStore, check_dataset
 from nemo_rl_ext.evals.summary import EvalSummary, summarize
 from nemo_rl_ext.evals.votes import cons_at_k, majority_at_k
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "fidelity.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "fidelity.md"
 
 # ---- the other projects' definitions, written out (tests only) ------------------------------------------
 

@@ -15,7 +15,7 @@ from nemo_rl_ext.environments import available_environments, registry
 from nemo_rl_ext.models import backends
 from nemo_rl_ext.models.config import PolicyConfig
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "extending.md"
 
 
 def section_blocks(title: str) -> list[str]:

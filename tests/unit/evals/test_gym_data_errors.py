@@ -23,7 +23,7 @@ from nemo_rl_ext.gym.client import GymRowError
 from nemo_rl_ext.gym.rows import responses_params_problems
 from nemo_rl_ext.testing import FakeAgents, UnusedPolicy
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def run_eval_cli():

@@ -9,7 +9,7 @@ import pytest
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
 
-CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs" / "evals"
+CONFIGS = Path(__file__).resolve().parents[3] / "examples" / "configs" / "evals"
 BASE = ["eval.dataset_path=data.jsonl", "eval.save_path=out"]
 GYM = ["gym.agent_urls={agent_alpha: 'http://127.0.0.1:9'}", "gym.serve_policy=false"]
 

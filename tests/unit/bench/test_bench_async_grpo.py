@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "async_grpo.py"
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "async_grpo.py"
 
 
 @pytest.mark.timeout(120)

@@ -30,7 +30,7 @@ from nemo_rl_ext.models.generation import (
 )
 from nemo_rl_ext.testing import ScriptedGeneration
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def datum(i: int) -> DatumSpec:

@@ -223,7 +223,7 @@ def test_markdown_and_png(tmp_path: Path) -> None:
 def test_shipped_gym_rows_become_datums() -> None:
     from nemo_rl_ext.data.datasets import gym_datums, load_jsonl
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "data" / "gym_arithmetic.jsonl"
+    path = Path(__file__).resolve().parents[3] / "examples" / "data" / "gym_arithmetic.jsonl"
     rows = load_jsonl(path, required=("responses_create_params", "agent_ref"))
     datums = gym_datums(rows)
     assert len(datums) == 16 and {d.agent for d in datums} == {"agent_alpha", "agent_beta"}

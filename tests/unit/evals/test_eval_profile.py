@@ -36,7 +36,7 @@ from nemo_rl_ext.evals.summary import EvalSummary, summarize
 from nemo_rl_ext.evals.timings import TIMINGS_FILE, append_timings, read_timings
 from nemo_rl_ext.testing import RolloutStep, ScriptedEnvironment, ScriptedGeneration, UnusedPolicy
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 THRESHOLD = 0.5
 KS = (1, 2, 3, 4)
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -22,7 +22,7 @@ from nemo_rl_ext.evals.report import format_metric_table, markdown_report
 from nemo_rl_ext.evals.store import CompletionStore, dumps
 from nemo_rl_ext.evals.summary import EvalSummary, summarize
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "extending.md"
 SECTION = "## 3. A metric"
 
 
@@ -33,7 +33,7 @@ def python_blocks(text: str) -> list[str]:
 @contextmanager
 def doc_snippet() -> Iterator[dict]:
     """The namespace of the doc's code block after running it; what it registered is removed afterwards."""
-    blocks = python_blocks(DOC.read_text().split(SECTION, 1)[1])
+    blocks = python_blocks(DOC.read_text().split(SECTION, 1)[1].split("\n## ", 1)[0])  # up to the next section
     assert len(blocks) == 1, f"{DOC}'s metric section should hold one python block, found {len(blocks)}"
     before = {m.name for m in metric_defs()}
     namespace: dict = {"__name__": "extending_metric_doc"}

@@ -24,7 +24,7 @@ from nemo_rl_ext.serving.policy_server import PolicyService
 from nemo_rl_ext.testing import ScriptedGeneration
 from nemo_rl_ext.testing.gym_agents import refused_result
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MAX_MODEL_LEN = 96
 LONG_QUESTION = "What is 1 + 1? " + "Think about it carefully. " * 60
 

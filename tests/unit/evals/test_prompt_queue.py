@@ -24,7 +24,7 @@ from nemo_rl_ext.evals.store import CompletionStore
 from nemo_rl_ext.experience.native_rollouts import rollout_seed
 from nemo_rl_ext.testing import ScriptedGeneration
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 BASE = ["eval.dataset_path=data.jsonl", "eval.save_path=out", "policy.generation.seed=0"]
 
