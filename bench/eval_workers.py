@@ -91,7 +91,7 @@ def main() -> None:
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    from nemo_rl_ext.evals.ray_shards import run_ray_eval
+    from nemo_rl_ext.evals.ray_lease_queue import run_ray_eval
     from nemo_rl_ext.models.tiny import build_tiny_model
 
     rows = []

@@ -31,6 +31,7 @@ from nemo_rl_ext.config import (
 from nemo_rl_ext.evals.metrics import metric_defs
 from nemo_rl_ext.evals.shards import ShardSpec
 from nemo_rl_ext.experience.config import RolloutsConfig, largest_count, rollouts_rule_problems
+from nemo_rl_ext.experience.input_checks import dataset_problems, rollouts_problems
 from nemo_rl_ext.gym.config import GymConfig, resolve_gym_path
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import SEED_LIMIT
@@ -94,7 +95,7 @@ class EvalSettings(StrictModel):
         ge=1,
         description="Evaluate on N Ray workers (Ray from `policy.cluster`; null there: a local Ray), each with its "
         "own engine and store `<save_path>/[seeds/<seed>/]shards/worker-<k>/`, pulling prompts from a shared "
-        "queue; this process merges when the queue is empty (evals/ray_shards.py). In nemo_gym mode each worker "
+        "queue; this process merges when the queue is empty (evals/ray_lease_queue.py). In nemo_gym mode each worker "
         "serves its own policy server and, with rollouts.gym.launch (mode direct), launches its own Gym.",
     )
     ray_lease_timeout_s: float | None = Field(
@@ -131,7 +132,7 @@ class EvalSettings(StrictModel):
 
     @property
     def on_ray(self) -> bool:
-        """True when the run's prompts are pulled by `ray_workers` Ray workers (ray_shards.py)."""
+        """True when the run's prompts are pulled by `ray_workers` Ray workers (ray_lease_queue.py)."""
         return self.ray_workers is not None
 
     @property
@@ -307,8 +308,6 @@ def _gym_worker_problems(data: Mapping[str, Any], workers: int) -> list[RuleProb
 def input_problems(cfg: EvalConfig) -> list[str]:
     """What a run of `cfg` would stop on once its model is loaded, found without loading it: a missing model
     folder, a missing or unreadable dataset, rows whose agent has no count in `num_generations_per_prompt`."""
-    from nemo_rl_ext.experience.input_checks import dataset_problems, rollouts_problems
-
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
     problems += rollouts_problems(cfg.rollouts)
     problems += dataset_problems(

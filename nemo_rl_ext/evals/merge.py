@@ -5,7 +5,7 @@ then summary.json and report.md computed from those merged completions only.
 
 A group is the run (no `eval.seeds`) or one seed; its stores are `<group>/shards/*/` (shards.py). The merge
 refuses, in one ConfigError listing every problem: a missing static shard, a store that has not finished, a
-store whose config differs from the others (apart from `MERGE_MAY_DIFFER`) or whose dataset rows differ, a
+store whose config differs from the others (apart from `merge_checks.MERGE_MAY_DIFFER`) or whose dataset rows differ, a
 store without its config.yaml or dataset_fingerprint.json (which those checks need), and a (prompt, sample)
 pair held by two stores with different lines. The union is keyed by (prompt_idx, sample_idx): each store
 contributes its result for a pair (else its latest error line), so a prompt's samples may come from several
@@ -35,25 +35,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
-from omegaconf import OmegaConf
-
-from nemo_rl_ext.config import ConfigError, config_changes, dump_config, raise_problems
+from nemo_rl_ext.config import ConfigError, dump_config, raise_problems
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.lines import CompletionLine
+from nemo_rl_ext.evals.merge_checks import MAX_LISTED, JobStore, find_stores, read_store, run_problems
+from nemo_rl_ext.evals.report import warn_prompt_length, write_report
 from nemo_rl_ext.evals.shards import ShardRecord, ShardSpec, group_root, store_root
-from nemo_rl_ext.evals.store import RESUME_MAY_CHANGE, CompletionStore, EvalPaths, dumps
+from nemo_rl_ext.evals.store import CompletionStore, EvalPaths, dumps
 from nemo_rl_ext.evals.summary import EvalSummary, summarize
 from nemo_rl_ext.evals.timings import TIMINGS_FILE, read_timings
-
-MERGE_MAY_DIFFER = (RESUME_MAY_CHANGE - {"eval.num_prompts"}) | {
-    "eval.shard",
-    "eval.seed_index",
-    "eval.save_path",
-    "policy.generation.seed",
-}
-"""Config keys in which the stores of one run may differ (the job's identity, and what changes no completion)."""
 
 MERGE_FILE = "merge.json"
 """What a group's merge read: the stores and the line count (also marks a folder the merge owns)."""
@@ -63,30 +54,6 @@ LOCK_FILE = ".merge.lock"
 
 LOCK_TIMEOUT_S = 600.0
 """How long a merge waits for another merge of the same folder to finish."""
-
-MAX_LISTED = 20
-"""Pairs listed by name in one problem (all are counted)."""
-
-
-@dataclass(frozen=True)
-class JobStore:
-    """One store found in the run folder, as the merge reads it."""
-
-    root: Path
-    """The store's folder."""
-    name: str
-    """The folder relative to the run folder (how problems name it)."""
-    seed: int | None
-    """The seed of its group (`seeds/<seed>/`), None in a run without seeds."""
-    cfg: EvalConfig | None
-    """Its config.yaml, validated (None: missing or unreadable)."""
-    record: ShardRecord | None
-    """Its shard.json (None: missing or unreadable, i.e. it has not started rolling out)."""
-    row_digests: tuple[str, ...] | None
-    """Its dataset_fingerprint.json's per-row hashes (None: missing or unreadable)."""
-    store: CompletionStore | None
-    """Its completions (read-only, with the line bytes); None when the file is missing or unreadable."""
-
 
 @dataclass(frozen=True)
 class MergeResult:
@@ -100,128 +67,6 @@ class MergeResult:
     """With `eval.seeds`: each seed's summary (in `<root>/seeds/<seed>/summary.json`); empty otherwise."""
     stores: tuple[str, ...]
     """The stores merged, relative to the run folder."""
-
-
-# ---- finding and reading the stores --------------------------------------------------------------------
-
-
-def find_stores(root: Path) -> list[tuple[int | None, Path]]:
-    """(seed, folder) of every store in the run folder: `shards/*/` and `seeds/<seed>/shards/*/`."""
-    found: list[tuple[int | None, Path]] = [(None, p) for p in sorted((root / "shards").glob("*")) if p.is_dir()]
-    seed_dirs = [p for p in (root / "seeds").glob("*") if p.is_dir() and p.name.isdigit()]
-    for seed_dir in sorted(seed_dirs, key=lambda p: int(p.name)):
-        found += [(int(seed_dir.name), p) for p in sorted((seed_dir / "shards").glob("*")) if p.is_dir()]
-    return found
-
-
-def read_store(run_root: Path, seed: int | None, root: Path) -> tuple[JobStore, list[str]]:
-    """The store in `root` and what is unreadable or missing in it (a store that has started rolling out, i.e.
-    has a shard.json, must have its config.yaml and dataset_fingerprint.json: without them the merge could not
-    check that it ran the same config on the same rows)."""
-    name = str(root.relative_to(run_root))
-    problems: list[str] = []
-    record = ShardRecord.read(root)
-    cfg = None
-    config = root / "config.yaml"
-    if config.exists():
-        try:
-            cfg = EvalConfig.model_validate(OmegaConf.to_container(OmegaConf.load(config), resolve=True))
-        except Exception as exc:  # a hand-edited or foreign file: named, not a traceback
-            problems.append(f"{name}/config.yaml: unreadable ({type(exc).__name__}: {str(exc)[:300]})")
-    elif record is not None:
-        problems.append(f"{name}: no config.yaml (so its config can't be compared with the other stores'; "
-                        "restore the file, or re-run its job into a new store)")
-    digests = None
-    fingerprint = root / "dataset_fingerprint.json"
-    if fingerprint.exists():
-        try:
-            digests = tuple(orjson.loads(fingerprint.read_bytes())["row_sha256"])
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            problems.append(f"{name}/dataset_fingerprint.json: unreadable ({type(exc).__name__}: {exc})")
-    elif record is not None:
-        problems.append(f"{name}: no dataset_fingerprint.json (so its dataset rows can't be compared with the "
-                        "other stores'; restore the file, or re-run its job into a new store)")
-    store = None
-    try:
-        store = CompletionStore(root / "completions.jsonl", repair=False, keep_bytes=True)
-    except ConfigError as exc:
-        problems.append(str(exc))
-    return JobStore(root, name, seed, cfg, record, digests, store), problems
-
-
-def _rerun_hint(job: JobStore) -> str:
-    """The overrides that run this store's job again."""
-    cfg = job.cfg
-    if cfg is None or cfg.eval.shard is None:
-        return "re-run its job"
-    hint = f"eval.shard={cfg.eval.shard}"
-    if cfg.eval.seed_index is not None:
-        hint += f" eval.seed_index={cfg.eval.seed_index}"
-    return f"re-run it with {hint}"
-
-
-def run_problems(run_root: Path, jobs: Sequence[JobStore]) -> list[str]:
-    """Why `jobs` can't be merged: missing or unfinished shards, differing configs or dataset rows."""
-    problems: list[str] = []
-    with_cfg = [j for j in jobs if j.cfg is not None]
-    if not with_cfg:
-        return [f"{run_root}: no store has a readable config.yaml; nothing to merge"]
-    ref = with_cfg[0]
-    assert ref.cfg is not None
-    ref_dump = ref.cfg.model_dump(mode="json")
-    for job in with_cfg[1:]:
-        assert job.cfg is not None
-        changed = config_changes(ref_dump, job.cfg.model_dump(mode="json"), MERGE_MAY_DIFFER, ref.cfg.key_as_written)
-        if changed:
-            problems.append(f"config of {job.name} differs from {ref.name}: " + "; ".join(changed))
-    seeds = ref.cfg.eval.seeds
-    shard = ref.cfg.eval.shard_spec  # None: stores filled by a dynamic assignment (no static shard to miss)
-    for job in with_cfg:
-        assert job.cfg is not None
-        own_seed = None if job.cfg.eval.seeds is None else job.cfg.policy.generation.seed
-        if job.seed != own_seed:
-            problems.append(f"{job.name}: holds the job of seed {own_seed}, not of its folder's seed {job.seed}")
-        spec = ShardSpec.from_name(job.root.name)
-        if spec is not None and job.cfg.eval.shard != spec.text:
-            problems.append(f"{job.name}: holds shard {job.cfg.eval.shard}, not the {spec.text} of its folder name")
-    present = {(j.seed, j.root.name) for j in jobs}
-    for seed in seeds if seeds is not None else (None,):
-        for i in range(shard.count if shard is not None else 0):
-            spec = ShardSpec(i, shard.count if shard is not None else 1)
-            if (seed, spec.name) not in present:
-                hint = f"eval.shard={spec.text}" + (f" eval.seed_index={seeds.index(seed)}" if seeds else "")
-                name = store_root(run_root, seed, spec).relative_to(run_root)
-                problems.append(f"missing shard: {name} (not started; run it with {hint})")
-    for job in jobs:
-        spec = ShardSpec.from_name(job.root.name)
-        if spec is not None and shard is not None and spec.count != shard.count:
-            problems.append(f"{job.name}: a shard of {spec.count}, but this run has {shard.count} shards")
-        elif job.record is None:
-            problems.append(f"incomplete shard: {job.name} (no shard.json: it has not started rolling out; "
-                            f"{_rerun_hint(job)})")
-        elif not job.record.finished:
-            done = sum(
-                job.store is not None and len(job.store.done(p, n)) + len(job.store.failed(p, n)) == n
-                for p, n in job.record.samples.items()
-            )
-            problems.append(f"incomplete shard: {job.name} ({done} of {len(job.record.samples)} prompts have every "
-                            f"sample; {_rerun_hint(job)})")
-    num_prompts = {j.name: j.record.num_prompts for j in jobs if j.record is not None}
-    ref_rows = ref.record.num_prompts if ref.record is not None else None
-    for name, n in num_prompts.items():
-        if ref_rows is not None and n != ref_rows:
-            problems.append(f"{name} evaluates {n} prompts, {ref.name} {ref_rows}")
-    rows_ref = next((j for j in jobs if j.row_digests is not None), None)  # a store without one is named above
-    if rows_ref is not None and rows_ref.row_digests is not None and ref_rows is not None:
-        for job in jobs:
-            if job.row_digests is None or job is rows_ref:
-                continue
-            pairs = zip(rows_ref.row_digests[:ref_rows], job.row_digests, strict=False)
-            changed = [i for i, (a, b) in enumerate(pairs) if a != b]
-            if changed:
-                problems.append(f"dataset fingerprint of {job.name} differs from {rows_ref.name}: "
-                                f"{len(changed)} row(s) differ (rows {changed[:MAX_LISTED]})")
-    return problems
 
 
 # ---- the union of one group -----------------------------------------------------------------------------
@@ -325,8 +170,6 @@ def write_group(
 ) -> EvalSummary:
     """Write a group's merged completions.jsonl (sorted), config.yaml, dataset_fingerprint.json, summary.json,
     report.md and plot; the summary is computed from the merged lines alone."""
-    from nemo_rl_ext.evals.report import write_report
-
     paths = EvalPaths(folder)
     folder.mkdir(parents=True, exist_ok=True)
     _write_atomic(paths.completions, b"".join(m.raw + b"\n" for m in lines))
@@ -359,8 +202,6 @@ def write_pooled(
     expected: Mapping[int, int],
 ) -> EvalSummary:
     """The run folder's summary with seeds: each prompt's samples pooled over the seeds' merged files."""
-    from nemo_rl_ext.evals.report import write_report
-
     pooled: list[CompletionLine] = []
     pooled_timings: dict[tuple[int, int], float] = {}
     for j, seed in enumerate(seeds):
@@ -470,8 +311,6 @@ def merge_run(run_root: Path | str) -> MergeResult:
             summary = write_pooled(run_root, ref.cfg, seeds, summaries, expected)
             _write_atomic(run_root / MERGE_FILE, dumps({"seeds": list(seeds)}, indent=True) + b"\n")
         assert summary is not None
-        from nemo_rl_ext.evals.report import warn_prompt_length
-
         warn_prompt_length(summary)
         return MergeResult(run_root, summary, summaries, tuple(j.name for j in jobs))
 

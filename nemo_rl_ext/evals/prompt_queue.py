@@ -5,7 +5,7 @@
     queue.complete("worker-0", [(0, 0)])
     queue.release("worker-1", done=[(0, 3)])  # worker-1 died: what its store holds is done, the rest goes back
 
-A plain class (ray_shards.py makes it a Ray actor), so the lease rules are tested without Ray. An item is
+A plain class (ray_lease_queue.py makes it a Ray actor), so the lease rules are tested without Ray. An item is
 (group, prompt_idx): the group is the seed's index with `eval.seeds`, else 0. A worker leases an item when it has
 a free slot, so a slow worker takes fewer items and no worker waits for another's fixed slice. An item stays
 leased until its worker completes it, and goes back to the queue only once its worker is dead (`release`, called

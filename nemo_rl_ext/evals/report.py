@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from nemo_rl_ext.evals.metrics import MetricDef, metric_defs
 from nemo_rl_ext.evals.profile import (
     DIFFICULTY_BINS,
@@ -181,9 +183,9 @@ def _pass_at_k_series(summary: EvalSummary) -> list[tuple[str, list[int], list[f
 
 def plot_pass_at_k(summary: EvalSummary, path: Any) -> None:
     """Write a PNG of pass@k against k (log2 axis), one line with stderr bars per agent (and overall)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib loads only when a report is drawn, not for every import of evals
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # before pyplot loads: no display needed
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
@@ -305,11 +307,10 @@ def plot_reward_profile(summary: EvalSummary, path: Any) -> None:
     """Write a PNG of the profile: per task, rates (mean reward, pass@k at the smallest and largest k, error,
     truncation), generated tokens and rollout latency (p50 and p95), and the difficulty histogram (prompts
     per solved fraction)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib loads only when a report is drawn, not for every import of evals
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # before pyplot loads: no display needed
     import matplotlib.pyplot as plt
-    import numpy as np
     from matplotlib.ticker import MaxNLocator
 
     columns = _profile_columns(summary)

@@ -204,63 +204,28 @@ def summarize(
     truncation rate and mean turns are over the non-error samples; the errors are counted (`num_errors`,
     per agent in `metrics`), listed (`error_samples`, the first MAX_LISTED_ERRORS) and, but for data errors
     (malformed rows: `num_data_errors`, `data_error_rows`), judged against `eval.max_error_rate` (`status`).
-    Prompts whose prompt alone left no room to generate are counted (`num_prompts_too_long`). The reward profile (`profile`) is computed from the same lines, its
-    latencies from `timings` (None: `read_timings` of the store's folder).
+    Prompts whose prompt alone left no room to generate are counted (`num_prompts_too_long`). The reward
+    profile (`profile`) is computed from the same lines, its latencies from `timings` (None: `read_timings`
+    of the store's folder).
     """
-    prompts: list[PromptSamples] = []
-    lines: list[CompletionLine] = []
-    groups: list[list[CompletionLine]] = []
-    for d in datums:
-        group = [store.line(d.idx, s) for s in range(expected[d.idx])]
-        missing = [s for s, x in enumerate(group) if x is None]
-        assert not missing, f"prompt {d.idx} has samples without a line: {missing}"
-        present = [x for x in group if x is not None]
-        lines.extend(present)
-        groups.append(present)
-        scored = [x for x in present if not x.is_error]
-        prompts.append(
-            PromptSamples(
-                agent_name=present[0].agent,
-                rewards=tuple(x.reward for x in scored),
-                answers=tuple(None if x.answer is None else vote_key(x.answer, x.env_extras) for x in scored),
-                num_errors=len(present) - len(scored),
-            )
-        )
+    groups = _groups(datums, expected, store)
+    prompts = [_prompt_samples(group) for group in groups]
+    lines = [x for group in groups for x in group]
     ks = cfg.ks
     metrics = aggregate_eval_metrics(prompts, ks, cfg.eval.reward_threshold)
-    n = len(lines)
     scored = [x for x in lines if not x.is_error]
-    errors = [x for x in lines if x.is_error]
-    too_long = [x for x in lines if x.prompt_too_long]
-    lengths = [t for x in too_long if isinstance(t := x.env_extras[PROMPT_TOO_LONG].get("prompt_tokens"), int)]
-    data_errors = [x for x in errors if x.is_data_error]
-    error_rate = len(errors) / n
-    status: Status
-    if not errors:
-        status = "ok"
-    elif (len(errors) - len(data_errors)) / n <= cfg.eval.max_error_rate:  # data errors: judged by the CLI
-        status = "errors_allowed"
-    else:
-        status = "errors_left"
     return EvalSummary(
         rollout_mode=cfg.rollouts.mode_name,
         model=cfg.policy.model_name,
         dataset_path=cfg.eval.dataset_path,
         num_prompts=len(prompts),
-        num_completions=n,
+        num_completions=len(lines),
         ks=tuple(ks),
         reward_threshold=cfg.eval.reward_threshold,
         agents=tuple(sorted({p.agent_name for p in prompts})),
         stop_reasons=dict(sorted(Counter(x.stop_reason for x in lines).items())),
-        status=status,
-        num_errors=len(errors),
-        error_rate=error_rate,
-        max_error_rate=cfg.eval.max_error_rate,
-        error_samples=tuple(ErrorSample.of_line(x) for x in errors[:MAX_LISTED_ERRORS]),
-        num_data_errors=len(data_errors),
-        data_error_rows=tuple(sorted({x.prompt_idx for x in data_errors}))[:MAX_LISTED_ERRORS],
-        num_prompts_too_long=len({x.prompt_idx for x in too_long}),
-        longest_prompt_too_long=max(lengths) if lengths else None,
+        **_error_fields(lines, cfg.eval.max_error_rate),
+        **_too_long_fields(lines),
         truncation_rate=sum(x.truncated for x in scored) / len(scored) if scored else None,
         mean_turns=sum(x.num_turns for x in scored) / len(scored) if scored else None,
         metrics=metrics,
@@ -270,3 +235,60 @@ def summarize(
         ),
         report_metrics=cfg.eval.metrics,
     )
+
+
+def _groups(
+    datums: Sequence[DatumSpec], expected: Mapping[int, int], store: CompletionStore
+) -> list[list[CompletionLine]]:
+    """Each datum's lines, one per sample (its result, or its latest error); every sample must have one."""
+    groups = []
+    for d in datums:
+        group = [store.line(d.idx, s) for s in range(expected[d.idx])]
+        missing = [s for s, x in enumerate(group) if x is None]
+        assert not missing, f"prompt {d.idx} has samples without a line: {missing}"
+        groups.append([x for x in group if x is not None])
+    return groups
+
+
+def _prompt_samples(group: Sequence[CompletionLine]) -> PromptSamples:
+    """What the metrics see of a prompt's lines: the rewards and vote keys of its results, its error count."""
+    scored = [x for x in group if not x.is_error]
+    return PromptSamples(
+        agent_name=group[0].agent,
+        rewards=tuple(x.reward for x in scored),
+        answers=tuple(None if x.answer is None else vote_key(x.answer, x.env_extras) for x in scored),
+        num_errors=len(group) - len(scored),
+    )
+
+
+def _error_fields(lines: Sequence[CompletionLine], max_error_rate: float) -> dict[str, Any]:
+    """The summary's error counts, listed errors and `status` (data errors are judged by the CLI, not here)."""
+    n = len(lines)
+    errors = [x for x in lines if x.is_error]
+    data_errors = [x for x in errors if x.is_data_error]
+    status: Status
+    if not errors:
+        status = "ok"
+    elif (len(errors) - len(data_errors)) / n <= max_error_rate:
+        status = "errors_allowed"
+    else:
+        status = "errors_left"
+    return {
+        "status": status,
+        "num_errors": len(errors),
+        "error_rate": len(errors) / n,
+        "max_error_rate": max_error_rate,
+        "error_samples": tuple(ErrorSample.of_line(x) for x in errors[:MAX_LISTED_ERRORS]),
+        "num_data_errors": len(data_errors),
+        "data_error_rows": tuple(sorted({x.prompt_idx for x in data_errors}))[:MAX_LISTED_ERRORS],
+    }
+
+
+def _too_long_fields(lines: Sequence[CompletionLine]) -> dict[str, Any]:
+    """The summary's count of prompts too long to generate from, and the longest of them in tokens."""
+    too_long = [x for x in lines if x.prompt_too_long]
+    lengths = [t for x in too_long if isinstance(t := x.env_extras[PROMPT_TOO_LONG].get("prompt_tokens"), int)]
+    return {
+        "num_prompts_too_long": len({x.prompt_idx for x in too_long}),
+        "longest_prompt_too_long": max(lengths) if lengths else None,
+    }

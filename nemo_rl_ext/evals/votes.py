@@ -129,32 +129,38 @@ def cons_at_k(answers: Sequence[Hashable | None], correct: Sequence[bool], k: in
             total += float(correct[big[0][0]]) * comb[len(big[0]), x] * comb[pool, size - 1]
             continue
         winners = [i for i, g in enumerate(big) if correct[g[0]]]  # the others' subsets score their first: 0
-        if not winners:
-            continue
-        # the rows, in winner order: each possible first draw p of a winner (>= x - 1 of its samples after p)
-        firsts = [big[i][: len(big[i]) - x + 1] for i in winners]
-        weights = np.concatenate([comb[len(big[i]) - 1 - np.arange(len(f)), x - 1]
-                                  for i, f in zip(winners, firsts, strict=True)])
-        p = np.concatenate(firsts)
-        bounds = dict(zip(winners, itertools.pairwise(np.cumsum([0, *map(len, firsts)])), strict=True))
-        before = np.zeros((len(p), size))  # the rows' product of the factors of the answers before their own
-        start, running = 0, np.tile(comb[pool, :size], (len(p), 1))
-        for b in range(len(big)):  # running: the rows from `start` on (the later answers' rows)
-            if b in bounds:
-                lo, hi = bounds[b]
-                before[lo:hi] = running[lo - start: hi - start]
-                running, start = running[hi - start:], hi
-            if len(running):
-                running = _times_factor(running, big[b], x, p[start:], comb)
-        later = np.zeros((len(p), size))  # ... and of the factors of the answers after their own
-        end, running = len(p), np.zeros((len(p), size))
-        running[:, 0] = 1.0
-        for b in reversed(range(len(big))):  # running: the rows before `end` (the earlier answers' rows)
-            if b in bounds:
-                lo, hi = bounds[b]
-                later[lo:hi] = running[lo:hi]
-                running, end = running[:lo], lo
-            if len(running):
-                running = _times_factor(running, big[b], x, p[:end], comb)
-        total += float(weights @ np.einsum("rc,rc->r", before, later[:, ::-1]))
+        if winners:
+            total += _won_with(x, big, winners, size, pool, comb)
     return float(total) / math.comb(n, k)
+
+
+def _won_with(x: int, big: list[np.ndarray], winners: list[int], size: int, pool: int, comb: np.ndarray) -> float:
+    """The (weighted) count of the subsets that a correct answer wins with x draws (`cons_at_k`'s docstring):
+    `big` are the samples of each answer with >= x of them, `winners` those whose first sample is correct,
+    `size` = k - x + 1 coefficients, `pool` the samples of the answers with fewer than x."""
+    # the rows, in winner order: each possible first draw p of a winner (>= x - 1 of its samples after p)
+    firsts = [big[i][: len(big[i]) - x + 1] for i in winners]
+    weights = np.concatenate([comb[len(big[i]) - 1 - np.arange(len(f)), x - 1]
+                              for i, f in zip(winners, firsts, strict=True)])
+    p = np.concatenate(firsts)
+    bounds = dict(zip(winners, itertools.pairwise(np.cumsum([0, *map(len, firsts)])), strict=True))
+    before = np.zeros((len(p), size))  # the rows' product of the factors of the answers before their own
+    start, running = 0, np.tile(comb[pool, :size], (len(p), 1))
+    for b in range(len(big)):  # running: the rows from `start` on (the later answers' rows)
+        if b in bounds:
+            lo, hi = bounds[b]
+            before[lo:hi] = running[lo - start: hi - start]
+            running, start = running[hi - start:], hi
+        if len(running):
+            running = _times_factor(running, big[b], x, p[start:], comb)
+    later = np.zeros((len(p), size))  # ... and of the factors of the answers after their own
+    end, running = len(p), np.zeros((len(p), size))
+    running[:, 0] = 1.0
+    for b in reversed(range(len(big))):  # running: the rows before `end` (the earlier answers' rows)
+        if b in bounds:
+            lo, hi = bounds[b]
+            later[lo:hi] = running[lo:hi]
+            running, end = running[:lo], lo
+        if len(running):
+            running = _times_factor(running, big[b], x, p[:end], comb)
+    return float(weights @ np.einsum("rc,rc->r", before, later[:, ::-1]))

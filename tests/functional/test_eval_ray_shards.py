@@ -17,7 +17,7 @@ from test_eval_shard_jobs import NUM_PROMPTS, SAMPLES, overrides, same_report, s
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
-from nemo_rl_ext.evals.ray_shards import EVENTS_FILE, run_ray_eval
+from nemo_rl_ext.evals.ray_lease_queue import EVENTS_FILE, run_ray_eval
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER_CPUS = "policy.cluster={replica: {num_cpus: 0.5}}"  # two workers fit the session's 2-CPU Ray with room

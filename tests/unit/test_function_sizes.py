@@ -17,15 +17,8 @@ MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 500
 PACKAGE = Path(nemo_rl_ext.__file__).resolve().parent
 
-EVAL_PIPELINE = "the eval pipeline is being rebuilt as plan, roll out, store, summarise (issue 27 item 3)"
-
 ALLOWED: dict[str, str] = {
     # "path under nemo_rl_ext/" (a module) or "path:Qualified.name" (a function) -> why it may be long for now
-    "evals/driver.py:run_store_async": EVAL_PIPELINE,
-    "evals/merge.py:run_problems": EVAL_PIPELINE,
-    "evals/ray_shards.py:run_ray_eval": EVAL_PIPELINE,
-    "evals/summary.py:summarize": EVAL_PIPELINE,
-    "evals/votes.py:cons_at_k": EVAL_PIPELINE,
 }
 
 

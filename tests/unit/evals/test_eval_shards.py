@@ -78,7 +78,7 @@ def test_seeds_allow_ks_up_to_the_pooled_count_and_a_seed_reports_its_own() -> N
 
 
 def test_job_configs_select_seeds_and_set_the_generation_seed(tmp_path: Path) -> None:
-    from nemo_rl_ext.evals.driver import job_configs, job_root
+    from nemo_rl_ext.evals.plan import job_configs, job_root
 
     cfg = load_config(None, [f"eval.save_path={tmp_path}", "eval.dataset_path=d", "eval.seeds=[5,9]",
                              "eval.shard=2/4"], EvalConfig)

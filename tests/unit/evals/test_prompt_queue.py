@@ -15,9 +15,10 @@ from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.lines import CompletionLine
 from nemo_rl_ext.evals.merge import merge_run
+from nemo_rl_ext.evals.plan import group_configs
 from nemo_rl_ext.evals.prompt_queue import PromptQueue
-from nemo_rl_ext.evals.ray_shards import EvalWorker, group_configs, worker_store
-from nemo_rl_ext.evals.ray_stores import DeadWorker, plan_queue, settle_dead_worker
+from nemo_rl_ext.evals.ray_stores import DeadWorker, plan_queue, settle_dead_worker, worker_store
+from nemo_rl_ext.evals.ray_worker import EvalWorker
 from nemo_rl_ext.evals.shards import ShardRecord
 from nemo_rl_ext.evals.store import CompletionStore
 from nemo_rl_ext.experience.native_rollouts import rollout_seed

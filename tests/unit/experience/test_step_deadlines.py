@@ -15,7 +15,7 @@ from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.environments import create_environment
 from nemo_rl_ext.evals.config import EvalConfig
-from nemo_rl_ext.evals.driver import build_rollout_setup
+from nemo_rl_ext.evals.store_setup import build_rollout_setup
 from nemo_rl_ext.experience.build import build_rollouts
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
