@@ -50,6 +50,7 @@ from nemo_rl_ext.data.chat import ObservationFormatter  # noqa: E402
 from nemo_rl_ext.data.datasets import datum_from_messages  # noqa: E402
 from nemo_rl_ext.data.records import DatumSpec, Message  # noqa: E402
 from nemo_rl_ext.environments.interfaces import Observation  # noqa: E402
+from nemo_rl_ext.lifecycle import freeze_startup_heap  # noqa: E402
 from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig  # noqa: E402
 from nemo_rl_ext.testing import ScriptedEnvironment, ScriptedGeneration, ScriptedRequest  # noqa: E402
 
@@ -180,6 +181,8 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    if not args.no_freeze:  # as the CLIs do after start-up (lifecycle.freeze_startup_heap), for both contenders
+        freeze_startup_heap()
     formatter = ObservationFormatter(tokenizer)
     rng = random.Random(0)
     special = set(tokenizer.all_special_ids)
@@ -260,6 +263,8 @@ def spawn(args: argparse.Namespace, contender: str, turns: int, rollouts: int, t
     ]
     if trace:
         cmd.append("--tracemalloc")
+    if args.no_freeze:
+        cmd.append("--no-freeze")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {contender} turns={turns} rollouts={rollouts} failed:\n{proc.stderr[-3000:]}")
@@ -282,6 +287,8 @@ def main() -> None:
     parser.add_argument("--tracemalloc", action="store_true",
                         help="also measure the Python-heap peak with tracemalloc (an extra, slow run per case)")
     parser.add_argument("--reps", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--no-freeze", action="store_true",
+                        help="leave the start-up objects in the collector's scans (the CLIs freeze them)")
     parser.add_argument("--work-per-process", type=int, default=3000,
                         help="timed rollouts per process: 1k-rollout cases repeat 3 times in each process")
     args = parser.parse_args()

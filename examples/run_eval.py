@@ -36,7 +36,7 @@ import sys
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig, check_inputs
 from nemo_rl_ext.gym.launcher import GymLaunchError
-from nemo_rl_ext.lifecycle import stop_on_signals
+from nemo_rl_ext.lifecycle import freeze_startup_heap, stop_on_signals
 from nemo_rl_ext.plugins import add_import_argument, load_plugins
 
 
@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         check_inputs(cfg)  # missing files and counts: found before the model loads
 
         from nemo_rl_ext.evals.driver import run_eval
+
+        freeze_startup_heap()  # the imports' objects leave the collector's scans (lifecycle.freeze_startup_heap)
 
         result = run_eval(cfg, progress=not args.no_progress)
     except ConfigError as err:  # a user error (config, inputs, resume): its message alone, no traceback

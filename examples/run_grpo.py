@@ -26,7 +26,7 @@ import time
 
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.gym.launcher import GymLaunchError
-from nemo_rl_ext.lifecycle import stop_on_signals
+from nemo_rl_ext.lifecycle import freeze_startup_heap, stop_on_signals
 from nemo_rl_ext.plugins import add_import_argument, load_plugins
 
 
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         load_plugins(args.imports)  # before the config: the names they register validate in it
         cfg = load_config(args.config, args.overrides, GRPOConfig)
+        freeze_startup_heap()  # the imports' objects leave the collector's scans (lifecycle.freeze_startup_heap)
         with GRPO(cfg) as grpo:  # checks inputs, checkpoint and resume config before any model loads
             first_step = grpo.step
             history = grpo.run()

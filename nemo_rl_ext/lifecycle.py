@@ -177,3 +177,20 @@ class graceful_stop:  # noqa: N801 (a context manager, like contextlib's)
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now to Python's permanent generation (`gc.freeze`), once start-up is done.
+
+    A job imports torch, transformers and the rest before its first rollout: about 300k objects the garbage
+    collector's full collections would scan again and again for the whole run, although none of them is ever
+    garbage. Frozen, they are skipped, so a collection costs what the run itself holds and a rollout's share
+    of it stops growing with the number of rollouts (`bench/overhead.py`, docs/benchmarks.md). The CLIs
+    (`run_eval.py`, `run_grpo.py`, the policy server) call this after their imports and config checks; a
+    library user may do the same in their own script. Frozen objects are never freed, which is what happens to
+    imported modules anyway."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+

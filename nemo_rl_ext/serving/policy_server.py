@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl_ext.lifecycle import freeze_startup_heap
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
 from nemo_rl_ext.plugins import PluginError, add_import_argument, load_plugins
 from nemo_rl_ext.serving.api_errors import ApiError
@@ -300,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         trust_request_chat_template=args.trust_request_chat_template,
     )
     app = create_app(generation, generation.tokenizer, options)
+    freeze_startup_heap()  # the imports' and the model's objects leave the collector's scans
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]
     logger.info(
