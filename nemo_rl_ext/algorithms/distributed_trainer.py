@@ -77,7 +77,7 @@ class DistributedTrainer:
     """Trains the policy on `settings.workers` FSDP2 ranks (Ray actors); the same interface as PolicyTrainer."""
 
     def __init__(self, spec: RankSpec, settings: TrainerSettings, cluster: ClusterConfig | None = None) -> None:
-        import ray
+        import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         self._owns_ray = init_ray(cluster)
         check_trainer_resources(settings, ray.cluster_resources(), cluster)
@@ -118,7 +118,7 @@ class DistributedTrainer:
     def _call(self, calls: Sequence[tuple[Any, tuple]], timeout_s: float | None = None) -> list[Any]:
         """Run one call per rank (`(actor.method, args)`) and return their results in rank order; the first
         rank to die or fail raises `TrainerWorkerError` at once (and the other ranks are killed)."""
-        import ray
+        import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         refs = [method.remote(*args) for method, args in calls]
         rank_of = {ref: i for i, ref in enumerate(refs)}
@@ -140,7 +140,7 @@ class DistributedTrainer:
         """The rank to blame for `rank`'s failure: a rank whose collective broke because a peer died fails first
         (gloo sees the closed connection before Ray reports the death), so wait up to `DEAD_PEER_GRACE_S` for a
         peer that died, and name it instead."""
-        import ray
+        import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         if isinstance(exc, ray.exceptions.RayActorError) or not others:
             return rank, exc
@@ -157,7 +157,7 @@ class DistributedTrainer:
         return rank, exc
 
     def _fail(self, rank: int, exc: BaseException) -> None:
-        import ray
+        import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         where = self.workers[rank]
         died = isinstance(exc, ray.exceptions.RayActorError)
@@ -291,7 +291,7 @@ class DistributedTrainer:
         self._call([(rank.load_sharded, (str(folder),)) for rank in self._ranks])
 
     def _kill_ranks(self) -> None:
-        import ray
+        import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         for rank in getattr(self, "_ranks", []):
             ray.kill(rank, no_restart=True)
@@ -303,7 +303,7 @@ class DistributedTrainer:
 
     def close(self) -> None:
         """Kill the ranks (no process stays behind); ends Ray when this trainer started it."""
-        import ray
+        import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         self._kill_ranks()
         if self._owns_ray:
@@ -329,7 +329,7 @@ class _CheckpointOptimizer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        import ray
+        import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         t = self._trainer
         names = t._param_names

@@ -85,6 +85,7 @@ def _sharded_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
 def consolidate_full_model(checkpoint: Checkpoint, out: Path) -> None:
     """A sharded full-weight checkpoint as one Hugging Face folder (the model built on the meta device: no weight
     besides the consolidated ones is allocated)."""
+    # lazy: transformers loads only when a checkpoint is exported
     from transformers import AutoConfig, AutoModelForCausalLM
 
     weights = _sharded_weights(checkpoint)
@@ -109,6 +110,7 @@ def trained_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     """The trained tensors of a checkpoint of either format, under the names one process's files use: a full
     model's transformers names (shards also hold a tied weight under its second name), or peft's adapter names
     (`...q_proj.lora_A.weight`, without the adapter's name)."""
+    # lazy: safetensors loads only when a checkpoint's weights are read
     from safetensors.torch import load_file
 
     if checkpoint.sharded:
@@ -132,7 +134,7 @@ def train_dtype(checkpoint: Checkpoint) -> torch.dtype:
 
 
 def _lora_config(checkpoint: Checkpoint) -> Any:
-    from peft import LoraConfig
+    from peft import LoraConfig  # lazy: peft (LoRA only) loads only when a LoRA checkpoint is exported
 
     return LoraConfig.from_pretrained(checkpoint.model_dir)
 
@@ -148,9 +150,10 @@ def _base_model_path(checkpoint: Checkpoint) -> Path:
 
 def _adapted(checkpoint: Checkpoint, base: Any) -> Any:
     """`base` with the checkpoint's adapters (peft's folder, or the consolidated shards)."""
+    # lazy: peft (LoRA only) loads only when adapters are applied
     from peft import PeftModel, get_peft_model
 
-    from nemo_rl_ext.algorithms.lora import peft_reads_a_deprecated_alias
+    from nemo_rl_ext.algorithms.lora import peft_reads_a_deprecated_alias  # lazy: lora.py imports peft
 
     with peft_reads_a_deprecated_alias():
         if not checkpoint.sharded:
@@ -168,7 +171,7 @@ def _adapted(checkpoint: Checkpoint, base: Any) -> Any:
 
 def merge_adapters(checkpoint: Checkpoint, out: Path) -> None:
     """The base model with the checkpoint's adapters merged into its weights, as a Hugging Face folder."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers loads only when adapters are merged
 
     base = AutoModelForCausalLM.from_pretrained(_base_model_path(checkpoint), dtype=train_dtype(checkpoint))
     merged = _adapted(checkpoint, base).merge_and_unload()
@@ -179,10 +182,11 @@ def merge_adapters(checkpoint: Checkpoint, out: Path) -> None:
 def write_adapters(checkpoint: Checkpoint, out: Path) -> None:
     """The peft adapter folder of a sharded LoRA checkpoint (peft's `save_pretrained` of the consolidated adapters,
     over the base architecture built on the meta device: no base weight is read)."""
+    # lazy: peft and transformers load only when adapters are written
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from nemo_rl_ext.algorithms.lora import peft_reads_a_deprecated_alias
+    from nemo_rl_ext.algorithms.lora import peft_reads_a_deprecated_alias  # lazy: lora.py imports peft
 
     weights = _sharded_weights(checkpoint)
     config = _lora_config(checkpoint)

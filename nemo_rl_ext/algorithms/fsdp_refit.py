@@ -21,7 +21,7 @@ ADAPTER = "default"
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a DTensor shard (an all-gather every rank joins), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: torch.distributed loads only where a rank uses it
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
@@ -30,6 +30,7 @@ class RefitSource:
     """The plain model's tensors of a rank's (possibly LoRA-wrapped, FSDP2-sharded) policy, by plain name."""
 
     def __init__(self, model: Any) -> None:
+        # local: no cycle; fsdp_workers, this module's user, loads fsdp_wrap anyway; could move up
         from nemo_rl_ext.algorithms.fsdp_wrap import plain_names
 
         self.model = model
@@ -39,7 +40,7 @@ class RefitSource:
         self.adapted: dict[str, Any] = {}
         """{plain name of a LoRA target module's weight: its peft LoraLayer}."""
         if self.lora:
-            from peft.tuners.lora import LoraLayer
+            from peft.tuners.lora import LoraLayer  # lazy: peft loads only for a LoRA model
 
             for name, module in model.get_base_model().named_modules():
                 if isinstance(module, LoraLayer):

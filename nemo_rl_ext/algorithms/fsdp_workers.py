@@ -95,6 +95,7 @@ class TrainerRank:
 
     def where(self) -> dict[str, Any]:
         """This rank's node, IP address and pid, and (for rank 0) a free port for the rendezvous."""
+        # Ray actor code: runs in the worker process (ray loads only when Ray is used)
         import ray
 
         ip = ray.util.get_node_ip_address()
@@ -110,7 +111,7 @@ class TrainerRank:
     def setup(self, master: str, port: int, spec: RankSpec) -> dict[str, Any]:
         """Join the process group, load and shard the policy (and the reference); returns the model's parameter
         count, the trained ones' and whether a reference model was loaded."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch.distributed loads only where a rank uses it
 
         self.spec = spec
         self.device = torch.device("cuda", 0) if spec.device.startswith("cuda") else torch.device("cpu")
@@ -239,7 +240,7 @@ class TrainerRank:
     def _clip_gradients(self) -> float:
         """Clip by the norm of the whole (global) gradient, as `clip_grad_norm_` does on one process: each rank's
         shards' squared norms, summed over ranks; every rank then scales its shards by the same factor."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch.distributed loads only where a rank uses it
         from torch.distributed.tensor import DTensor
 
         local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
@@ -273,6 +274,7 @@ class TrainerRank:
     def optimizer_state(self) -> dict[str, Any] | None:
         """The full AdamW state keyed by parameter name, gathered tensor by tensor (rank 0; None on the others):
         {"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [hyperparameters]}."""
+        # lazy: torch.distributed loads only where a rank uses it
         from torch.distributed.tensor import DTensor
 
         assert self.optimizer is not None
@@ -287,6 +289,7 @@ class TrainerRank:
 
     def load_optimizer_state(self, saved: Mapping[str, Any]) -> None:
         """Load `optimizer_state`'s full state: each rank keeps its shard of every tensor (no communication)."""
+        # lazy: torch.distributed loads only where a rank uses it
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         assert self.optimizer is not None
@@ -319,7 +322,7 @@ class TrainerRank:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch.distributed loads only where a rank uses it
 
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -60,6 +60,7 @@ def enable_activation_checkpointing(model: Any) -> None:
 
 
 def _fsdp_kwargs(settings: WrapSettings, device: torch.device, world_size: int) -> dict[str, Any]:
+    # lazy: torch.distributed.fsdp loads only when a model is sharded
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     kwargs: dict[str, Any] = {}
@@ -74,6 +75,7 @@ def _fsdp_kwargs(settings: WrapSettings, device: torch.device, world_size: int) 
             raise ValueError("cpu_offload needs GPU ranks: on the CPU there is nothing to offload")
         kwargs["offload_policy"] = CPUOffloadPolicy()
     if settings.replicate:
+        # lazy: torch.distributed loads only when a model is sharded
         from torch.distributed.device_mesh import init_device_mesh
 
         kwargs["mesh"] = init_device_mesh(device.type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
@@ -84,6 +86,7 @@ def shard_model(model: torch.nn.Module, temperature: float, settings: WrapSettin
                 device: torch.device | None = None, world_size: int = 1) -> LogprobPass:
     """FSDP2: `fully_shard` on each decoder layer, then on the root (the logprob pass around the model);
     gradients summed over ranks (each rank's loss is already divided by the global count)."""
+    # lazy: torch.distributed.fsdp loads only when a model is sharded
     from torch.distributed.fsdp import fully_shard
 
     layers = getattr(model.get_decoder(), "layers", None)
@@ -105,7 +108,7 @@ def adapters_off(model: Any) -> Iterator[None]:
     also sets the adapters' `requires_grad` to False and back, and under FSDP2 it reaches whichever tensors the
     module holds at that moment (the root unit's stay unsharded after a forward), so the LM head's adapters
     silently stopped training. This flips peft's per-layer switch alone."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft loads only for a LoRA model
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     before = [m._disable_adapters for m in layers]

@@ -298,6 +298,7 @@ def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True) -> 
     the Gym configs it launches, the training (`train`) and validation (`val`) files and their agents' counts.
     Switch a file's check off when the run is given its datums directly. (An unknown environment name is a
     config error already: `experience.config` validates it.)"""
+    # local (light, no cycle): could move to the top
     from nemo_rl_ext.experience.input_checks import dataset_problems, rollouts_problems
 
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]

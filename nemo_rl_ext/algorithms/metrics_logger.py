@@ -34,6 +34,7 @@ class MetricsLogger:
         self._writer = None
         if tensorboard:
             try:
+                # optional dependency (tensorboard), loaded only when asked for
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 logger.info("tensorboard is not installed: metrics go to %s only", self.path)

@@ -40,7 +40,7 @@ class ShardedCheckpointError(ConfigError):
 
 
 def _single_process() -> bool:
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch.distributed loads only where a rank uses it
 
     return not (dist.is_available() and dist.is_initialized())
 
@@ -60,6 +60,7 @@ def trained_names(model: torch.nn.Module) -> set[str]:
 
 def _trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """{"model": the parameters that require grad (sharded where they are), "optim": their optimizer state}."""
+    # lazy: torch.distributed loads only where a rank uses it
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -78,7 +79,7 @@ def save_trained_state(folder: str | Path, model: torch.nn.Module, optimizer: to
     """Write the trained parameters and their optimizer state to `folder/shards` (every rank calls it; one process
     without a process group writes one shard); with `metadata`, also the model's config files to `folder/policy`
     (rank 0 only: one writer per file)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: torch.distributed loads only where a rank uses it
 
     folder = Path(folder)
     with _quiet():
@@ -91,7 +92,7 @@ def load_trained_state(folder: str | Path, model: torch.nn.Module, optimizer: to
     """Load `save_trained_state`'s shards into `model` and `optimizer`, resharded onto however they are sharded now
     (every rank calls it); `ShardedCheckpointError` when the checkpoint holds other parameters than the model
     trains (e.g. adapters for a full fine-tune)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: torch.distributed loads only where a rank uses it
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -122,6 +123,7 @@ def _key_problem(shards: Path, model: torch.nn.Module) -> str | None:
 
 
 def _metadata(shards: Path) -> Any:
+    # lazy: torch.distributed loads only where a rank uses it
     from torch.distributed.checkpoint import FileSystemReader
 
     return FileSystemReader(shards).read_metadata()
@@ -154,7 +156,7 @@ def saved_parameter_names(shards: str | Path) -> list[str]:
 def read_trained_weights(shards: str | Path) -> dict[str, torch.Tensor]:
     """The full (consolidated) model tensors of a `shards/` folder, on the CPU, in this process: no model, no
     process group (what `export` writes, and what tests compare)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: torch.distributed loads only where a rank uses it
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     shards = Path(shards)
@@ -171,7 +173,7 @@ def read_trained_weights(shards: str | Path) -> dict[str, torch.Tensor]:
 
 def write_model_metadata(model: torch.nn.Module, folder: Path) -> None:
     """The model's `config.json` and `generation_config.json`, and a peft model's `adapter_config.json`."""
-    from peft import PeftModel
+    from peft import PeftModel  # lazy: peft loads only when a checkpoint's metadata is written
 
     folder.mkdir(parents=True, exist_ok=True)
     base = model.get_base_model() if isinstance(model, PeftModel) else model

@@ -29,9 +29,11 @@ def build_environment(
     """The registered environment `name` built with `env_kwargs`: in this process, or (`remote`) in an actor
     whose calls past `step_timeout_s` kill and restart it. The caller shuts it down when done."""
     if not remote:
+        # lazy: the environment registry imports every implementation
         from nemo_rl_ext.environments import create_environment
 
         return create_environment(name, **dict(env_kwargs or {}))
+    # local: cluster/__init__ loads it anyway; no cycle, could move up
     from nemo_rl_ext.cluster.remote_environment import RemoteEnvironment
 
     started = init_ray(cluster)
@@ -39,7 +41,7 @@ def build_environment(
         return RemoteEnvironment.from_registry(name, env_kwargs, step_timeout_s=step_timeout_s, owns_ray=started)
     except BaseException:
         if started:
-            import ray
+            import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
             ray.shutdown()
         raise

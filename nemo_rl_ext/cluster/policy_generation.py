@@ -25,9 +25,11 @@ def build_policy_generation(policy_cfg: PolicyConfig, model: Any = None, tokeniz
     resumed run) refits the pool with `update_weights`.
     """
     if policy_cfg.cluster is None:
+        # lazy: models.backends loads torch; importing cluster stays light
         from nemo_rl_ext.models.backends import build_generation
 
         return build_generation(policy_cfg, model, tokenizer)
+    # local: cluster/__init__ loads it anyway; no cycle, could move up
     from nemo_rl_ext.cluster.routed_generation import RoutedGeneration
     from nemo_rl_ext.models.policy import resolve_model_path
 
@@ -38,7 +40,7 @@ def build_policy_generation(policy_cfg: PolicyConfig, model: Any = None, tokeniz
         return RoutedGeneration.from_policy(replica_cfg, policy_cfg.cluster, tokenizer=tokenizer, owns_ray=started)
     except BaseException:
         if started:
-            import ray
+            import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
             ray.shutdown()
         raise
@@ -47,6 +49,7 @@ def build_policy_generation(policy_cfg: PolicyConfig, model: Any = None, tokeniz
 def loads_model_folder(policy_cfg: PolicyConfig) -> bool:
     """True when the generation `policy_cfg` builds loads the model folder itself (vLLM, a Ray pool) rather
     than serving the weights of a model handed to it (in-process hf)."""
+    # lazy: models.backends loads torch; importing cluster stays light
     from nemo_rl_ext.models.backends import backend_entry
 
     return policy_cfg.cluster is not None or backend_entry(policy_cfg.backend).loads_model_folder

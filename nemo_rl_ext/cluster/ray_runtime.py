@@ -27,7 +27,7 @@ def init_ray(cfg: ClusterConfig | None = None) -> bool:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before `import ray`: it reads this at import
     if cfg.address is None:
         keep_ray_on_loopback()
-    import ray
+    import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
     if ray.is_initialized():
         return False
@@ -73,7 +73,7 @@ def keep_ray_on_loopback() -> None:
     constant covers a `ray` imported before this call. Only for a local Ray: a cluster needs its node IPs.
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import sys
+    import sys  # stdlib, cheap: local only by habit, could move to the top
 
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:

@@ -49,6 +49,7 @@ class _EnvironmentHost:
 
 
 def _registered(name: str, kwargs: Mapping[str, Any]) -> EnvironmentInterface:
+    # lazy: the environment registry imports every implementation
     from nemo_rl_ext.environments import create_environment
 
     return create_environment(name, **kwargs)
@@ -70,7 +71,7 @@ class RemoteEnvironment(EnvironmentInterface):
         ready_timeout_s: float = 300.0,
         owns_ray: bool = False,
     ) -> None:
-        import ray
+        import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         if not ray.is_initialized():
             raise RuntimeError("RemoteEnvironment needs Ray: call nemo_rl_ext.cluster.init_ray(cfg) first")

@@ -50,7 +50,7 @@ class GenerationReplica:
         partial: bool = False,
     ) -> None:
         if torch_threads:
-            import torch
+            import torch  # Ray actor code: caps torch threads in the worker process
 
             torch.set_num_threads(torch_threads)  # Ray does not cap torch threads
         self.index = index
@@ -64,7 +64,7 @@ class GenerationReplica:
 
     def ready(self) -> dict[str, Any]:
         """Where this replica runs and what it serves (returns once the backend is built)."""
-        import ray
+        import ray  # Ray actor code: runs in the worker process
 
         return {"index": self.index, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "weight_version": self.weight_version()}
@@ -123,6 +123,7 @@ def replica_actor_options(resources: ReplicaResources, *, spread: bool = True) -
         if spread:
             options["scheduling_strategy"] = "SPREAD"
         return options, None
+    # lazy: ray loads only when Ray is used, not by importing this module
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -137,6 +138,7 @@ def replica_actor_options(resources: ReplicaResources, *, spread: bool = True) -
 def build_policy_backend(policy_cfg: Any, engine_kwargs: Mapping[str, Any] | None = None) -> GenerationInterface:
     """The backend a replica serves for a `PolicyConfig` (built inside the replica's process), with the
     engine arguments its registry entry asks for in a replica (`policy_backend_factory`)."""
+    # lazy: models.backends loads torch; runs in the replica's worker process
     from nemo_rl_ext.models.backends import build_generation
 
     return build_generation(policy_cfg, engine_kwargs=engine_kwargs)
@@ -145,6 +147,7 @@ def build_policy_backend(policy_cfg: Any, engine_kwargs: Mapping[str, Any] | Non
 def policy_backend_factory(policy_cfg: Any) -> BackendFactory:
     """A picklable factory of `build_policy_backend(policy_cfg, ...)`; the backend's registry entry
     (`replica_engine_kwargs`) says which engine arguments a replica adds."""
+    # lazy: models.backends loads torch; importing cluster stays light
     from nemo_rl_ext.models.backends import backend_entry
 
     engine_kwargs = backend_entry(policy_cfg.backend).replica_engine_kwargs(policy_cfg)

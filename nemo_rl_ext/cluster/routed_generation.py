@@ -89,7 +89,7 @@ class RoutedGeneration(GenerationInterface):
         ready_timeout_s: float = 600.0,
         owns_ray: bool = False,
     ) -> None:
-        import ray
+        import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         if not ray.is_initialized():
             raise RuntimeError("RoutedGeneration needs Ray: call nemo_rl_ext.cluster.init_ray(cfg) first")
@@ -143,6 +143,7 @@ class RoutedGeneration(GenerationInterface):
 
         The model folder must be readable at the same path on every node (a shared file system).
         `tokenizer`: the caller's (default: the model folder's)."""
+        # lazy: models.loading loads torch; only when built from a policy (no cycle)
         from nemo_rl_ext.cluster.replica import policy_backend_factory
         from nemo_rl_ext.models.loading import load_tokenizer
         from nemo_rl_ext.models.policy import resolve_model_path
@@ -374,6 +375,7 @@ class RoutedGeneration(GenerationInterface):
             except Exception:  # already gone
                 pass
         if replica.placement_group is not None and (replica.removed or self._closed):
+            # lazy: ray loads only when Ray is used, not by importing this module
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(replica.placement_group)
@@ -412,6 +414,7 @@ class RoutedGeneration(GenerationInterface):
 
 @functools.cache
 def _strategy_class() -> Any:
+    # lazy: ray loads only when Ray is used, not by importing this module
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     return PlacementGroupSchedulingStrategy

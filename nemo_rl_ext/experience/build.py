@@ -30,6 +30,7 @@ def build_policy(
     """The tokenizer and generation backend `policy` describes: one engine in this process (`policy.backend`
     from the registry), or a Ray pool of them (`policy.cluster`). `model` / `tokenizer`: a trainer's, shared by
     an in-process engine that serves the model object it is handed. The caller shuts the backend down."""
+    # local: no cycle; cluster adds no heavy import here (build loads torch already); could move up
     from nemo_rl_ext.cluster import build_policy_generation
 
     generation = build_policy_generation(policy, model, tokenizer)
@@ -45,6 +46,7 @@ def load_rollout_rows(
     can't use itself, in `make_datums`). A Gym row's `responses_create_params` (with `gym.responses_create_params`
     merged in, as it is sent) must have the shape Gym accepts (`gym.rows.responses_params_problems`)."""
     if cfg.mode == "nemo_gym":
+        # local: only the nemo_gym mode checks Gym rows (gym.rows is light; could move to the top)
         from nemo_rl_ext.gym.rows import gym_row_problem
 
         overrides = dict(cfg.gym.responses_create_params) if cfg.gym is not None else {}
@@ -55,6 +57,7 @@ def load_rollout_rows(
                                     if isinstance(params, Mapping) else params})
 
         return load_jsonl(path, required=("responses_create_params",), check=check)
+    # lazy: the environment registry imports every implementation
     from nemo_rl_ext.environments import environment_entry
 
     default_rows = environment_entry(cfg.env.resolved_name).row_adapter is qa_row
@@ -86,6 +89,7 @@ def make_datums(
             agent_name=gym.agent_name if gym is not None else None,
             responses_create_params=gym.responses_create_params if gym is not None else None,
         )
+    # lazy: the environment registry imports every implementation
     from nemo_rl_ext.environments import environment_entry
 
     name = cfg.env.resolved_name
@@ -134,6 +138,7 @@ def build_rollouts(
         return datums, RolloutManager(**common, task_to_env=None, mode=cfg.mode, gym_config=cfg.gym)
     owned: list[EnvironmentInterface] = []
     if task_to_env is None:
+        # local: no cycle; cluster adds no heavy import here (build loads torch already); could move up
         from nemo_rl_ext.cluster import build_environment
 
         name = cfg.env.resolved_name

@@ -53,6 +53,7 @@ class EnvironmentSettings(StrictModel):
     @classmethod
     def _known_environment(cls, value: str | None) -> str | None:
         if value is not None:
+            # lazy: the registry imports the implementations; config validation stays light
             from nemo_rl_ext.environments import available_environments
 
             if value not in available_environments():

@@ -155,6 +155,7 @@ def _is_generated(item: Mapping[str, Any]) -> bool:
 def _final_answer(text: str | None) -> str | None:
     if not text:
         return None
+    # lazy: the environment registry imports every implementation
     from nemo_rl_ext.environments.math_env import extract_answer
 
     return extract_answer(text)

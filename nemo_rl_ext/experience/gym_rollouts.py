@@ -211,6 +211,7 @@ class AsyncNemoGymRolloutImpl(RolloutImpl):
             return self._client
 
     def _start_servers(self) -> dict[str, str]:
+        # local: only when this manager launches Gym itself (light; could move up)
         from nemo_rl_ext.gym.launcher import GymLauncher
 
         self.start_policy_server()
@@ -223,6 +224,7 @@ class AsyncNemoGymRolloutImpl(RolloutImpl):
 
     def start_policy_server(self) -> str:
         """Serve `policy_generation` over the OpenAI-compatible API; returns its base URL."""
+        # lazy: the policy server loads fastapi, uvicorn and the backends
         from nemo_rl_ext.serving.policy_server import PolicyServer
 
         with self._life_lock:

@@ -21,6 +21,7 @@ def rollouts_problems(rollouts: RolloutsConfig) -> list[str]:
     gym = rollouts.gym if rollouts.mode == "nemo_gym" else None
     if gym is None or gym.launch is None:
         return []
+    # local: only when Gym is launched (gym.launcher is light; could move up)
     from nemo_rl_ext.gym.launcher import missing_config_paths
 
     return missing_config_paths(gym.launch)
@@ -40,6 +41,7 @@ def dataset_problems(
     """Every problem of the dataset at `path` (config key `key`) for `rollouts` with these sample `counts`:
     the file, its lines and rows (`build.load_rollout_rows`), and a count for each row's agent
     (`build.row_agents`). `limit`: only the first rows are rolled out, so only they need a count."""
+    # lazy: build loads torch and the backends; input checks stay light for config validation
     from nemo_rl_ext.experience.build import load_rollout_rows, row_agents
 
     path = Path(path)

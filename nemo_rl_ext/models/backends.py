@@ -83,6 +83,7 @@ def build_hf(
     cfg: PolicyConfig, model: Any, tokenizer: Any, engine_kwargs: Mapping[str, Any] | None
 ) -> GenerationInterface:
     """The hf backend (registered as "hf" in `models.backend_registry`)."""
+    # lazy: a backend loads torch and transformers only when it is built
     from nemo_rl_ext.models.generation.hf_backend import HfGeneration
     from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
@@ -111,6 +112,7 @@ def build_vllm(
     cfg: PolicyConfig, model: Any, tokenizer: Any, engine_kwargs: Mapping[str, Any] | None
 ) -> GenerationInterface:
     """The vLLM backend (registered as "vllm" in `models.backend_registry`)."""
+    # optional dependency: vllm loads only for policy.backend=vllm
     from nemo_rl_ext.models.generation.vllm_backend import VllmGeneration
 
     return VllmGeneration(

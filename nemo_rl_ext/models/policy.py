@@ -12,10 +12,12 @@ from nemo_rl_ext.models.config import PolicyConfig
 def resolve_model_path(cfg: PolicyConfig) -> Path:
     """"smollm2" and "tiny" name offline models built on first use; anything else is a folder."""
     if cfg.model_name == "smollm2":
+        # local: smollm2 is light; only for model_name=smollm2 (could move up)
         from nemo_rl_ext.models.smollm2 import smollm2_path
 
         return smollm2_path()
     if cfg.model_name == "tiny":
+        # lazy: tiny.py loads torch and transformers only for model_name=tiny (smollm2 is light)
         from nemo_rl_ext.models.smollm2 import default_cache_dir
         from nemo_rl_ext.models.tiny import CHAT_TEMPLATE, build_tiny_model
 

@@ -52,7 +52,7 @@ def gguf_path() -> Path:
 
 def _convert(gguf: Path, dest: Path) -> None:
     """Dequantize `gguf` and save model (`SAVE_DTYPE`) and tokenizer (left padding) into `dest`."""
-    import torch
+    import torch  # lazy: torch and transformers only when converting; path lookups stay light
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     model = AutoModelForCausalLM.from_pretrained(

@@ -209,7 +209,7 @@ class PolicyServer(ThreadedServer):
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments."""
-    from nemo_rl_ext.models.config import PolicyConfig
+    from nemo_rl_ext.models.config import PolicyConfig  # local (light, no cycle): could move to the top
 
     defaults = PolicyConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -268,6 +268,7 @@ def generation_defaults(max_tokens: int) -> GenerationConfig | None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI: load the model, then serve it in the foreground until SIGINT / SIGTERM."""
+    # local: no cycle, nothing heavy (this module loads torch and transformers already); could move up
     from nemo_rl_ext.models.backends import build_generation
     from nemo_rl_ext.models.config import PolicyConfig, VllmConfig
     from nemo_rl_ext.models.policy import resolve_model_path

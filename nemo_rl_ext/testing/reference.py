@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 def forward_logprobs(model: Any, context: Sequence[int], output: Sequence[int], temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) of each id of `output` after `context`, from one forward pass of `model` over
     both (T = 0, greedy, counts as 1): the logprobs a backend must report for those ids."""
-    import torch
+    import torch  # lazy: torch loads only when a test computes reference logprobs
 
     ids = torch.tensor([[*context, *output]])
     with torch.no_grad():

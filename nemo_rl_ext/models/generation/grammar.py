@@ -57,6 +57,7 @@ def vllm_structured_outputs(spec: StructuredOutput | None):
     OpenAI server passes a response_format's `json_schema.schema`. Imports vLLM only for a constrained request."""
     if spec is None:
         return None
+    # optional dependency: vllm, only for the vLLM backend
     from vllm.sampling_params import StructuredOutputsParams
 
     return StructuredOutputsParams(json=json.loads(spec.json_schema))

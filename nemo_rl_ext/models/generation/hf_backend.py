@@ -145,6 +145,7 @@ class HfGeneration(HfDecodeSteps, GenerationInterface):
         cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", **kwargs
     ) -> HfGeneration:
         """Load a model folder (as written by `save_pretrained`) and serve it."""
+        # local: no cycle, nothing heavy (torch and transformers are loaded here already); could move up
         from nemo_rl_ext.models.loading import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(path, dtype=dtype, device=device)

