@@ -12,20 +12,16 @@ no choices and the usage; `data: [DONE]` ends every stream, after an error event
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from nemo_rl_ext.data.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, parse_tool_calls
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationOutput, TokenDelta
-from nemo_rl_ext.serving.api_errors import ApiError
 from nemo_rl_ext.serving.openai_schemas import TOKEN_FIELDS, ChatCompletionRequest
-from nemo_rl_ext.serving.streaming import SSE_DONE, SseResponse, TextStream, choice_events, sse, usage
+from nemo_rl_ext.serving.streaming import StreamedCompletion, TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -180,8 +176,13 @@ class _ChoiceStream:
         return choice
 
 
-class ChatStream:
+class ChatStream(StreamedCompletion):
     """One streamed chat completion: `response()` is its SSE response (the request was validated)."""
+
+    OBJECT = "chat.completion.chunk"
+    ID_PREFIX = "chatcmpl"
+    ROUTE = ROUTE
+    KIND = "chat completion"
 
     def __init__(
         self,
@@ -196,74 +197,20 @@ class ChatStream:
     ) -> None:
         """`service`: the `PolicyService` (its generation, tokenizer, options, metrics); `answer(index, output)`:
         the non-streamed choice of an output; `logprobs(delta)`: the choice `logprobs` of a delta's tokens."""
-        self._service, self._request, self._prompt_ids, self._configs = service, request, prompt_ids, configs
-        self._received_at = received_at
-        self._answer, self._logprobs = answer, logprobs
-        self._id = f"chatcmpl-{uuid.uuid4().hex}"
-        self._created = int(time.time())
-        self._include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        super().__init__(service, request, [(prompt_ids, c) for c in configs], received_at, answer)
+        self._prompt_ids, self._logprobs = prompt_ids, logprobs
+        self._choices = [_ChoiceStream(i, request, c, service.tokenizer) for i, c in enumerate(configs)]
 
-    def response(self) -> SseResponse:
-        """The response that streams this completion."""
-        return SseResponse(self.events())
-
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
-        chunk = {"id": self._id, "object": "chat.completion.chunk", "created": self._created,
-                 "model": self._service.options.served_model_name, "choices": choices}
-        if self._include_usage:
-            chunk["usage"] = None
-        return sse({**chunk, **extra})
-
-    async def events(self) -> AsyncIterator[str]:
-        """Every event of the stream; closing it early cancels the generations."""
-        choices = [_ChoiceStream(i, self._request, c, self._service.tokenizer) for i, c in enumerate(self._configs)]
+    def _opening(self) -> Iterable[str]:
         first = {"prompt_token_ids": list(self._prompt_ids)} if self._request.return_token_ids else {}
-        outputs: list[GenerationOutput | None] = [None] * len(choices)
-        started, ended = time.monotonic(), False
-        self._service.metrics.in_progress.inc()  # the route counted it until it returned this response
-        try:
-            for choice in choices:
-                yield self._chunk([choice.role()], **(first if choice.index == 0 else {}))
-            async with contextlib.aclosing(self._events(choices, outputs)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-            ended = True
-        except ApiError as err:
-            ended = True
-            yield sse(err.body())
-            yield SSE_DONE
-            return
-        finally:
-            self._service.metrics.in_progress.dec()
-            if not ended:  # the client went away (or the server is stopping): the generations were cancelled
-                self._service.metrics.cancel(ROUTE, "client_disconnect", time.monotonic() - self._received_at)
-        if self._include_usage:
-            completion_tokens = sum(len(o.output_ids) for o in outputs if o is not None)
-            yield self._chunk([], usage=usage(len(self._prompt_ids), completion_tokens))
-        yield SSE_DONE
-        done = [o for o in outputs if o is not None]
-        self._service.metrics.completion(self._received_at, started, done, len(self._prompt_ids))
+        for choice in self._choices:
+            yield self._chunk([choice.role()], **(first if choice.index == 0 else {}))
 
-    async def _events(self, choices: list[_ChoiceStream], outputs: list) -> AsyncIterator[str]:
-        """The chunks of every choice's deltas and ends; a failed generation is an `ApiError`."""
-        timeout_s = self._service.options.request_timeout_s
-        events = choice_events(self._service.generation, self._prompt_ids, self._configs, timeout_s)
-        try:
-            async with contextlib.aclosing(events):
-                async for index, event in events:
-                    if isinstance(event, TokenDelta):
-                        choice = choices[index].delta(event, self._logprobs)
-                    else:
-                        outputs[index] = event
-                        answer = await asyncio.to_thread(self._answer, index, event)
-                        choice = choices[index].last(answer)
-                    if choice is not None:
-                        yield self._chunk([choice])
-        except TimeoutError:
-            self._service.metrics.cancel(ROUTE, "timeout", time.monotonic() - self._received_at)
-            raise ApiError(f"generation did not finish within request_timeout_s={timeout_s}", status_code=504) from None
-        except ValueError as exc:  # the backend's "bad input" (e.g. ids outside the vocabulary)
-            raise ApiError(f"the backend refused the request: {exc}") from exc
-        except Exception as exc:
-            logger.exception("a streamed chat completion failed")
-            raise ApiError(f"{type(exc).__name__}: {exc}", status_code=500) from exc
+    def _delta(self, index: int, delta: TokenDelta) -> dict[str, Any] | None:
+        return self._choices[index].delta(delta, self._logprobs)
+
+    def _last(self, index: int, answer: dict[str, Any]) -> dict[str, Any] | None:
+        return self._choices[index].last(answer)
+
+    def _prompt_tokens(self) -> int:
+        return len(self._prompt_ids)

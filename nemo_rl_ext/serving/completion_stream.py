@@ -12,18 +12,13 @@ prompt stream concurrently, each tagged with its index (`prompt_index * n + j`).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationOutput, TokenDelta
-from nemo_rl_ext.serving.api_errors import ApiError
 from nemo_rl_ext.serving.completion_schemas import CompletionRequest
-from nemo_rl_ext.serving.streaming import SSE_DONE, SseResponse, TextStream, job_events, sse, usage
+from nemo_rl_ext.serving.streaming import StreamedCompletion, TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -86,81 +81,36 @@ class _ChoiceStream:
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
 
-class CompletionStream:
+class CompletionStream(StreamedCompletion):
     """One streamed text completion: `response()` is its SSE response (the request was validated)."""
+
+    OBJECT = "text_completion"
+    ID_PREFIX = "cmpl"
+    ROUTE = ROUTE
+    KIND = "text completion"
+    REFUSED_PARAM = "prompt"
 
     def __init__(self, service, request: CompletionRequest, prompts: list, received_at: float, *,
                  answer: Callable[[int, GenerationOutput], dict[str, Any]], logprobs: Callable) -> None:
         """`service`: the `PolicyService`; `prompts`: the request's `completions.TextPrompt`s; `answer(index,
         output)`: the non-streamed choice of an output; `logprobs(rows, offset)`: the completions logprobs of
         (id, logprob, top) rows from a text offset, and the offset after them."""
-        self._service, self._request, self._prompts, self._received_at = service, request, prompts, received_at
-        self._answer, self._logprobs = answer, logprobs
-        self._id, self._created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        self._include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        jobs = [(p.token_ids, c) for p in prompts for c in p.configs]
+        super().__init__(service, request, jobs, received_at, answer)
+        self._prompts = prompts
+        self._choices = [_ChoiceStream(i, request, c, service.tokenizer, logprobs) for i, (_, c) in enumerate(jobs)]
 
-    def response(self) -> SseResponse:
-        """The response that streams this completion."""
-        return SseResponse(self.events())
+    def _opening(self) -> Iterable[str]:
+        for choice in self._choices:
+            first = choice.first(self._prompts[choice.index // self._request.n].text)
+            if first is not None:
+                yield self._chunk([first])
 
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
-        chunk = {"id": self._id, "object": "text_completion", "created": self._created,
-                 "model": self._service.options.served_model_name, "choices": choices}
-        if self._include_usage:
-            chunk["usage"] = None
-        return sse({**chunk, **extra})
+    def _delta(self, index: int, delta: TokenDelta) -> dict[str, Any] | None:
+        return self._choices[index].delta(delta)
 
-    async def events(self) -> AsyncIterator[str]:
-        """Every event of the stream; closing it early cancels the generations."""
-        n, tokenizer = self._request.n, self._service.tokenizer
-        jobs = [(p.token_ids, c) for p in self._prompts for c in p.configs]
-        choices = [_ChoiceStream(i, self._request, c, tokenizer, self._logprobs) for i, (_, c) in enumerate(jobs)]
-        outputs: list[GenerationOutput | None] = [None] * len(jobs)
-        started, ended = time.monotonic(), False
-        self._service.metrics.in_progress.inc()  # the route counted it until it returned this response
-        try:
-            for choice in choices:
-                first = choice.first(self._prompts[choice.index // n].text)
-                if first is not None:
-                    yield self._chunk([first])
-            async with contextlib.aclosing(self._events(jobs, choices, outputs)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-            ended = True
-        except ApiError as err:
-            ended = True
-            yield sse(err.body())
-            yield SSE_DONE
-            return
-        finally:
-            self._service.metrics.in_progress.dec()
-            if not ended:  # the client went away (or the server is stopping): the generations were cancelled
-                self._service.metrics.cancel(ROUTE, "client_disconnect", time.monotonic() - self._received_at)
-        prompt_tokens = sum(len(p.token_ids) for p in self._prompts)
-        done = [o for o in outputs if o is not None]
-        if self._include_usage:
-            yield self._chunk([], usage=usage(prompt_tokens, sum(len(o.output_ids) for o in done)))
-        yield SSE_DONE
-        self._service.metrics.completion(self._received_at, started, done, prompt_tokens)
+    def _last(self, index: int, answer: dict[str, Any]) -> dict[str, Any] | None:
+        return self._choices[index].last(answer)
 
-    async def _events(self, jobs: list, choices: list[_ChoiceStream], outputs: list) -> AsyncIterator[str]:
-        """The chunks of every choice's deltas and ends; a failed generation is an `ApiError`."""
-        timeout_s = self._service.options.request_timeout_s
-        try:
-            async with contextlib.aclosing(job_events(self._service.generation, jobs, timeout_s)) as events:
-                async for index, event in events:
-                    if isinstance(event, TokenDelta):
-                        choice = choices[index].delta(event)
-                    else:
-                        outputs[index] = event
-                        choice = choices[index].last(await asyncio.to_thread(self._answer, index, event))
-                    if choice is not None:
-                        yield self._chunk([choice])
-        except TimeoutError:
-            self._service.metrics.cancel(ROUTE, "timeout", time.monotonic() - self._received_at)
-            raise ApiError(f"generation did not finish within request_timeout_s={timeout_s}", status_code=504) from None
-        except ValueError as exc:  # the backend's "bad input" (e.g. ids outside the vocabulary)
-            raise ApiError(f"the backend refused the request: {exc}", param="prompt") from exc
-        except Exception as exc:
-            logger.exception("a streamed text completion failed")
-            raise ApiError(f"{type(exc).__name__}: {exc}", status_code=500) from exc
+    def _prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self._prompts)

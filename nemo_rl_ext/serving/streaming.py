@@ -7,8 +7,9 @@
 - `TextStream`: one choice's text as its tokens arrive, released only where it cannot differ from the text
   of the finished generation (see its docstring); the route sends the rest with the final chunk.
 - `sse`, `SSE_DONE`, `SseResponse`: the wire format (`data: <json>\\n\\n` events, then `data: [DONE]`).
-
-The chat route's chunks are built in `chat_stream`; a text-completions route reuses everything here.
+- `StreamedCompletion`: the frame every streamed route shares (opening chunks, the choices' chunks as their
+  events come, an error event, usage, `[DONE]`, metrics and cancellation); `chat_stream` and
+  `completion_stream` say what their chunks hold.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterable, Sequence
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool
@@ -29,7 +33,11 @@ from nemo_rl_ext.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutput,
     StreamEvent,
+    TokenDelta,
 )
+from nemo_rl_ext.serving.api_errors import ApiError
+
+logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 """The event that ends every stream (after the usage chunk, or after an error event)."""
@@ -183,3 +191,105 @@ class SseResponse(StreamingResponse):
             aclose = getattr(self._events, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+class StreamedCompletion:
+    """The frame of one streamed completion, whatever its route: the opening chunks, each choice's chunks as its
+    generation's events come (`_delta` for a `TokenDelta`, `_last` for the output's non-streamed answer), then
+    with `stream_options.include_usage` a usage chunk, and `[DONE]`. A generation that fails ends the stream with
+    one error event and `[DONE]`; a stream closed early (the client went away) cancels the generations and is
+    counted as a cancellation. Subclasses set the chunk's `OBJECT`, the id's `ID_PREFIX`, the `ROUTE` (metrics),
+    `KIND` (logs) and `REFUSED_PARAM` (the field a backend's refusal names)."""
+
+    OBJECT = ""
+    ID_PREFIX = ""
+    ROUTE = ""
+    KIND = ""
+    REFUSED_PARAM: str | None = None
+
+    def __init__(self, service, request, jobs: list[tuple[Sequence[int], GenerationConfig]], received_at: float,
+                 answer: Callable[[int, GenerationOutput], dict[str, Any]]) -> None:
+        """`service`: the `PolicyService`; `jobs`: each choice's (prompt ids, config); `answer(index, output)`:
+        the non-streamed choice of an output."""
+        self._service, self._request, self._jobs, self._received_at = service, request, jobs, received_at
+        self._answer = answer
+        self._id, self._created = f"{self.ID_PREFIX}-{uuid.uuid4().hex}", int(time.time())
+        self._include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+    def response(self) -> SseResponse:
+        """The response that streams this completion."""
+        return SseResponse(self.events())
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        chunk = {"id": self._id, "object": self.OBJECT, "created": self._created,
+                 "model": self._service.options.served_model_name, "choices": choices}
+        if self._include_usage:
+            chunk["usage"] = None
+        return sse({**chunk, **extra})
+
+    def _opening(self) -> Iterable[str]:
+        """The chunks sent before any token."""
+        return ()
+
+    def _delta(self, index: int, delta: TokenDelta) -> dict[str, Any] | None:
+        """The choice of one delta's chunk; None when it has nothing to say yet."""
+        raise NotImplementedError
+
+    def _last(self, index: int, answer: dict[str, Any]) -> dict[str, Any] | None:
+        """The choice of the last chunk of choice `index`, from its non-streamed `answer`."""
+        raise NotImplementedError
+
+    def _prompt_tokens(self) -> int:
+        """The request's prompt tokens (usage and metrics)."""
+        raise NotImplementedError
+
+    async def events(self) -> AsyncIterator[str]:
+        """Every event of the stream; closing it early cancels the generations."""
+        outputs: list[GenerationOutput | None] = [None] * len(self._jobs)
+        started, ended = time.monotonic(), False
+        self._service.metrics.in_progress.inc()  # the route counted it until it returned this response
+        try:
+            for chunk in self._opening():
+                yield chunk
+            async with contextlib.aclosing(self._chunks(outputs)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            ended = True
+        except ApiError as err:
+            ended = True
+            yield sse(err.body())
+            yield SSE_DONE
+            return
+        finally:
+            self._service.metrics.in_progress.dec()
+            if not ended:  # the client went away (or the server is stopping): the generations were cancelled
+                self._service.metrics.cancel(self.ROUTE, "client_disconnect", time.monotonic() - self._received_at)
+        prompt_tokens = self._prompt_tokens()
+        done = [o for o in outputs if o is not None]
+        if self._include_usage:
+            yield self._chunk([], usage=usage(prompt_tokens, sum(len(o.output_ids) for o in done)))
+        yield SSE_DONE
+        self._service.metrics.completion(self._received_at, started, done, prompt_tokens)
+
+    async def _chunks(self, outputs: list[GenerationOutput | None]) -> AsyncIterator[str]:
+        """The chunks of every choice's deltas and ends; a failed generation is an `ApiError`."""
+        timeout_s = self._service.options.request_timeout_s
+        try:
+            async with contextlib.aclosing(job_events(self._service.generation, self._jobs, timeout_s)) as events:
+                async for index, event in events:
+                    if isinstance(event, TokenDelta):
+                        choice = self._delta(index, event)
+                    else:
+                        outputs[index] = event
+                        choice = self._last(index, await asyncio.to_thread(self._answer, index, event))
+                    if choice is not None:
+                        yield self._chunk([choice])
+        except TimeoutError:
+            self._service.metrics.cancel(self.ROUTE, "timeout", time.monotonic() - self._received_at)
+            raise ApiError(f"generation did not finish within request_timeout_s={timeout_s}", status_code=504) from None
+        except ValueError as exc:  # the backend's "bad input" (e.g. ids outside the vocabulary)
+            raise ApiError(f"the backend refused the request: {exc}", param=self.REFUSED_PARAM) from exc
+        except Exception as exc:
+            logger.exception("a streamed %s failed", self.KIND)
+            raise ApiError(f"{type(exc).__name__}: {exc}", status_code=500) from exc
+
