@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationInterface
-from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.models.tiny import IM_END, TOOLS_PREAMBLE
 from nemo_rl_ext.serving.policy_server import PolicyServer
 from nemo_rl_ext.testing import Fault, ScriptedGeneration, forward_logprobs
@@ -81,14 +80,6 @@ def post(server: PolicyServer, path: str, body: Any) -> httpx.Response:
 
 
 # ---- fixtures ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_and_tokenizer) -> Iterator[HfGeneration]:
-    model, tokenizer = tiny_model_and_tokenizer
-    gen = HfGeneration(model, tokenizer, max_model_len=MAX_MODEL_LEN)
-    yield gen
-    gen.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -13,20 +13,11 @@ import torch
 from tolerances import ENGINE_LOGPROBS, SAME_MODEL_LOGPROBS, approx
 
 from nemo_rl_ext.models.generation import GenerationConfig
-from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.serving.policy_server import PolicyServer
 
 MAX_MODEL_LEN = 512
 QUESTION = [{"role": "user", "content": "What is 7 + 5?"}]
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time", "def add(a, b):"]
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_and_tokenizer) -> Iterator[HfGeneration]:
-    model, tokenizer = tiny_model_and_tokenizer
-    gen = HfGeneration(model, tokenizer, max_model_len=MAX_MODEL_LEN)
-    yield gen
-    gen.shutdown()
 
 
 @pytest.fixture(scope="module")

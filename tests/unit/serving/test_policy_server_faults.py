@@ -27,17 +27,11 @@ from nemo_rl_ext.serving.policy_server import (
     generation_defaults,
 )
 
+MAX_MODEL_LEN = 4096
+"""The context length of this module's engine (the `backend` fixture, tests/unit/serving/conftest.py)."""
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
 CHAT = "/v1/chat/completions"
 API_KEY_ENV = "NEMO_RL_EXT_API_KEY"
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_and_tokenizer) -> Iterator[HfGeneration]:
-    model, tokenizer = tiny_model_and_tokenizer
-    gen = HfGeneration(model, tokenizer, max_model_len=4096)
-    yield gen
-    gen.shutdown()
 
 
 @pytest.fixture(scope="module")

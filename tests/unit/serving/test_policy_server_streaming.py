@@ -24,6 +24,8 @@ from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.serving.policy_server import PolicyServer
 from nemo_rl_ext.testing import Fault, ScriptedGeneration, forward_logprobs
 
+MAX_MODEL_LEN = 1024
+"""The context length of this module's engine (the `backend` fixture, tests/unit/serving/conftest.py)."""
 CHAT = "/v1/chat/completions"
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 WEATHER_TOOL = {
@@ -67,14 +69,6 @@ def summary(choice: Any) -> dict[str, Any]:
         "logprobs": None if choice.logprobs is None else [(e.token, e.logprob) for e in choice.logprobs.content],
         **{key: extra.get(key) for key in TOKEN_FIELDS},
     }
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_and_tokenizer) -> Iterator[HfGeneration]:
-    model, tokenizer = tiny_model_and_tokenizer
-    gen = HfGeneration(model, tokenizer, max_model_len=1024)
-    yield gen
-    gen.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ from tolerances import ENGINE_LOGPROBS, approx
 
 from nemo_rl_ext.models.generation import GenerationConfig, StructuredOutput
 from nemo_rl_ext.models.generation.grammar import JSON_OPTIONS, Grammars, grammar_of, vllm_structured_outputs
-from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.serving.choice_format import MIN_LOGPROB
 from nemo_rl_ext.serving.policy_server import PolicyServer
 from nemo_rl_ext.testing.vllm_engine import StandInEngine, vllm_on_stand_in
@@ -52,14 +51,6 @@ MAX_MODEL_LEN = 512
 
 def json_schema_format(name: str, schema: dict, strict: bool = True) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": strict}}
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_and_tokenizer) -> Iterator[HfGeneration]:
-    model, tokenizer = tiny_model_and_tokenizer
-    gen = HfGeneration(model, tokenizer, max_model_len=MAX_MODEL_LEN)
-    yield gen
-    gen.shutdown()
 
 
 @pytest.fixture(scope="module")
