@@ -16,11 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +25,7 @@ import httpx
 import pytest
 import torch
 from backend_checks import backend_params, forward_logprobs, not_greedy, policy_section
+from policy_server_cli import policy_server_cli
 from test_grpo_gym import gym_grpo_config
 from tolerances import ENGINE_LOGPROBS
 
@@ -285,20 +282,7 @@ def test_policy_server_cli(backend, tiny_model_dir, tiny_model_and_tokenizer):
         cmd.append("--enforce-eager")
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    log: list[str] = []
-    listening = threading.Event()
-
-    def drain() -> None:
-        for line in proc.stderr:
-            log.append(line)
-            if "listening on http://" in line:
-                listening.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        assert listening.wait(300), "the policy server did not start:\n" + "".join(log[-40:])
-        url = re.search(r"listening on (http://\S+/v1)", "".join(log)).group(1)
+    with policy_server_cli(cmd, cwd=REPO, env=env, start_s=300, stop_s=120) as url:
         messages = [{"role": "user", "content": "What is 2 + 3?"}]
         prompt = tokenizer(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
@@ -320,15 +304,6 @@ def test_policy_server_cli(backend, tiny_model_dir, tiny_model_and_tokenizer):
             torch.tensor([item.logprob for item in content]), forward_logprobs(model, prompt, tuple(ids), 0.0),
             **ENGINE_LOGPROBS,
         )
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-            raise
-    assert code in (0, 128 + signal.SIGTERM), "".join(log[-40:])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # the server is gone: its port refuses connections
         try:

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
+from policy_server_cli import policy_server_cli
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN_ANSWER = "the plugin answers"
@@ -95,32 +93,9 @@ def test_policy_server_serves_a_plugin_backend(plugin_site, tiny_model_dir) -> N
     cmd = [sys.executable, "-m", "nemo_rl_ext.serving.policy_server", "--model", str(tiny_model_dir),
            "--backend", "plugin_scripted", "--import", "t27_plugin_backend", "--port", "0",
            "--max-model-len", "256", "--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=plugin_env(plugin_site), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    log: list[str] = []
-    listening = threading.Event()
-
-    def drain() -> None:
-        for line in proc.stderr:
-            log.append(line)
-            if "listening on http://" in line:
-                listening.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        assert listening.wait(120), "the policy server did not start:\n" + "".join(log[-40:])
-        url = re.search(r"listening on (http://\S+/v1)", "".join(log)).group(1)
+    with policy_server_cli(cmd, cwd=REPO, env=plugin_env(plugin_site), start_s=120, stop_s=60) as url:
         reply = httpx.post(f"{url}/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == PLUGIN_ANSWER
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-            raise
-    assert code in (0, 128 + signal.SIGTERM), "".join(log[-40:])
 
