@@ -30,7 +30,6 @@ from nemo_rl_ext.algorithms.fsdp_refit import RefitSource
 from nemo_rl_ext.algorithms.fsdp_wrap import (
     WrapSettings,
     adapters_off,
-    enable_activation_checkpointing,
     shard_group,
     shard_model,
 )
@@ -40,7 +39,7 @@ from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors, 
 from nemo_rl_ext.algorithms.sharded_checkpoint import load_trained_state, save_trained_state
 from nemo_rl_ext.algorithms.trainer import _gen_kl
 from nemo_rl_ext.algorithms.trainer_config import LoraSettings
-from nemo_rl_ext.models.loading import load_model_and_tokenizer
+from nemo_rl_ext.models.loading import enable_activation_checkpointing, load_model_and_tokenizer
 
 COLLECTIVE_TIMEOUT_S = 300.0
 """How long a rank waits in one collective (gloo / NCCL) before it fails instead of hanging."""

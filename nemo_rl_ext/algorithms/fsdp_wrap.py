@@ -52,13 +52,6 @@ class LogprobPass(torch.nn.Module):
         return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device) + 0.0 * head.float().sum()
 
 
-def enable_activation_checkpointing(model: Any) -> None:
-    """Every decoder layer recomputes its activations in the backward (transformers' non-reentrant
-    `torch.utils.checkpoint`); a LoRA policy's base model carries the layers."""
-    plain = model.get_base_model() if hasattr(model, "get_base_model") else model
-    plain.activation_checkpointing_enable({"use_reentrant": False})
-
-
 def _fsdp_kwargs(settings: WrapSettings, device: torch.device, world_size: int) -> dict[str, Any]:
     # lazy: torch.distributed.fsdp loads only when a model is sharded
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -74,11 +67,15 @@ def _fsdp_kwargs(settings: WrapSettings, device: torch.device, world_size: int) 
         if device.type == "cpu":
             raise ValueError("cpu_offload needs GPU ranks: on the CPU there is nothing to offload")
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    if settings.replicate:
-        # lazy: torch.distributed loads only when a model is sharded
-        from torch.distributed.device_mesh import init_device_mesh
+    # lazy: torch.distributed loads only when a model is sharded
+    from torch.distributed.device_mesh import init_device_mesh
 
+    # Always the rank's own device type: fully_shard's default mesh takes the machine's accelerator, which puts a
+    # CPU rank's shards on the GPU of a machine that has one (seen on a lent H100: cuda and cpu tensors in the loss)
+    if settings.replicate:
         kwargs["mesh"] = init_device_mesh(device.type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    else:
+        kwargs["mesh"] = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
     return kwargs
 
 

@@ -28,6 +28,7 @@ from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
 from nemo_rl_ext.algorithms.logprobs import right_pad, shared_prefix_logprobs, token_logprobs
 from nemo_rl_ext.algorithms.lora import merged_state_dict, streamed_merged_weights
 from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
+from nemo_rl_ext.models.loading import enable_activation_checkpointing
 
 _MEAN_METRICS = (
     "clip_fraction",
@@ -112,9 +113,8 @@ class PolicyTrainer:
         if mixed_precision and any(p.dtype != torch.float32 for p in model.parameters() if p.requires_grad):
             raise ValueError("mixed_precision='bf16' keeps float32 master weights: load the policy in float32")
         self.mixed_precision = mixed_precision
-        if activation_checkpointing:  # every decoder layer, non-reentrant (torch.utils.checkpoint)
-            plain = model.get_base_model() if self.lora else model
-            plain.activation_checkpointing_enable({"use_reentrant": False})
+        if activation_checkpointing:
+            enable_activation_checkpointing(model)
         self.model = model
         self.settings = optimizer
         self.loss_config = loss

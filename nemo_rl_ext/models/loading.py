@@ -31,3 +31,14 @@ def cache_kwarg(module: torch.nn.Module) -> str:
     `**kwargs` and hands them to the model it wraps: that model's keyword is the one."""
     base = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Every decoder layer recomputes its activations in the backward (transformers' non-reentrant
+    `torch.utils.checkpoint`); a LoRA policy's base model carries the layers. The method is
+    `activation_checkpointing_enable` in newer transformers 5.x (which keeps `gradient_checkpointing_enable` as a
+    deprecated alias until v6) and only `gradient_checkpointing_enable` in older 5.x (5.17, on the lent GPU image):
+    the newer name where it exists, else the older."""
+    plain = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    enable = getattr(plain, "activation_checkpointing_enable", None) or plain.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
