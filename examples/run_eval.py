@@ -15,9 +15,10 @@ Rollout modes (`rollouts.mode`): native (the environment loop in this process; `
 for single turn), nemo_gym (Gym agents), or one a plugin registers; summary.json's `rollout_mode` names them
 single_turn, multi_turn, nemo_gym (or the plugin's name). Plugins: `--import MODULE` (repeatable) and installed
 packages' `nemo_rl_ext.plugins` entry points register environments, backends, metrics and rollout modes before
-the config is read (docs/extending.md). Outputs in `eval.save_path`: config.yaml, completions.jsonl, summary.json, runs.jsonl,
-pass_at_k.png, report.md; in nemo_gym mode with rollouts.gym.launch, the Gym servers' logs in gym/ (summary.json's
-`gym_logs`). Re-running with the same save_path (or a copy of the folder) resumes: finished (prompt, sample) pairs
+the config is read (docs/extending.md). Outputs in `eval.save_path`: config.yaml, completions.jsonl,
+summary.json, runs.jsonl, pass_at_k.png, report.md, dataset_fingerprint.json, timings.jsonl, difficulty.jsonl,
+reward_profile.png; in nemo_gym mode also gym_rows.jsonl and gym_aggregate_metrics.json, and with
+rollouts.gym.launch the Gym servers' logs in gym/ (summary.json's `gym_logs`). Re-running with the same save_path (or a copy of the folder) resumes: finished (prompt, sample) pairs
 are skipped, error samples (infrastructure failures) are retried, and the summary equals that of an
 uninterrupted run.
 

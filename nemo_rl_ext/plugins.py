@@ -73,14 +73,15 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{place}"
 
 
-def add_import_argument(parser) -> None:
-    """Add `--import MODULE` (repeatable, into `args.imports`) to an argparse parser."""
+def add_import_argument(parser, before: str = "the config is read") -> None:
+    """Add `--import MODULE` (repeatable, into `args.imports`) to an argparse parser; `before` says when the
+    CLI imports it (its help text)."""
     parser.add_argument(
         "--import",
         dest="imports",
         action="append",
         default=[],
         metavar="MODULE",
-        help="import MODULE before the config is read (repeatable): a plugin that registers environments, "
+        help=f"import MODULE before {before} (repeatable): a plugin that registers environments, "
         f"backends, metrics or rollout modes; installed plugins (entry-point group {ENTRY_POINT_GROUP}) load too",
     )

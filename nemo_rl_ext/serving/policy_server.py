@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager", action="store_true", help="vllm backend: no CUDA graphs / compilation (faster start)"
     )
     parser.add_argument("--log-level", default="info")
-    add_import_argument(parser)
+    add_import_argument(parser, before="--backend is looked up")
     return parser
 
 
