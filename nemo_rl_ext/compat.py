@@ -89,6 +89,8 @@ def eval_spellings(
     multi_turn); an override (`whole` False) is read against `base`, the file as written."""
     renames: Renames = {}
     ev = data.get("eval")
+    if ev is None and isinstance(data.get("rollouts"), Mapping):
+        ev = {}  # (not added to `data`) a `rollouts` section alone is still read against the file's rollout_mode
     if not isinstance(ev, dict):
         return renames, []
     written = [("eval", key) for key in ev] + ([("gym",)] if "gym" in data else [])
@@ -129,23 +131,40 @@ def _eval_mode(
     if mode is None and isinstance(base, Mapping) and isinstance(base.get("eval"), Mapping):
         base_default = None if isinstance(base.get("rollouts"), Mapping) else "single_turn"
         written_mode = base["eval"].get("rollout_mode", base_default)
-    turns = ev.get("max_rollout_turns")
-    if written_mode == "single_turn" and isinstance(turns, int) and not isinstance(turns, bool) and turns > 1:
-        problems.append(  # the file says single_turn: a turn cap > 1 is refused, as it was
-            (
-                ("eval", "max_rollout_turns"),
-                f"rollout_mode=single_turn runs one generation and one environment step, so "
-                f"max_rollout_turns={turns} would be ignored; remove it or use rollout_mode=multi_turn",
-                turns,
-            )
-        )
-    if mode == "single_turn":
-        ev["max_rollout_turns"] = 1
+    problems += _single_turn_caps(ev, rollouts, mode, written_mode)
     if mode == "nemo_gym":
         for name in ("environment", "system_prompt"):
             if name in ev and ev[name] is None:
                 ev.pop(name)  # null is the older spelling's "not set"
     return mode, problems
+
+
+def _single_turn_caps(
+    ev: dict[str, Any], rollouts: Mapping[str, Any], mode: str | None, written_mode: str | None
+) -> list[RuleProblem]:
+    """single_turn is one turn. Where the config says single_turn (in this layer, or in the file under these
+    overrides) a turn cap over 1 is refused in either spelling, and `rollouts.max_rollout_turns` must be 1 if
+    given; where this layer says it and gives no cap in the new spelling, `eval.max_rollout_turns` becomes 1."""
+    if written_mode != "single_turn":
+        return []
+    problems: list[RuleProblem] = []
+    turns = ev.get("max_rollout_turns")
+    if isinstance(turns, int) and not isinstance(turns, bool) and turns > 1:
+        problems.append((("eval", "max_rollout_turns"), _one_turn_only(turns), turns))
+    if "max_rollout_turns" in rollouts:
+        given = rollouts["max_rollout_turns"]
+        if isinstance(given, bool) or given != 1:
+            problems.append((("rollouts", "max_rollout_turns"), _one_turn_only(given), given))
+    elif mode == "single_turn":
+        ev["max_rollout_turns"] = 1
+    return problems
+
+
+def _one_turn_only(turns: Any) -> str:
+    return (
+        f"rollout_mode=single_turn runs one generation and one environment step, so max_rollout_turns={turns} "
+        "would be ignored; remove it or use rollout_mode=multi_turn"
+    )
 
 
 def grpo_spellings(
