@@ -3,7 +3,7 @@
     python bench/grpo_step.py             # 3 rounds; each contender: 1 warm-up + 2 timed steps per round
     python bench/grpo_step.py --quick     # 1 round, 1 timed step (a smoke run)
 
-The workload (issue 19): SmolLM2-135M-Instruct in fp32 on the CPU, one torch thread per process, 4 prompts x
+The workload: SmolLM2-135M-Instruct in fp32 on the CPU, one torch thread per process, 4 prompts x
 4 samples x at most 32 new tokens (temperature 1.0), no KL, one AdamW optimizer step per GRPO step, the 16
 samples in one forward/backward (our micro_batch_size 16; TRL's per_device_train_batch_size 16 with one
 gradient-accumulation step, so one generation batch per optimizer step). The prompts ask for stories, so
@@ -16,7 +16,7 @@ Contenders, each round each in its own fresh process (the order rotates every ro
   each group's prompt run once: `optimizer.share_prompt_prefix`), then the refit of the engine's copy.
 - `ours-unshared`: the same with `optimizer.share_prompt_prefix: false` (every sample's full sequence
   through the decoder): what sharing the prompt saves.
-- `ours-full-vocab`: the trainer as before issue 19: no prompt sharing, and the LM head and a
+- `ours-full-vocab`: the trainer before prompt sharing and the scored-positions-only LM head: no prompt sharing, and the LM head and a
   full-vocabulary log-softmax at every position, prompt included.
 - `ours-async`: `grpo.async` with `max_lag: 1` (`in_flight: abort`, the default) on the same workload: generation (the
   engine thread) overlaps the previous step's training (the trainer thread), so this process may use two
@@ -80,7 +80,7 @@ def trl_missing() -> str | None:
 
 
 def full_vocab_token_logprobs(model, input_ids, attention_mask, temperature=1.0, score_mask=None):
-    """The trainer's logprobs before issue 19: LM head and log-softmax over every position (score_mask unused)."""
+    """The trainer's logprobs before the scored-positions-only LM head: LM head and log-softmax over every position (score_mask unused)."""
     import torch
 
     temperature = temperature if temperature > 0 else 1.0

@@ -1,4 +1,4 @@
-"""The device checks of issue 26, one report file: the hf engine, then a GRPO step with each trainer setting.
+"""The trainer's device checks, one report file: the hf engine, then a GRPO step with each trainer setting.
 
     python scripts/gpu_check.py [--device cuda|cpu] [--report PATH]      # scripts/gpu_check.sh wraps it
 

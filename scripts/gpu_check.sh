@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device checks of issue 26 on a lent GPU machine, under 8 minutes, one report file:
+# The trainer's device checks on a lent GPU machine, under 8 minutes, one report file:
 #     bash scripts/gpu_check.sh [--device cuda|cpu]
 # The report goes to $OUT/gpu_report.md when $OUT is set (the lent machine's result folder), else ./gpu_report.md.
 # The image has torch (CUDA), transformers, peft and accelerate, but not the project's small pure-Python
