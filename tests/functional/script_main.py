@@ -8,6 +8,7 @@ property is what a user error prints (one `error:` line, exit code 2, no traceba
 
 from __future__ import annotations
 
+import gc
 import logging
 import runpy
 import subprocess
@@ -45,7 +46,8 @@ def script_main(capsys: pytest.CaptureFixture[str], script: str, *args: str | Pa
 def _as_a_fresh_process() -> Iterator[None]:
     """The root logger without pytest's handlers (records go to logging's last-resort handler, which prints WARNING
     and above on stderr, unless the script's `logging.basicConfig` installs its own) and Python's default warning
-    filters, shown on stderr; pytest's handlers, level and warning capture come back afterwards."""
+    filters, shown on stderr; pytest's handlers, level and warning capture come back afterwards, and the objects a
+    script's `freeze_startup_heap` froze go back to the garbage collector (a process would have ended)."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     root.handlers.clear()
@@ -58,6 +60,7 @@ def _as_a_fresh_process() -> Iterator[None]:
             warnings.showwarning = _print_warning  # pytest would record them instead
             yield
     finally:
+        gc.unfreeze()
         for added in root.handlers[:]:
             root.removeHandler(added)
         root.handlers[:] = handlers
