@@ -1,18 +1,25 @@
 """Every user error of the CLIs is one message naming the file, key or line: no traceback, exit code 2.
 
-The scripts run as subprocesses. Every error here is found before a model loads, so each run takes about
-the time of its imports; the GRPO resume case first trains one step of a tiny model in-process.
+Every error here is found before a model loads. A subprocess of a script spends seconds importing torch,
+transformers and peft before its `main` runs, so each script runs as a real process in one test (`cli`: the YAML
+syntax error of `run_eval.py` and `run_grpo.py`; `run_rollouts.py`, which has no `main(argv)`) and the other cases
+call the script's `main` in-process (the `main` fixture, `script_main`: its exit code, stdout and stderr, log
+records and warnings printed as a fresh process prints them). The GRPO resume cases first train a tiny model
+in-process.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
+from script_main import script_main
 
 from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir
 from nemo_rl_ext.config import dump_config, load_config
@@ -30,6 +37,12 @@ def cli(script: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
         [sys.executable, str(REPO / "examples" / script), *map(str, args)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
+
+
+@pytest.fixture
+def main(capsys: pytest.CaptureFixture[str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """`main(SCRIPT, *args)`: the script's `main` in this process, shaped as `cli`'s result (`script_main`)."""
+    return functools.partial(script_main, capsys)
 
 
 def assert_one_message(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -80,17 +93,17 @@ def test_yaml_syntax_error_names_the_file_and_line(files: dict[str, Path], which
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("which", ["eval", "grpo"])
-def test_missing_model_folder_is_named(files: dict[str, Path], which: str) -> None:
+def test_missing_model_folder_is_named(main, files: dict[str, Path], which: str) -> None:
     missing = files["folder"] / "no_such_model"
-    proc = cli(SCRIPTS[which], "--config", files[which], f"policy.model_name={missing}")
+    proc = main(SCRIPTS[which], "--config", files[which], f"policy.model_name={missing}")
     assert_one_message(proc, f"policy.model_name={str(missing)!r} is neither")
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("which", "key"), [("eval", "eval.dataset_path"), ("grpo", "data.train_path")])
-def test_missing_dataset_file_is_named(files: dict[str, Path], which: str, key: str) -> None:
+def test_missing_dataset_file_is_named(main, files: dict[str, Path], which: str, key: str) -> None:
     missing = files["folder"] / "no_such_rows.jsonl"
-    proc = cli(SCRIPTS[which], "--config", files[which], f"{key}={missing}")
+    proc = main(SCRIPTS[which], "--config", files[which], f"{key}={missing}")
     assert_one_message(proc, f"{key}: file not found: {missing}")
 
 
@@ -98,20 +111,20 @@ def test_missing_dataset_file_is_named(files: dict[str, Path], which: str, key: 
 @pytest.mark.parametrize(
     ("which", "key"), [("eval", "eval.num_tests_per_prompt"), ("grpo", "grpo.num_generations_per_prompt")]
 )
-def test_agent_without_count_and_no_default_is_named(files: dict[str, Path], which: str, key: str) -> None:
-    proc = cli(SCRIPTS[which], "--config", files[which], f"{key}={{alpha: 2}}")
+def test_agent_without_count_and_no_default_is_named(main, files: dict[str, Path], which: str, key: str) -> None:
+    proc = main(SCRIPTS[which], "--config", files[which], f"{key}={{alpha: 2}}")
     assert_one_message(proc, f"{key}: rows of {files['data']}", "no '_default'", "agent 'beta': rows [1]")
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("which", "key"), [("eval", "eval.environment"), ("grpo", "env.name")])
-def test_unknown_environment_is_named(files: dict[str, Path], which: str, key: str) -> None:
-    proc = cli(SCRIPTS[which], "--config", files[which], f"{key}=no_such_env")
+def test_unknown_environment_is_named(main, files: dict[str, Path], which: str, key: str) -> None:
+    proc = main(SCRIPTS[which], "--config", files[which], f"{key}=no_such_env")
     assert_one_message(proc, key, "unknown environment 'no_such_env'")
 
 
 @pytest.mark.timeout(60)
-def test_eval_resume_with_a_changed_config_lists_the_keys(files: dict[str, Path], tmp_path: Path) -> None:
+def test_eval_resume_with_a_changed_config_lists_the_keys(main, files: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "eval_out"
     out.mkdir()
     earlier = load_config(files["eval"], [f"eval.save_path={out}"], EvalConfig)
@@ -119,21 +132,21 @@ def test_eval_resume_with_a_changed_config_lists_the_keys(files: dict[str, Path]
     (out / "completions.jsonl").write_text(json.dumps({"prompt_idx": 0, "sample_idx": 0, "reward": 1.0, "agent": "math", "stop_reason": "natural",
                     "truncated": False, "num_turns": 1}) + "\n")
     changed = "policy.generation.temperature=0.5"
-    proc = cli("run_eval.py", "--config", files["eval"], f"eval.save_path={out}", changed)
+    proc = main("run_eval.py", "--config", files["eval"], f"eval.save_path={out}", changed)
     assert_one_message(
         proc, f"{out} holds completions of a different config", "policy.generation.temperature: 1.0 -> 0.5"
     )
 
 
 @pytest.mark.timeout(120)
-def test_grpo_resume_with_a_changed_config_lists_the_keys(files: dict[str, Path], tiny_model_dir: Path,
+def test_grpo_resume_with_a_changed_config_lists_the_keys(main, files: dict[str, Path], tiny_model_dir: Path,
                                                           tmp_path: Path) -> None:
     from nemo_rl_ext.algorithms.grpo import run_grpo
     from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 
     run = [f"output_dir={tmp_path}", f"policy.model_name={tiny_model_dir}", "grpo.save_period=1"]
     run_grpo(load_config(files["grpo"], run, GRPOConfig))
-    proc = cli("run_grpo.py", "--config", files["grpo"], *run, "resume=true", "grpo.max_num_steps=2",
+    proc = main("run_grpo.py", "--config", files["grpo"], *run, "resume=true", "grpo.max_num_steps=2",
                "optimizer.lr=0.5", "loss.clip_high=0.3")
     assert_one_message(
         proc, f"{checkpoint_dir(tmp_path / 'checkpoints', 1)} was saved by a run with a different config",
@@ -143,26 +156,26 @@ def test_grpo_resume_with_a_changed_config_lists_the_keys(files: dict[str, Path]
 
 
 @pytest.mark.timeout(60)
-def test_eval_overrides_are_accepted_after_flags(files: dict[str, Path]) -> None:
+def test_eval_overrides_are_accepted_after_flags(main, files: dict[str, Path]) -> None:
     missing = files["folder"] / "after_the_flag.jsonl"
-    proc = cli("run_eval.py", "--config", files["eval"], "eval.num_prompts=1", "--no-progress",
+    proc = main("run_eval.py", "--config", files["eval"], "eval.num_prompts=1", "--no-progress",
                f"eval.dataset_path={missing}")
     # the override after --no-progress was parsed and applied: the run stops on the file it names
     assert_one_message(proc, f"eval.dataset_path: file not found: {missing}")
 
 
 @pytest.mark.timeout(60)
-def test_grpo_overrides_are_accepted_around_the_config_flag(files: dict[str, Path]) -> None:
+def test_grpo_overrides_are_accepted_around_the_config_flag(main, files: dict[str, Path]) -> None:
     missing = files["folder"] / "around_the_flag.jsonl"
-    proc = cli("run_grpo.py", "grpo.seed=3", "--config", files["grpo"], f"data.train_path={missing}")
+    proc = main("run_grpo.py", "grpo.seed=3", "--config", files["grpo"], f"data.train_path={missing}")
     assert_one_message(proc, f"data.train_path: file not found: {missing}")
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("which", ["eval", "grpo"])
-def test_an_override_without_equals_is_a_clean_error(files: dict[str, Path], which: str) -> None:
+def test_an_override_without_equals_is_a_clean_error(main, files: dict[str, Path], which: str) -> None:
     flags = ["--no-progress"] if which == "eval" else []
-    proc = cli(SCRIPTS[which], "--config", files[which], *flags, "grpo.seed")
+    proc = main(SCRIPTS[which], "--config", files[which], *flags, "grpo.seed")
     assert_one_message(proc, "overrides must look like key.sub=value; got ['grpo.seed']")
 
 
@@ -180,7 +193,7 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("refusal", ["changed config", "changed rows"])
-def test_a_refused_eval_resume_leaves_the_folder_as_it_was(files: dict[str, Path], tmp_path: Path,
+def test_a_refused_eval_resume_leaves_the_folder_as_it_was(main, files: dict[str, Path], tmp_path: Path,
                                                            refusal: str) -> None:
     from nemo_rl_ext.evals.store import check_dataset, row_digests
 
@@ -196,7 +209,7 @@ def test_a_refused_eval_resume_leaves_the_folder_as_it_was(files: dict[str, Path
     check_dataset(out / "dataset_fingerprint.json", str(files["data"]), row_digests(rows), resuming=False)
     before = folder_bytes(out)
     changed = ["policy.generation.temperature=0.5"] if refusal == "changed config" else []
-    proc = cli("run_eval.py", "--config", files["eval"], f"eval.save_path={out}", *changed)
+    proc = main("run_eval.py", "--config", files["eval"], f"eval.save_path={out}", *changed)
     needle = ("policy.generation.temperature: 1.0 -> 0.5" if refusal == "changed config"
               else f"{files['data']} changed since the completions in {out} were written")
     assert_one_message(proc, needle)
@@ -204,7 +217,7 @@ def test_a_refused_eval_resume_leaves_the_folder_as_it_was(files: dict[str, Path
 
 
 @pytest.mark.timeout(180)
-def test_a_copied_eval_folder_resumes(files: dict[str, Path], tiny_model_dir: Path, generation, tmp_path: Path) -> None:
+def test_a_copied_eval_folder_resumes(main, files: dict[str, Path], tiny_model_dir: Path, generation, tmp_path: Path) -> None:
     import shutil
 
     from nemo_rl_ext.evals.driver import run_eval
@@ -216,7 +229,7 @@ def test_a_copied_eval_folder_resumes(files: dict[str, Path], tiny_model_dir: Pa
     assert not result.complete and result.completions_written == 1
     copy = tmp_path / "copy"
     shutil.copytree(first, copy)
-    proc = cli("run_eval.py", "--config", files["eval"], *common, f"eval.save_path={copy}", "--no-progress")
+    proc = main("run_eval.py", "--config", files["eval"], *common, f"eval.save_path={copy}", "--no-progress")
     # eval.save_path only says where the folder is: the copy resumes (the other prompt), not refused
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resume: 1 completion(s) already in" in proc.stdout, proc.stdout
@@ -227,7 +240,7 @@ def test_a_copied_eval_folder_resumes(files: dict[str, Path], tiny_model_dir: Pa
 
 
 @pytest.mark.timeout(300)
-def test_grpo_resume_never_overwrites_step_folders_it_cannot_resume(files: dict[str, Path], tiny_model_dir: Path,
+def test_grpo_resume_never_overwrites_step_folders_it_cannot_resume(main, files: dict[str, Path], tiny_model_dir: Path,
                                                                    tmp_path: Path) -> None:
     import shutil
 
@@ -250,7 +263,7 @@ def test_grpo_resume_never_overwrites_step_folders_it_cannot_resume(files: dict[
         (checkpoint_dir(torn / "checkpoints", step) / MARKER_FILE).unlink()
     before = folder_bytes(torn)
 
-    proc = cli("run_grpo.py", "--config", files["grpo"], *config(torn, "resume=true", "grpo.max_num_steps=3"))
+    proc = main("run_grpo.py", "--config", files["grpo"], *config(torn, "resume=true", "grpo.max_num_steps=3"))
     assert_one_message(
         proc, f"resume=true, but {torn} holds no complete checkpoint", "2 step folder(s)",
         "step_00000001, step_00000002", f"no {MARKER_FILE}", "2 step record(s)", "resume=restart",

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from script_main import script_main
 
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.environments.interfaces import Observation
@@ -342,8 +343,12 @@ def test_cli_multi_turn_tool_calculator(tiny_model_dir, tmp_path) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_cli_reports_every_config_problem(tmp_path) -> None:
-    proc = run_cli(  # the eval config in NeMo-RL's spelling (eval.rollout_mode: single_turn)
+def test_cli_reports_every_config_problem(tmp_path, capsys) -> None:
+    # the script's main in-process (script_main: a user error's message is the property; a run_eval.py process
+    # spends seconds on imports first); test_cli_multi_turn_tool_calculator runs the script as a process
+    proc = script_main(  # the eval config in NeMo-RL's spelling (eval.rollout_mode: single_turn)
+        capsys,
+        "run_eval.py",
         "--config",
         "tests/unit/older_spelling/eval.yaml",
         "eval.max_rollout_turns=4",
@@ -456,7 +461,7 @@ def test_resume_refuses_a_dataset_whose_rows_changed(tiny_model_dir, generation,
 
 
 @pytest.mark.timeout(60)
-def test_cli_garbage_line_in_completions_is_one_clean_message(tiny_model_dir, tmp_path) -> None:
+def test_cli_garbage_line_in_completions_is_one_clean_message(tiny_model_dir, tmp_path, capsys) -> None:
     out = tmp_path / "out"
     out.mkdir()
     good = json.dumps(
@@ -472,7 +477,9 @@ def test_cli_garbage_line_in_completions_is_one_clean_message(tiny_model_dir, tm
         }
     )
     (out / "completions.jsonl").write_text(f"{good}\nthis is not json\n{good}\n")
-    proc = run_cli(
+    proc = script_main(  # in-process, as in test_cli_reports_every_config_problem
+        capsys,
+        "run_eval.py",
         "--config",
         "examples/configs/evals/eval.yaml",
         f"policy.model_name={tiny_model_dir}",

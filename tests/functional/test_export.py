@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 from child_env import one_thread_env
+from script_main import script_main
 from test_cli_errors import assert_one_message
 from tolerances import SAME_MODEL_LOGPROBS
 
@@ -40,6 +41,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def export_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(REPO / "examples" / "run_grpo.py"), "export", *map(str, args)],
                           cwd=REPO, env=one_thread_env(), capture_output=True, text=True, timeout=120)
+
+
+def export_main(capsys: pytest.CaptureFixture[str], *args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`run_grpo.py export ARGS` through the script's `main` in this process (`script_main`): a user error's message
+    is the property, and each `export_cli` process spends seconds on its imports first."""
+    return script_main(capsys, "run_grpo.py", "export", *args)
 
 
 def chat_items(tokenizer: Any) -> list[CompletionTensors]:
@@ -186,17 +193,19 @@ def test_run_eval_evaluates_the_exported_folder(run: dict[str, Any], tmp_path: P
 
 
 @pytest.mark.timeout(240)
-def test_export_user_errors_are_one_message(run: dict[str, Any], tmp_path: Path) -> None:
-    # through the CLI: one `error:` line, exit 2, no traceback
+def test_export_user_errors_are_one_message(run: dict[str, Any], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # through the CLI: one `error:` line, exit 2, no traceback (a real process once, then its main in-process)
     assert_one_message(export_cli(tmp_path / "nowhere"), f"{tmp_path / 'nowhere'} is not a folder")
-    assert_one_message(export_cli(run["dir"], "--step", "7"), "no checkpoint of step 7", "complete checkpoints: [1, 2]")
-    assert_one_message(export_cli(run["dir"], "--step", "1", "--adapter-only", "--out", tmp_path / "a"),
+    assert_one_message(export_main(capsys, run["dir"], "--step", "7"), "no checkpoint of step 7",
+                       "complete checkpoints: [1, 2]")
+    assert_one_message(export_main(capsys, run["dir"], "--step", "1", "--adapter-only", "--out", tmp_path / "a"),
                        "this run has no adapters")
     assert not (tmp_path / "a").exists()
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
-    assert_one_message(export_cli(run["dir"], "--out", busy), f"--out {busy} already exists", "--force")
+    assert_one_message(export_main(capsys, run["dir"], "--out", busy), f"--out {busy} already exists", "--force")
     assert (busy / "keep.txt").read_text() == "mine"
     # the other cases in-process (the same ExportError the CLI prints)
     with pytest.raises(ExportError, match="holds no complete checkpoint"):
@@ -217,7 +226,8 @@ def test_export_user_errors_are_one_message(run: dict[str, Any], tmp_path: Path)
 
 
 @pytest.mark.timeout(120)
-def test_a_damaged_checkpoint_falls_back_unless_its_step_is_named(run: dict[str, Any], tmp_path: Path) -> None:
+def test_a_damaged_checkpoint_falls_back_unless_its_step_is_named(run: dict[str, Any], tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     damaged = tmp_path / "run"
     shutil.copytree(run["dir"] / "checkpoints", damaged / "checkpoints")
     weights = checkpoint_dir(damaged / "checkpoints", 2) / "policy" / "model.safetensors"
@@ -225,14 +235,14 @@ def test_a_damaged_checkpoint_falls_back_unless_its_step_is_named(run: dict[str,
     data[-10] ^= 0xFF  # same size, other contents
     weights.write_bytes(bytes(data))
 
-    proc = export_cli(damaged)
+    proc = export_cli(damaged)  # a real process: the warning reaches its stderr
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exported step 1" in proc.stdout and "sha256 differs" in proc.stderr  # the warning names the file
     assert (damaged / "export" / "step_1" / "model.safetensors").is_file()
-    assert_one_message(export_cli(damaged, "--step", "2"), "the checkpoint of step 2 can't be exported",
+    assert_one_message(export_main(capsys, damaged, "--step", "2"), "the checkpoint of step 2 can't be exported",
                        str(weights), "sha256 differs")
     (checkpoint_dir(damaged / "checkpoints", 1) / "complete.json").unlink()
-    assert_one_message(export_cli(damaged, "--out", tmp_path / "x"), "no usable checkpoint", str(weights))
+    assert_one_message(export_main(capsys, damaged, "--out", tmp_path / "x"), "no usable checkpoint", str(weights))
 
 
 def test_an_interrupted_export_leaves_no_folder(run: dict[str, Any], tmp_path: Path,
