@@ -34,7 +34,8 @@ their skip set. The worker is started again on the same store (a group already o
 line is cut) until it has died `policy.cluster.max_failures` times; then it is taken out and the others finish
 the queue. A worker holding a lease older than `eval.ray_lease_timeout_s` is killed (it may hang), and its
 prompts go back the same way once it is dead. So no prompt is rolled out into two stores. Every start, death and
-requeue is a line in `<save_path>/ray_workers.jsonl` (`EVENTS_FILE`).
+requeue is a line in `<save_path>/ray_workers.jsonl` (`EVENTS_FILE`). A resumed run whose stores already hold a
+result of every sample starts no worker (nor Ray): it only merges.
 
 Each worker owns an engine (rather than sharing a replica pool) so that a worker's death takes exactly its
 own prompts with it, and N workers are N independent engines, as N static shards are.
@@ -94,6 +95,8 @@ def run_ray_eval(
     groups = group_configs(cfg)
     num_rows = len(load_rows(cfg))
     plan = plan_run(save_path, groups, num_rows)
+    if not plan.items:  # every sample has a result on disk: no worker (nor Ray) to start, only the merge
+        return _merge_only(save_path, plan, start)
     cluster = cfg.policy.cluster or ClusterConfig()
     started = init_ray(cluster)
     import ray  # lazy: Ray loads only for an eval on Ray (init_ray above has imported it by now)
@@ -259,6 +262,17 @@ class WorkerPool:
             self.ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT_S)
         for actor in (*actors, self.queue):
             self.ray.kill(actor, no_restart=True)
+
+
+def _merge_only(save_path: Path, plan: QueuePlan, start: float) -> EvalResult:
+    """A resumed run with nothing left to queue: its record in ray_workers.jsonl, then the merge."""
+    append_line(save_path / EVENTS_FILE, {"time": time.time(), "run": uuid.uuid4().hex[:8], "event": "finished",
+                                          "done": 0, "total": 0, "requeued": 0})
+    return EvalResult(
+        paths=EvalPaths(save_path), complete=True, summary=merge_run(save_path).summary, groups_generated=0,
+        completions_written=0, skipped_completions=plan.skipped, wall_time_s=time.perf_counter() - start,
+        errors_written=0, retried=plan.retried,
+    )
 
 
 def _finish(save_path: Path, pool: WorkerPool, status: QueueStatus, plan: QueuePlan, start: float) -> EvalResult:

@@ -17,6 +17,7 @@ from test_eval_shard_jobs import same_report, same_summary, timings_complete
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
+from nemo_rl_ext.evals.ray_lease_queue import EVENTS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER_CPUS = "policy.cluster={replica: {num_cpus: 0.5}}"  # two workers fit the session's 2-CPU Ray with room
@@ -119,9 +120,12 @@ def test_nemo_gym_on_two_ray_workers_each_launch_gym_and_merge_as_one_shard(
             if c.is_running() and _gym_name(c)]
     assert not left, left
 
-    again = run_eval(cfg, progress=False)  # resume: nothing left to roll out, the same merge
+    again = run_eval(cfg, progress=False)  # resume: nothing left to roll out, the same merge, no worker started
     assert again.groups_generated == 0 and again.skipped_completions == NUM_SAMPLES
     assert (root / "completions.jsonl").read_bytes() == merged
+    runs = [json.loads(x) for x in (root / EVENTS_FILE).read_text().splitlines()]
+    assert [(e["event"], e.get("total")) for e in runs][-2:] == [("finished", NUM_PROMPTS), ("finished", 0)], runs
+    assert [e["event"] for e in runs].count("started") == 2, runs
 
 
 def gym_stable(raw: bytes) -> tuple[dict, list[float]]:

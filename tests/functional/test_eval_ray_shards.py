@@ -91,6 +91,8 @@ def test_two_ray_workers_merge_to_the_bytes_of_one_shard(local_ray, tiny_model_d
     again = run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", WORKER_CPUS), progress=False)
     assert again.groups_generated == 0 and again.skipped_completions == NUM_PROMPTS * SAMPLES  # resume: nothing
     assert (root / "completions.jsonl").read_bytes() == merged
+    resumed = events(root)[3:]  # ... and no worker started for it: it only merged
+    assert [(e["event"], e["total"]) for e in resumed] == [("finished", 0)], resumed
     with pytest.raises(ConfigError, match=r"policy.generation.max_new_tokens"):  # a changed config: before Ray work
         run_eval(config(tiny_model_dir, root, "eval.ray_workers=2", WORKER_CPUS, "policy.generation.max_new_tokens=9"),
                  progress=False)

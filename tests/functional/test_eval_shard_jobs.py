@@ -113,12 +113,15 @@ def sorted_line_bytes(path: Path) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def one_shard(tiny_model_dir, tmp_path_factory) -> Path:
-    """The run as one shard (a separate process); its merge is the reference."""
+def one_shard(tiny_model_dir, generation, tmp_path_factory) -> Path:
+    """The run as one shard (in this process, on the module's engine); its merge is the reference. In this
+    process rather than as one more `run_eval.py` process: the three-shard test shows that processes give the
+    bytes of an in-process run (its unsharded run), and the CLI's merge message is checked there."""
     root = tmp_path_factory.mktemp("one") / "run"
-    [(rc, stdout, stderr)] = finish(start(tiny_model_dir, root, "eval.shard=0/1"))
-    assert rc == 0, stderr[-3000:]
-    assert f"outputs in {root}/" in stdout
+    cfg = load_config(REPO / "examples/configs/evals/eval.yaml", overrides(tiny_model_dir, root, "eval.shard=0/1"),
+                      EvalConfig)
+    result = run_eval(cfg, generation=generation, progress=False)
+    assert result.summary is not None and result.paths.root == root
     return root
 
 

@@ -46,16 +46,18 @@ def datums(n: int) -> list[DatumSpec]:
 
 
 @pytest.mark.parametrize(
-    ("victim", "sig", "within_s"),
+    ("victim", "sig", "within_s", "probe_timeout_s"),
     [
-        ("arithmetic_equivalence", signal.SIGKILL, 10),  # the resources server: its process exits
-        ("policy_model", signal.SIGKILL, 10),  # Gym's model server in front of our policy server
-        ("arithmetic_equivalence", signal.SIGSTOP, 40),  # hung: alive, but its health checks time out
+        ("arithmetic_equivalence", signal.SIGKILL, 10, 5.0),  # the resources server: its process exits
+        ("policy_model", signal.SIGKILL, 10, 5.0),  # Gym's model server in front of our policy server
+        # hung: alive, but its health checks time out; 3 probes x (a 2 s deadline + 1 s) is ~9 s (the default
+        # 5 s deadline, ~18 s, is what the test would wait out: the counting of failed probes is the same)
+        ("arithmetic_equivalence", signal.SIGSTOP, 25, 2.0),
     ],
     ids=["resources-killed", "model-killed", "resources-hung"],
 )
 async def test_a_dead_gym_server_fails_the_pending_rows_within_seconds(
-    gym_venv, tiny_model_and_tokenizer, tmp_path, victim, sig, within_s
+    gym_venv, tiny_model_and_tokenizer, tmp_path, victim, sig, within_s, probe_timeout_s
 ):
     _, tokenizer = tiny_model_and_tokenizer
     policy = slow_arithmetic_policy(tokenizer, delay_s=4.0)
@@ -71,6 +73,7 @@ async def test_a_dead_gym_server_fails_the_pending_rows_within_seconds(
             "launch": {"gym_venv": str(gym_venv), "config_paths": [str(CONFIG)], "mode": "direct",
                        "work_dir": str(tmp_path / "gym"), "startup_timeout_s": 240},
             "row_timeout_s": 300,  # what the shipped eval config uses: today a dead server costs 3 x 300 s
+            "health_check_timeout_s": probe_timeout_s,
         },
     )
     try:

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 ROWS = REPO / "examples" / "data" / "gym_arithmetic.jsonl"
 pytestmark = pytest.mark.timeout(900)
 COUNTS = {"agent_alpha": 2, "_default": 1}
+NUM_PROMPTS = 8  # of the 16 rows: 12 completions, room for two stops of 2+ lines each and a run that finishes
 
 
 def start(script: str, args: list[str], log: Path) -> subprocess.Popen:
@@ -91,6 +92,7 @@ def eval_args(tiny_model_dir: Path, gym_venv: Path, out: Path) -> list[str]:
         f"gym.launch.gym_venv={gym_venv}",
         "eval.num_tests_per_prompt={agent_alpha: 2, _default: 1}",
         "eval.ks=[1,2]",
+        f"eval.num_prompts={NUM_PROMPTS}",
         "eval.max_concurrent_prompts=1",
         "policy.generation.max_new_tokens=32",
         "--no-progress",
@@ -98,7 +100,7 @@ def eval_args(tiny_model_dir: Path, gym_venv: Path, out: Path) -> list[str]:
 
 
 def expected_completions() -> int:
-    rows = [json.loads(line) for line in ROWS.read_text().splitlines()]
+    rows = [json.loads(line) for line in ROWS.read_text().splitlines()[:NUM_PROMPTS]]
     return sum(COUNTS.get(r["agent_ref"]["name"], COUNTS["_default"]) for r in rows)
 
 
