@@ -10,9 +10,10 @@ and weight versions is `_generate_turn`) and `_aggregate_rollout_metrics` (the g
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
 from typing import Any
 
@@ -28,7 +29,12 @@ from nemo_rl_ext.experience.prompt_length import too_long_extras
 from nemo_rl_ext.experience.rollout_impl import NO_CALL, RolloutCall, RolloutImpl, RolloutSetup
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.experience.rollout_params import TokenizerType, check_common_parameters
-from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationConfig, GenerationInterface
+from nemo_rl_ext.models.generation.interfaces import (
+    FinishReason,
+    GenerationConfig,
+    GenerationInterface,
+    GenerationOutput,
+)
 
 _MAX_EMPTY_ABORTS = 8
 """Consecutive aborted pieces without a token after which a turn gives up (updates that never let it run)."""
@@ -70,12 +76,16 @@ def rollout_seed(base: int | None, prompt_idx: int, sample_idx: int, turn: int) 
 
 @dataclass(slots=True)  # no per-rollout __dict__: thousands are alive at once (bench/overhead.py)
 class _Rollout:
-    """The mutable state of one rollout while its turns run."""
+    """The mutable state of one rollout while its turns run.
+
+    It holds as few objects as it can: every one is scanned by each full garbage collection while the rollout
+    runs, and a batch keeps thousands of rollouts in flight (docs/benchmarks.md, "Native overhead")."""
 
     datum: DatumSpec
     sample_idx: int
     messages: list[Message]
-    token_ids: list[int]
+    num_tokens: int
+    """The ids in `messages` (a count: the prompt of each turn is built from the messages themselves)."""
     env_metadata: Mapping[str, Any]
     stop_strings: tuple[str, ...] | None = None
     reward: float = 0.0
@@ -204,7 +214,7 @@ class AsyncRolloutImpl(RolloutImpl):
             datum=input_sample,
             sample_idx=traj_idx,
             messages=list(input_sample.message_log),
-            token_ids=list(chain.from_iterable(m.token_ids for m in input_sample.message_log)),
+            num_tokens=sum(len(m.token_ids) for m in input_sample.message_log),
             env_metadata=dict(input_sample.extra_env_info),
             stop_strings=input_sample.stop_strings,
         )
@@ -250,10 +260,33 @@ class AsyncRolloutImpl(RolloutImpl):
         update aborts is continued on the new weights (`_generate_continuing`): the message holds every piece,
         with the weight version of each id.
         """
-        prompt = list(chain.from_iterable(m.token_ids for m in message_log))
-        room = self.max_seq_len - len(prompt)
+        # a tuple of ints: the garbage collector stops tracking it at its first pass, a list it scans every time
+        prompt = tuple(chain.from_iterable(m.token_ids for m in message_log))
+        config, what = self._turn_request(message_log, len(prompt), stop_strings)
+        start = time.perf_counter()
+        request = partial(self.policy_generation.generate_async, prompt, config)  # fewer objects than a lambda
+        first = await self.fault_policy.call_generation(request, what)
+        if _ends_turn(first, config):  # the usual case: one piece, no lists to join
+            output = TurnOutput(tuple(first.output_ids), tuple(first.logprobs),
+                                (first.weight_version,) * len(first.output_ids), first.finish_reason, first.matched_stop)
+        else:
+            output = await self._generate_continuing(prompt, config, what, first)
+        elapsed = time.perf_counter() - start
+        text = self.tokenizer.decode(output.output_ids, skip_special_tokens=True)
+        message = Message("assistant", text, output.output_ids, output.logprobs, output.versions)
+        metrics = {"generation_time_s": elapsed, "input_tokens": float(len(prompt)),
+                   "output_tokens": float(len(output.output_ids)), "aborted_pieces": float(output.aborted)}
+        return message, output, metrics
+
+    def _turn_request(
+        self, message_log: Sequence[Message], prompt_len: int, stop_strings: Sequence[str] | None
+    ) -> tuple[GenerationConfig, str]:
+        """The config of the turn's request (room-capped `max_new_tokens`, the rollout's seed and session, the stop
+        strings) and its name in logs and errors. A function of its own, so that none of the temporaries stays
+        alive in the turn's frame while the engine works."""
+        room = self.max_seq_len - prompt_len
         if room <= 0:
-            raise ValueError(f"the message log holds {len(prompt)} tokens: no room under max_seq_len={self.max_seq_len}")
+            raise ValueError(f"the message log holds {prompt_len} tokens: no room under max_seq_len={self.max_seq_len}")
         rollout = _CURRENT_ROLLOUT.get()
         base = self.generation_config.seed
         update: dict[str, Any] = {"max_new_tokens": min(self.generation_config.max_new_tokens, room)}
@@ -267,45 +300,41 @@ class AsyncRolloutImpl(RolloutImpl):
             what = f"generation for row {prompt_idx}, sample {sample_idx}, turn {turn}"
         if stop_strings is not None:
             update["stop_strings"] = tuple(stop_strings)
-        config = self.generation_config.model_copy(update=update)
-        start = time.perf_counter()
-        output = await self._generate_continuing(prompt, config, what)
-        elapsed = time.perf_counter() - start
-        text = self.tokenizer.decode(output.output_ids, skip_special_tokens=True)
-        message = Message("assistant", text, tuple(output.output_ids), tuple(output.logprobs), output.versions)
-        metrics = {"generation_time_s": elapsed, "input_tokens": float(len(prompt)),
-                   "output_tokens": float(len(output.output_ids)), "aborted_pieces": float(output.aborted)}
-        return message, output, metrics
+        return self.generation_config.model_copy(update=update), what
 
-    async def _generate_continuing(self, prompt: list[int], config: GenerationConfig, what: str) -> TurnOutput:
-        """Generate, and continue a generation that a weight update aborted: the request is re-issued with
-        prompt + the ids so far and the remaining budget (its seed moved on by the ids so far), until it
+    async def _generate_continuing(
+        self, prompt: tuple[int, ...], config: GenerationConfig, what: str, first: GenerationOutput
+    ) -> TurnOutput:
+        """Continue a generation that a weight update aborted (`first`, its first piece): the request is re-issued
+        with prompt + the ids so far and the remaining budget (its seed moved on by the ids so far), until it
         ends for another reason or the budget is spent; the pieces join into one output."""
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        aborted = empty = 0
-        while True:
-            piece_config = config
-            if ids:
-                update: dict[str, Any] = {"max_new_tokens": config.max_new_tokens - len(ids)}
-                if config.seed is not None:
-                    update["seed"] = (config.seed * 1_000_003 + len(ids)) % (2**31 - 1)
-                piece_config = config.model_copy(update=update)
-            context = prompt + ids if ids else prompt
-            out = await self.fault_policy.call_generation(
-                lambda c=context, cfg=piece_config: self.policy_generation.generate_async(c, cfg), what
-            )
+        ids: list[int] = list(first.output_ids)
+        logprobs: list[float] = list(first.logprobs)
+        versions: list[int] = [first.weight_version] * len(first.output_ids)
+        aborted, empty, out = 1, 0 if first.output_ids else 1, first
+        while not _ends_turn(out, config, len(ids)):
+            if empty >= _MAX_EMPTY_ABORTS:
+                raise RuntimeError(f"{what}: {empty} weight updates in a row aborted it before its first token")
+            out = await self.fault_policy.call_generation(self._continuation(prompt, config, ids), what)
             ids.extend(out.output_ids)
             logprobs.extend(out.logprobs)
             versions.extend([out.weight_version] * len(out.output_ids))
-            if out.finish_reason is not FinishReason.ABORTED or len(ids) >= config.max_new_tokens:
-                return TurnOutput(tuple(ids), tuple(logprobs), tuple(versions), out.finish_reason,
-                                  out.matched_stop, aborted)
-            aborted += 1
-            empty = 0 if out.output_ids else empty + 1
-            if empty >= _MAX_EMPTY_ABORTS:
-                raise RuntimeError(f"{what}: {empty} weight updates in a row aborted it before its first token")
+            if not _ends_turn(out, config, len(ids)):
+                aborted += 1
+                empty = 0 if out.output_ids else empty + 1
+        return TurnOutput(tuple(ids), tuple(logprobs), tuple(versions), out.finish_reason, out.matched_stop, aborted)
+
+    def _continuation(
+        self, prompt: tuple[int, ...], config: GenerationConfig, ids: list[int]
+    ) -> Callable[[], Awaitable[GenerationOutput]]:
+        """The request that continues a turn after its `ids` so far: prompt + ids, the remaining budget, the seed
+        moved on by the ids so far (the turn's own request again while no id came back)."""
+        if not ids:
+            return partial(self.policy_generation.generate_async, prompt, config)
+        update: dict[str, Any] = {"max_new_tokens": config.max_new_tokens - len(ids)}
+        if config.seed is not None:
+            update["seed"] = (config.seed * 1_000_003 + len(ids)) % (2**31 - 1)
+        return partial(self.policy_generation.generate_async, [*prompt, *ids], config.model_copy(update=update))
 
     def _aggregate_rollout_metrics(
         self, completions: Sequence[Completion], all_sample_metrics: Sequence[Mapping[str, float]]
@@ -351,27 +380,31 @@ class AsyncRolloutImpl(RolloutImpl):
             )
         return env
 
-    async def _next_turn(self, state: _Rollout) -> tuple[Message, TurnOutput, dict[str, Any]]:
+    def _next_turn(self, state: _Rollout) -> Awaitable[tuple[Message, TurnOutput, dict[str, Any]]]:
         """The rollout's next model turn through the `_generate_response` hook; straight to `_generate_turn`
-        (the same turn, without NeMo-RL's `input_lengths` tensor) when no subclass overrides that hook."""
+        (the same turn, without NeMo-RL's `input_lengths` tensor, and no coroutine of its own between the loop
+        and the engine) when no subclass overrides that hook."""
         if type(self)._generate_response is AsyncRolloutImpl._generate_response:
-            return await self._generate_turn(tuple(state.messages), state.stop_strings)
+            return self._generate_turn(tuple(state.messages), state.stop_strings)
+        return self._next_turn_through_hook(state)
+
+    async def _next_turn_through_hook(self, state: _Rollout) -> tuple[Message, TurnOutput, dict[str, Any]]:
         message, _, gen_metrics = await self._generate_response(tuple(state.messages), state.stop_strings)
         message, output = self._turn_result(message, gen_metrics)
         return message, output, gen_metrics
 
     async def _turn_loop(self, state: _Rollout, env: EnvironmentInterface) -> Completion:
         while True:
-            room = self.max_seq_len - len(state.token_ids)
+            room = self.max_seq_len - state.num_tokens
             if room <= 0:
                 if state.turns == 0:  # the prompt alone fills the context: counted and warned about
-                    state.extras.update(too_long_extras(len(state.token_ids), self.max_seq_len))
+                    state.extras.update(too_long_extras(state.num_tokens, self.max_seq_len))
                 return state.finish(StopReason.TRUNCATED, truncated=True)
             message, output, gen_metrics = await self._next_turn(state)
             state.generation_s += gen_metrics.get("generation_time_s", 0.0)
             state.turns += 1
             state.messages.append(message)
-            state.token_ids.extend(message.token_ids)
+            state.num_tokens += len(message.token_ids)
 
             start = time.perf_counter()
             try:
@@ -399,12 +432,19 @@ class AsyncRolloutImpl(RolloutImpl):
             ended_with_eos = output.finish_reason.value == "eos"
             text = self.formatter.render(observation.role, observation.content, ended_with_eos)
             obs_ids = self.formatter.tokenize(text)
-            room = self.max_seq_len - len(state.token_ids)
+            room = self.max_seq_len - state.num_tokens
             if len(obs_ids) >= room:  # no room left to generate after it: cut it and stop
                 if room > 0:
                     content = self.tokenizer.decode(obs_ids[:room], skip_special_tokens=True)
                     state.messages.append(Message(observation.role, content, tuple(obs_ids[:room])))
-                    state.token_ids.extend(obs_ids[:room])
+                    state.num_tokens += room
                 return state.finish(StopReason.TRUNCATED, truncated=True)
             state.messages.append(Message(observation.role, observation.content, tuple(obs_ids)))
-            state.token_ids.extend(obs_ids)
+            state.num_tokens += len(obs_ids)
+
+
+def _ends_turn(out: GenerationOutput, config: GenerationConfig, generated: int | None = None) -> bool:
+    """True when a piece ends the turn: it ended for another reason than a weight update's abort, or the turn's
+    `generated` ids (default: the piece's) spent the budget."""
+    n = len(out.output_ids) if generated is None else generated
+    return out.finish_reason is not FinishReason.ABORTED or n >= config.max_new_tokens

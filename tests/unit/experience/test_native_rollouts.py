@@ -15,7 +15,7 @@ from nemo_rl_ext.environments.interfaces import Observation
 from nemo_rl_ext.environments.tool_env import ToolCalculatorEnvironment
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
-from nemo_rl_ext.models.generation import GenerationConfig, GenerationOutput
+from nemo_rl_ext.models.generation import FinishReason, GenerationConfig, GenerationOutput
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration
 from nemo_rl_ext.testing import Fault, RolloutStep, ScriptedEnvironment, ScriptedGeneration
 
@@ -317,6 +317,48 @@ async def test_max_rollout_turns_stops_the_loop(tiny_model_and_tokenizer):
     c = (await mgr.run_rollout(datum(tok))).completions[0]
     assert c.stop_reason is StopReason.MAX_TURNS and c.num_turns == 2 and not c.truncated
     assert c.reward == 0.0 and c.message_log[-1].role == "assistant"
+
+
+ABORTED = FinishReason.ABORTED
+
+
+def aborting_policy(tok, pieces: Sequence[GenerationOutput]) -> ScriptedGeneration:
+    """Answers call j with pieces[j]; a weight update comes with the second call (its pieces carry version 1)."""
+
+    def reply(request):
+        if request.index == 1:
+            policy.update_weights({})
+        return pieces[request.index]
+
+    policy = ScriptedGeneration(tok, reply)
+    return policy
+
+
+async def test_a_turn_aborted_by_weight_updates_continues_into_one_message(tiny_model_and_tokenizer):
+    _, tok = tiny_model_and_tokenizer
+    eos = tok.eos_token_id
+    pieces = [GenerationOutput((11, 12), (-0.1, -0.2), ABORTED), GenerationOutput((), (), ABORTED),
+              GenerationOutput((13, eos), (-0.3, -0.4), FinishReason.EOS, eos)]
+    policy = aborting_policy(tok, pieces)
+    mgr = manager(tok, policy, ScriptedEnvironment(turns=1, reward=1.0), counts=1)
+    log = datum(tok).message_log
+    message, _, metrics = await mgr.impl._generate_response(log, None)
+    assert message.token_ids == (11, 12, 13, eos) and message.generation_logprobs == (-0.1, -0.2, -0.3, -0.4)
+    assert message.generation_weight_versions == (0, 0, 1, 1) and metrics["aborted_pieces"] == 2.0
+    prompt = [t for m in log for t in m.token_ids]
+    # piece 2 continues after piece 1's ids; piece 3 asks again for the same, as piece 2 brought no id
+    assert policy.prompts == [prompt, prompt + [11, 12], prompt + [11, 12]]
+    moved_on = (0 * 1_000_003 + 2) % (2**31 - 1)
+    assert [(c.seed, c.max_new_tokens) for c in policy.configs] == [(0, 64), (moved_on, 62), (moved_on, 62)]
+
+
+async def test_a_turn_gives_up_after_eight_empty_aborted_pieces_in_a_row(tiny_model_and_tokenizer):
+    _, tok = tiny_model_and_tokenizer
+    policy = aborting_policy(tok, [GenerationOutput((), (), ABORTED)] * 9)
+    mgr = manager(tok, policy, ScriptedEnvironment(turns=1, reward=1.0), counts=1)
+    with pytest.raises(RuntimeError, match="8 weight updates in a row aborted it before its first token"):
+        await mgr.impl._generate_response(datum(tok).message_log, None)
+    assert policy.num_calls == 8
 
 
 def test_manager_reports_every_bad_argument(tiny_model_and_tokenizer):
