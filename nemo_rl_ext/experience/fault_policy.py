@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal, TypeVar
@@ -11,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_NO_DEADLINE: contextlib.nullcontext[None] = contextlib.nullcontext()
+"""`async with` it is a no-op; it holds no state, so every call without a deadline shares it."""
 
 
 class RolloutError(RuntimeError):
@@ -38,23 +41,37 @@ class FaultPolicy(BaseModel):
 
         ValueError means bad input and is never retried.
         """
+        try:
+            async with self.generation_deadline():  # in this task: no task per call
+                return await make_call()
+        except ValueError:
+            raise
+        except Exception as exc:
+            return await self.retry_generation(make_call, what, exc)
+
+    async def retry_generation(self, make_call: Callable[[], Awaitable[T]], what: str, failed: Exception) -> T:
+        """The retries of a generation whose first attempt raised `failed` (not a ValueError): up to
+        `generation_retries` more attempts, `retry_backoff_s` apart and doubling; the last failure is raised.
+        The turn loop makes a turn's first attempt itself (no coroutine between it and the engine) and calls this
+        when it fails, so both ways retry alike."""
         delay = self.retry_backoff_s
-        for attempt in range(self.generation_retries + 1):
+        for attempt in range(1, self.generation_retries + 1):
+            logger.warning("%s failed (%s: %s); retry %d in %.2fs", what, type(failed).__name__, failed, attempt, delay)
+            await asyncio.sleep(delay)
+            delay *= 2
             try:
-                if self.generation_timeout_s is None:
-                    return await make_call()
-                async with asyncio.timeout(self.generation_timeout_s):  # in this task: no task per call
+                async with self.generation_deadline():
                     return await make_call()
             except ValueError:
                 raise
             except Exception as exc:
-                if attempt == self.generation_retries:
-                    raise
-                logger.warning("%s failed (%s: %s); retry %d in %.2fs", what, type(exc).__name__, exc,
-                               attempt + 1, delay)
-                await asyncio.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
+                failed = exc
+        raise failed
+
+    def generation_deadline(self) -> asyncio.Timeout | contextlib.nullcontext[None]:
+        """The deadline of one generation call, as `async with policy.generation_deadline(): await ...`; with no
+        `generation_timeout_s`, one shared no-op context (nothing allocated per call)."""
+        return _NO_DEADLINE if self.generation_timeout_s is None else asyncio.timeout(self.generation_timeout_s)
 
     async def call_env(self, call: Awaitable[T]) -> T:
         """Run one environment step with its timeout (in this task: no task per step, as `wait_for` makes)."""

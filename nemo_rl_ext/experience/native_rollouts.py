@@ -218,15 +218,12 @@ class AsyncRolloutImpl(RolloutImpl):
             env_metadata=dict(input_sample.extra_env_info),
             stop_strings=input_sample.stop_strings,
         )
-        token = _CURRENT_ROLLOUT.set(state)
         try:
             completion = await self._turn_loop(state, env)
         except Exception as exc:
             if self.fault_policy.on_error == "raise":
                 raise RolloutError(f"row {input_sample.idx}, sample {traj_idx}: {describe(exc)}") from exc
             completion = state.finish(StopReason.ERROR, truncated=False, error=describe(exc))
-        finally:
-            _CURRENT_ROLLOUT.reset(token)
         metrics = {
             "prompt_messages": float(len(input_sample.message_log)),
             "generation_time_s": state.generation_s,
@@ -249,23 +246,39 @@ class AsyncRolloutImpl(RolloutImpl):
         input_lengths = torch.tensor([int(length)], dtype=torch.int32)
         return message, input_lengths, {**metrics, TURN_OUTPUT_KEY: output}
 
-    async def _generate_turn(
+    def _generate_turn(
         self, message_log: Sequence[Message], stop_strings: Sequence[str] | None
-    ) -> tuple[Message, TurnOutput, dict[str, float]]:
+    ) -> Awaitable[tuple[Message, TurnOutput, dict[str, float]]]:
         """One model turn after `message_log`: (the assistant message, the turn's output, the turn's metrics).
 
         The prompt is the log's token ids as they are (never re-tokenized); `max_new_tokens` is capped by
         the room left under `max_seq_len`; `stop_strings` (None: the generation config's) end the turn.
         Inside a rollout the request's seed is distinct per (prompt, sample, turn). A generation that a weight
         update aborts is continued on the new weights (`_generate_continuing`): the message holds every piece,
-        with the weight version of each id.
+        with the weight version of each id. (Awaitable: the rollout it runs for, when the hooks are overridden, is
+        the one `_next_turn_through_hook` set.)
         """
+        return self._turn(message_log, stop_strings, _CURRENT_ROLLOUT.get())
+
+    async def _turn(
+        self, message_log: Sequence[Message], stop_strings: Sequence[str] | None, rollout: _Rollout | None
+    ) -> tuple[Message, TurnOutput, dict[str, float]]:
+        """`_generate_turn` for `rollout` (None: a turn outside any rollout, with the config's own seed)."""
         # a tuple of ints: the garbage collector stops tracking it at its first pass, a list it scans every time
         prompt = tuple(chain.from_iterable(m.token_ids for m in message_log))
-        config, what = self._turn_request(message_log, len(prompt), stop_strings)
+        config, what = self._turn_request(message_log, len(prompt), stop_strings, rollout)
         start = time.perf_counter()
-        request = partial(self.policy_generation.generate_async, prompt, config)  # fewer objects than a lambda
-        first = await self.fault_policy.call_generation(request, what)
+        try:  # the first attempt here, not in a coroutine of the fault policy's: thousands of turns are in flight
+            if self.fault_policy.generation_timeout_s is None:  # (not even a no-op `async with` held per turn)
+                first = await self.policy_generation.generate_async(prompt, config)
+            else:
+                async with self.fault_policy.generation_deadline():
+                    first = await self.policy_generation.generate_async(prompt, config)
+        except ValueError:  # bad input: never retried
+            raise
+        except Exception as exc:
+            request = partial(self.policy_generation.generate_async, prompt, config)
+            first = await self.fault_policy.retry_generation(request, what, exc)
         if _ends_turn(first, config):  # the usual case: one piece, no lists to join
             output = TurnOutput(tuple(first.output_ids), tuple(first.logprobs),
                                 (first.weight_version,) * len(first.output_ids), first.finish_reason, first.matched_stop)
@@ -279,7 +292,8 @@ class AsyncRolloutImpl(RolloutImpl):
         return message, output, metrics
 
     def _turn_request(
-        self, message_log: Sequence[Message], prompt_len: int, stop_strings: Sequence[str] | None
+        self, message_log: Sequence[Message], prompt_len: int, stop_strings: Sequence[str] | None,
+        rollout: _Rollout | None,
     ) -> tuple[GenerationConfig, str]:
         """The config of the turn's request (room-capped `max_new_tokens`, the rollout's seed and session, the stop
         strings) and its name in logs and errors. A function of its own, so that none of the temporaries stays
@@ -287,7 +301,6 @@ class AsyncRolloutImpl(RolloutImpl):
         room = self.max_seq_len - prompt_len
         if room <= 0:
             raise ValueError(f"the message log holds {prompt_len} tokens: no room under max_seq_len={self.max_seq_len}")
-        rollout = _CURRENT_ROLLOUT.get()
         base = self.generation_config.seed
         update: dict[str, Any] = {"max_new_tokens": min(self.generation_config.max_new_tokens, room)}
         if rollout is None:
@@ -381,15 +394,23 @@ class AsyncRolloutImpl(RolloutImpl):
         return env
 
     def _next_turn(self, state: _Rollout) -> Awaitable[tuple[Message, TurnOutput, dict[str, Any]]]:
-        """The rollout's next model turn through the `_generate_response` hook; straight to `_generate_turn`
-        (the same turn, without NeMo-RL's `input_lengths` tensor, and no coroutine of its own between the loop
-        and the engine) when no subclass overrides that hook."""
-        if type(self)._generate_response is AsyncRolloutImpl._generate_response:
-            return self._generate_turn(tuple(state.messages), state.stop_strings)
+        """The rollout's next model turn through the `_generate_response` hook; straight to the turn, with the
+        rollout passed (no NeMo-RL `input_lengths` tensor, no ContextVar, no coroutine of its own between the loop
+        and the engine), when no subclass overrides that hook or `_generate_turn`."""
+        cls = type(self)
+        if cls._generate_response is AsyncRolloutImpl._generate_response and (
+            cls._generate_turn is AsyncRolloutImpl._generate_turn
+        ):
+            return self._turn(tuple(state.messages), state.stop_strings, state)
         return self._next_turn_through_hook(state)
 
     async def _next_turn_through_hook(self, state: _Rollout) -> tuple[Message, TurnOutput, dict[str, Any]]:
-        message, _, gen_metrics = await self._generate_response(tuple(state.messages), state.stop_strings)
+        # NeMo-RL's hook signatures carry no rollout: ours reach it through the ContextVar (docs/architecture.md)
+        token = _CURRENT_ROLLOUT.set(state)
+        try:
+            message, _, gen_metrics = await self._generate_response(tuple(state.messages), state.stop_strings)
+        finally:
+            _CURRENT_ROLLOUT.reset(token)
         message, output = self._turn_result(message, gen_metrics)
         return message, output, gen_metrics
 

@@ -289,6 +289,40 @@ async def test_the_default_generate_response_seeds_per_prompt_sample_and_turn(ti
     assert input_lengths.dtype == torch.int32 and input_lengths.tolist() == [sum(len(m.token_ids) for m in log)]
 
 
+@pytest.mark.parametrize("hook", ["_generate_response", "_generate_turn"])
+async def test_an_override_that_calls_the_default_keeps_the_rollouts_seeds(tiny_model_and_tokenizer, hook):
+    """The default path passes the rollout to the turn; an overridden hook reaches it through the ContextVar: the
+    requests' seeds (per prompt, sample and turn) are the same either way."""
+    _, tok = tiny_model_and_tokenizer
+
+    def seeds_of(cls) -> list:
+        seeds = []
+
+        class Seeds(ScriptedPolicy):
+            async def generate_async(self, prompt_token_ids, config):
+                seeds.append((tuple(prompt_token_ids), config.seed, config.session))
+                return await super().generate_async(prompt_token_ids, config)
+
+        impl = native_impl(cls, tok, Seeds(tok, TOOL_SCRIPT), ToolCalculatorEnvironment(), counts=2)
+        return impl, seeds
+
+    overridden_calls = []
+
+    async def passthrough(self, message_log, stop_strings):
+        overridden_calls.append(len(message_log))
+        return await getattr(super(Wrapped, self), hook)(message_log, stop_strings)
+
+    Wrapped = type("Wrapped", (AsyncRolloutImpl,), {hook: passthrough})
+    default, default_seeds = seeds_of(AsyncRolloutImpl)
+    wrapped, wrapped_seeds = seeds_of(Wrapped)
+    await default.run_rollout(datum(tok, idx=3))
+    await wrapped.run_rollout(datum(tok, idx=3))
+    assert len(overridden_calls) == 6  # the override ran for every turn
+    assert len(default_seeds) == 6 and len({seed for _, seed, _ in default_seeds}) == 6
+    assert sorted(wrapped_seeds) == sorted(default_seeds)  # prompts, seeds and sessions alike
+    assert {session for _, _, session in wrapped_seeds} == {(3, 0), (3, 1)}
+
+
 async def test_overriding_aggregate_rollout_metrics_changes_the_records_metrics(tiny_model_and_tokenizer):
     _, tok = tiny_model_and_tokenizer
     received = []
