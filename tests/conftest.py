@@ -79,3 +79,14 @@ def stand_in_vllm():
     engine = StandInEngine()
     with vllm_on_stand_in(engine) as gen:
         yield engine, gen
+
+
+@pytest.fixture
+def no_report_plots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eval report's PNG plots (matplotlib, ~0.2-0.5 s each, seconds on a busy machine) are not drawn: for
+    tests whose subject is the lines, summaries and merges, not the plots. The PNGs themselves are checked where
+    they are the subject (tests/unit/evals/test_eval_profile.py, test_eval_shards.py's first merge test)."""
+    from nemo_rl_ext.evals import report
+
+    monkeypatch.setattr(report, "plot_pass_at_k", lambda summary, path: None)
+    monkeypatch.setattr(report, "plot_reward_profile", lambda summary, path: None)

@@ -414,6 +414,7 @@ async def test_native_eval_writes_the_profile_png_and_difficulty_file(tiny_model
     assert (two / "difficulty.jsonl").read_bytes() == (out / "difficulty.jsonl").read_bytes()
 
 
+@pytest.mark.usefixtures("no_report_plots")
 async def test_retried_errors_get_a_timing_per_written_line(tiny_model_and_tokenizer, tmp_path) -> None:
     _, tok = tiny_model_and_tokenizer
     data = eval_rows(tmp_path)

@@ -208,6 +208,7 @@ def test_merge_refuses_stores_without_their_config_or_dataset_fingerprint_naming
     assert not (root / "completions.jsonl").exists()
 
 
+@pytest.mark.usefixtures("no_report_plots")
 def test_merge_refuses_a_duplicate_that_is_not_byte_identical_naming_both_files(tmp_path: Path) -> None:
     root = static_run(tmp_path / "run", 3)
     same = root / "shards" / "1-of-3"
@@ -221,6 +222,7 @@ def test_merge_refuses_a_duplicate_that_is_not_byte_identical_naming_both_files(
     )
 
 
+@pytest.mark.usefixtures("no_report_plots")
 def test_an_error_line_gives_way_to_a_result_from_another_store(tmp_path: Path) -> None:
     root = tmp_path / "run"
     cfg = run_cfg(root)
@@ -235,6 +237,7 @@ def test_an_error_line_gives_way_to_a_result_from_another_store(tmp_path: Path) 
     assert result.summary == reference.summary
 
 
+@pytest.mark.usefixtures("no_report_plots")
 def test_a_retry_that_holds_only_the_failed_sample_merges_with_the_first_store(tmp_path: Path) -> None:
     root = tmp_path / "run"
     cfg = run_cfg(root)
@@ -282,6 +285,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 
+@pytest.mark.usefixtures("no_report_plots")
 def test_seeds_merge_per_seed_and_pool_over_seeds(tmp_path: Path) -> None:
     seeds = [11, 4]
     one = merge_run(static_run(tmp_path / "one", 1, seeds, "eval.ks=[1,2,6]"))

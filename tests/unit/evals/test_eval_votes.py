@@ -332,6 +332,7 @@ def test_the_merge_of_shards_recomputes_the_votes_from_the_merged_lines(tmp_path
     assert "| cons@2 | 0.333 ± 0.000 |" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.usefixtures("no_report_plots")
 def test_seeds_pool_in_the_order_eval_seeds_lists_them_as_nemo_skills_seed_files(tmp_path: Path) -> None:
     # seeds [9, 3], 2 samples each: seed 9 holds s0 s1 of the example, seed 3 holds s2 s3; pooled: s0 s1 s2 s3
     seeds = {9: example_lines()[:2], 3: [CompletionLine(**{**x.to_json(), "sample_idx": x.sample_idx - 2})

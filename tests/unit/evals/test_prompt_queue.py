@@ -290,6 +290,7 @@ def keys_of(root: Path) -> list[tuple[int, int]]:
     return [(x["prompt_idx"], x["sample_idx"]) for x in map(json.loads, (root / "completions.jsonl").read_text().splitlines())]
 
 
+@pytest.mark.usefixtures("no_report_plots")
 async def test_a_retried_prompt_appends_only_the_samples_no_store_has_and_the_merge_takes_the_union(
     tiny_model_and_tokenizer, tmp_path: Path
 ) -> None:

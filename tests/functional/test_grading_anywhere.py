@@ -28,7 +28,7 @@ from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
 from nemo_rl_ext.testing import KilledGradingMathEnvironment, ScriptedGeneration
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 2.0
 HOSTILE = ["\\boxed{\\binom{10000000}{5000000}}", "\\boxed{\\Gamma(10^9)}"]
 ORDINARY = ["\\boxed{2}"] + [f"So the answer is \\boxed{{\\frac{{{i}}}{{4}}}}." for i in range(30)] + ["\\boxed{3}"]
