@@ -84,6 +84,11 @@ def test_errors_name_the_keys_as_written() -> None:
         load_config(OLDER / "grpo_smollm2.yaml", ["grpo.max_seq_len=4096", "env.typo=1"], GRPOConfig)
     text = str(info.value)
     assert "grpo.max_seq_len: exceeds policy.max_model_len (512)" in text and "env.typo:" in text, text
+    with pytest.raises(ConfigError) as info, older_spelling():  # (from test_cluster_environments.py)
+        load_config(None, ["eval.dataset_path=x.jsonl", "eval.save_path=out", "eval.remote_environment=sometimes",
+                           "eval.environment_step_timeout_s=-1"], EvalConfig)
+    text = str(info.value)
+    assert "eval.remote_environment:" in text and "eval.environment_step_timeout_s:" in text, text
     # the same setting in both spellings in one place (the file, or the overrides) is refused, naming the older one
     with pytest.raises(ConfigError, match="eval.num_tests_per_prompt: is the older spelling of rollouts.num_gen"):
         load_config(SHIPPED / "evals" / "eval.yaml",
