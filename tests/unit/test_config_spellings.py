@@ -107,7 +107,8 @@ def test_an_override_in_either_spelling_replaces_the_files_setting() -> None:
             assert cfg.key_as_written("rollouts.num_generations_per_prompt") == key
     # NeMo-RL's multi_turn over a single-turn file lifts the one-turn cap and keeps the file's environment
     with older_spelling():
-        multi = load_config(SHIPPED / "evals" / "eval.yaml", ["eval.rollout_mode=multi_turn"], EvalConfig).rollouts
+        multi = load_config(SHIPPED / "evals" / "eval.yaml", ["eval.rollout_mode=multi_turn"],
+                            EvalConfig).rollouts
     assert (multi.mode_name, multi.max_rollout_turns, multi.env.name) == ("multi_turn", None, "math")
     # a file in the older spelling that says single_turn still refuses a turn cap above one
     with pytest.raises(ConfigError, match="rollout_mode=single_turn runs one generation"), older_spelling():
@@ -124,8 +125,8 @@ def test_input_problems_name_the_count_key_as_written(tmp_path: Path) -> None:
     data = tmp_path / "rows.jsonl"
     data.write_text('{"question": "q", "answer": "a", "agent_name": "x"}\n')
     with older_spelling():
-        old = load_config(None, [f"eval.dataset_path={data}", "eval.save_path=s", "eval.num_tests_per_prompt={y: 1}",
-                                 "policy.model_name=tiny"], EvalConfig)
+        old = load_config(None, [f"eval.dataset_path={data}", "eval.save_path=s",
+                                 "eval.num_tests_per_prompt={y: 1}", "policy.model_name=tiny"], EvalConfig)
     new = load_config(None, [f"eval.dataset_path={data}", "eval.save_path=s", "policy.model_name=tiny",
                              "rollouts.num_generations_per_prompt={y: 1}"], EvalConfig)
     assert any(p.startswith("eval.num_tests_per_prompt: rows of") for p in input_problems(old)), input_problems(old)

@@ -124,7 +124,8 @@ def test_nemo_gym_rejects_native_environment_settings() -> None:
 
 
 def test_nemo_gym_accepts_several_samples_and_per_agent_counts() -> None:
-    cfg = load("rollouts.mode=nemo_gym", "rollouts.num_generations_per_prompt={agent_alpha: 4, _default: 2}", *GYM)
+    cfg = load("rollouts.mode=nemo_gym", "rollouts.num_generations_per_prompt={agent_alpha: 4, _default: 2}",
+               *GYM)
     assert cfg.rollouts.num_generations_per_prompt == {"agent_alpha": 4, "_default": 2}
     assert cfg.rollouts.max_samples == 4
 
@@ -197,7 +198,8 @@ def test_every_problem_is_reported_at_once() -> None:
 
 def test_rules_still_run_next_to_a_missing_required_field() -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["eval.dataset_path=x", "rollouts.mode=nemo_gym", "rollouts.max_rollout_turns=2"], EvalConfig)
+        load_config(None, ["eval.dataset_path=x", "rollouts.mode=nemo_gym", "rollouts.max_rollout_turns=2"],
+                    EvalConfig)
     msg = str(info.value)
     assert "eval.save_path: Field required" in msg
     assert "rollouts.max_rollout_turns: must be null: in nemo_gym mode" in msg

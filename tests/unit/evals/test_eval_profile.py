@@ -97,13 +97,14 @@ def write_lines(path: Path) -> None:
     write_timings(path.parent)
 
 
-def cfg_for(save: Path, dataset: Path | None = None, num_generations_per_prompt: Any = 4, **ev: Any) -> EvalConfig:
+def cfg_for(save: Path, dataset: Path | None = None, num_generations_per_prompt: Any = 4,
+            **ev: Any) -> EvalConfig:
     return EvalConfig.model_validate({
         "eval": {"dataset_path": str(dataset or REPO / "examples/data/arithmetic.jsonl"),
                  "save_path": str(save), "ks": list(KS),
                  "reward_threshold": THRESHOLD, "max_error_rate": 1.0, **ev},
-        "rollouts": {"mode": "native", "max_rollout_turns": 1, "num_generations_per_prompt": num_generations_per_prompt,
-                     "env": {"name": "profile_test_env"}},
+        "rollouts": {"mode": "native", "max_rollout_turns": 1, "env": {"name": "profile_test_env"},
+                     "num_generations_per_prompt": num_generations_per_prompt},
         "policy": {"model_name": "unused", "generation": {"max_new_tokens": 8, "temperature": 1.0, "seed": 0}},
     })
 
@@ -403,8 +404,8 @@ async def test_native_eval_writes_the_profile_png_and_difficulty_file(tiny_model
     assert 0 < sum(d["num_solved"] for d in difficulty) < len(lines), "want a mix of rewards"
 
     # a second run (its own timings) writes the same completions bytes, and summary bytes but the latencies
-    again = await run_eval_async(cfg_for(tmp_path / "again", data, num_generations_per_prompt={"odd": 2, "_default": 3},
-                                         ks=[1, 2]),
+    again = await run_eval_async(cfg_for(tmp_path / "again", data,
+                                         num_generations_per_prompt={"odd": 2, "_default": 3}, ks=[1, 2]),
                                  generation=ScriptedGeneration(tok, reply, delay_s=DELAY_S), progress=False)
     assert again.complete
     two = tmp_path / "again"

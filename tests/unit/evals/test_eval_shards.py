@@ -72,8 +72,8 @@ def test_bad_shard_and_seed_keys_name_the_key_and_value_all_at_once() -> None:
 
 
 def test_seeds_allow_ks_up_to_the_pooled_count_and_a_seed_reports_its_own() -> None:
-    cfg = load_config(None, [*BASE, "eval.seeds=[0,1]", "eval.ks=[1,4,8]", "rollouts.num_generations_per_prompt=4",
-                             "rollouts.max_rollout_turns=1"], EvalConfig)
+    cfg = load_config(None, [*BASE, "eval.seeds=[0,1]", "eval.ks=[1,4,8]",
+                             "rollouts.num_generations_per_prompt=4", "rollouts.max_rollout_turns=1"], EvalConfig)
     assert cfg.ks == (1, 4)  # one seed's summary: its 4 samples
     assert load_config(None, [*BASE, "eval.shard=1/3"], EvalConfig).eval.shard_spec == ShardSpec(1, 3)
 

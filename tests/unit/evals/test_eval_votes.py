@@ -248,7 +248,8 @@ def test_the_docs_worked_example_matches_every_definition() -> None:
 
 def cfg_with(*extra: str) -> EvalConfig:
     return load_config(None, ["eval.dataset_path=data.jsonl", "eval.save_path=out", "policy.model_name=tiny",
-                              "rollouts.num_generations_per_prompt=4", "rollouts.max_rollout_turns=1", *extra], EvalConfig)
+                              "rollouts.num_generations_per_prompt=4", "rollouts.max_rollout_turns=1", *extra],
+                       EvalConfig)
 
 
 def test_eval_metrics_names_and_refuses_unknown_ones_listing_the_valid() -> None:

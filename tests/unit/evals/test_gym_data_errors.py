@@ -40,7 +40,8 @@ def eval_config(tmp_path: Path, rows: list, agents_urls: dict[str, str] | None =
     return EvalConfig.model_validate({
         "eval": {"dataset_path": str(data), "save_path": str(tmp_path / "out")},
         "rollouts": {"mode": "nemo_gym", "num_generations_per_prompt": 2,
-                     "gym": {"agent_urls": agents_urls or {"agent_alpha": "http://127.0.0.1:9"}, "serve_policy": False}},
+                     "gym": {"agent_urls": agents_urls or {"agent_alpha": "http://127.0.0.1:9"},
+                             "serve_policy": False}},
         "policy": {"generation": {"top_k": None, "temperature": 1.0, "seed": 5, "max_new_tokens": 9}},
     })
 

@@ -64,8 +64,8 @@ def test_agent_urls_may_change_on_resume(tmp_path):
 
 def test_keys_that_change_completions_are_refused_and_each_is_named(tmp_path):
     paths = saved_folder(tmp_path)
-    changed = gym_eval(tmp_path, **{"policy.generation.temperature": 0.5, "rollouts.num_generations_per_prompt": 3,
-                                    "rollouts.gym.policy_port": 8123})
+    changed = gym_eval(tmp_path, **{"policy.generation.temperature": 0.5,
+                                    "rollouts.num_generations_per_prompt": 3, "rollouts.gym.policy_port": 8123})
     with pytest.raises(ConfigError) as err:
         check_store_config(changed, paths)
     text = str(err.value)
