@@ -190,7 +190,8 @@ def plot_pass_at_k(summary: EvalSummary, path: Any) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     try:
-        for name, ks, values, errors in _pass_at_k_series(summary):
+        series = _pass_at_k_series(summary)
+        for name, ks, values, errors in series:
             ax.errorbar(ks, values, yerr=errors, marker="o", capsize=3, label=name)
         ks_all: Sequence[int] = summary.ks
         if len(ks_all) > 1 and max(ks_all) / min(ks_all) >= 4:
@@ -201,7 +202,8 @@ def plot_pass_at_k(summary: EvalSummary, path: Any) -> None:
         ax.set_ylabel(f"pass@k (reward >= {summary.reward_threshold:g})")
         ax.set_title(f"{summary.model}: {summary.num_prompts} prompts, {summary.rollout_mode}")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if series:  # no pass@k at all (every sample errored): an empty plot, and no legend to draw
+            ax.legend()
         fig.tight_layout()
         fig.savefig(path)
     finally:

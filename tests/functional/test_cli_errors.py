@@ -61,17 +61,16 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     eval_cfg = folder / "eval.yaml"
     eval_cfg.write_text(yaml.safe_dump({
-        "eval": {"dataset_path": str(data), "save_path": str(folder / "eval_out"), "num_tests_per_prompt": 2},
+        "eval": {"dataset_path": str(data), "save_path": str(folder / "eval_out")},
+        "rollouts": {"mode": "native", "max_rollout_turns": 1, "num_generations_per_prompt": 2},
         "policy": {"model_name": "tiny", "generation": {"temperature": 1.0, "max_new_tokens": 4}},
     }))
     grpo_cfg = folder / "grpo.yaml"
     grpo_cfg.write_text(yaml.safe_dump({
         "policy": {"model_name": "tiny", "max_model_len": 128, "generation": {"max_new_tokens": 4}},
-        "env": {"name": "string_match"},
+        "rollouts": {"num_generations_per_prompt": 2, "max_seq_len": 64, "env": {"name": "string_match"}},
         "data": {"train_path": str(data)},
-        "grpo": {
-            "num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 1, "max_seq_len": 64,
-        },
+        "grpo": {"num_prompts_per_step": 2, "max_num_steps": 1},
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},  # as before
         "logger": {"progress": False, "tensorboard": False, "print_steps": False},
         "output_dir": str(folder / "grpo_out"),
@@ -109,7 +108,8 @@ def test_missing_dataset_file_is_named(main, files: dict[str, Path], which: str,
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    ("which", "key"), [("eval", "eval.num_tests_per_prompt"), ("grpo", "grpo.num_generations_per_prompt")]
+    ("which", "key"),
+    [("eval", "rollouts.num_generations_per_prompt"), ("grpo", "rollouts.num_generations_per_prompt")],
 )
 def test_agent_without_count_and_no_default_is_named(main, files: dict[str, Path], which: str, key: str) -> None:
     proc = main(SCRIPTS[which], "--config", files[which], f"{key}={{alpha: 2}}")
@@ -117,7 +117,7 @@ def test_agent_without_count_and_no_default_is_named(main, files: dict[str, Path
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("which", "key"), [("eval", "eval.environment"), ("grpo", "env.name")])
+@pytest.mark.parametrize(("which", "key"), [("eval", "rollouts.env.name"), ("grpo", "rollouts.env.name")])
 def test_unknown_environment_is_named(main, files: dict[str, Path], which: str, key: str) -> None:
     proc = main(SCRIPTS[which], "--config", files[which], f"{key}=no_such_env")
     assert_one_message(proc, key, "unknown environment 'no_such_env'")
@@ -222,7 +222,7 @@ def test_a_copied_eval_folder_resumes(main, files: dict[str, Path], tiny_model_d
 
     from nemo_rl_ext.evals.driver import run_eval
 
-    common = [f"policy.model_name={tiny_model_dir}", "eval.num_tests_per_prompt=1"]
+    common = [f"policy.model_name={tiny_model_dir}", "rollouts.num_generations_per_prompt=1"]
     first = tmp_path / "first"
     cfg = load_config(files["eval"], [*common, f"eval.save_path={first}"], EvalConfig)
     result = run_eval(cfg, generation=generation, progress=False, stop_after_groups=1)  # one of two prompts

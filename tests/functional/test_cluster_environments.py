@@ -1,4 +1,4 @@
-"""Environments hosted in Ray actors by config (GRPO's `env.remote`, the eval's `eval.remote_environment`)
+"""Environments hosted in Ray actors by config (`rollouts.env.remote`, in GRPO and the eval alike)
 give the same results as in-process ones, and GRPO in nemo_gym mode trains on a two-replica pool; all on
 the session's Ray, which every run leaves running."""
 
@@ -46,9 +46,10 @@ def remote_steps(monkeypatch):
 
 def eval_config(model_dir: Path, save: Path, remote: bool) -> EvalConfig:
     return EvalConfig.model_validate({
-        "eval": {"rollout_mode": "single_turn", "dataset_path": str(REPO / "examples/data/arithmetic.jsonl"),
-                 "save_path": str(save), "num_prompts": 4, "num_tests_per_prompt": 2, "ks": [1, 2],
-                 "max_seq_len": 256, "environment": "math", "remote_environment": remote},
+        "eval": {"dataset_path": str(REPO / "examples/data/arithmetic.jsonl"),
+                 "save_path": str(save), "num_prompts": 4, "ks": [1, 2]},
+        "rollouts": {"mode": "native", "max_rollout_turns": 1, "num_generations_per_prompt": 2, "max_seq_len": 256,
+                     "env": {"name": "math", "remote": remote}},
         "policy": {"model_name": str(model_dir), "max_model_len": 512,
                    "generation": {"max_new_tokens": 8, "temperature": 1.0, "seed": 0}},
     })
@@ -78,10 +79,11 @@ def grpo_config(model_dir: Path, out: Path, data: Path, remote: bool) -> GRPOCon
     return GRPOConfig.model_validate({
         "policy": {"model_name": str(model_dir), "max_model_len": 256,
                    "generation": {"max_new_tokens": 8, "temperature": 1.0, "stop_strings": ["yes"]}},
-        "env": {"name": "string_match", "kwargs": {"mode": "similarity"}, "remote": remote, "step_timeout_s": 120},
+        "rollouts": {"num_generations_per_prompt": 4, "max_seq_len": 128,
+                     "env": {"name": "string_match", "kwargs": {"mode": "similarity"}, "remote": remote,
+                             "step_timeout_s": 120}},
         "data": {"train_path": str(data)},
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 1,
-                 "max_seq_len": 128, "seed": 42},
+        "grpo": {"num_prompts_per_step": 2, "max_num_steps": 1, "seed": 42},
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 8},
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},  # as before
         "logger": {"progress": False, "tensorboard": False, "print_steps": False},
@@ -122,25 +124,25 @@ def test_grpo_with_a_remote_environment_gets_the_in_process_rewards(
 
 def test_remote_environment_config_errors_come_in_one_message():
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["env.remote=maybe", "env.step_timeout_s=0", "env.remot=true", "policy.max_model_len=1"],
-                    GRPOConfig)
+        load_config(None, ["rollouts.env.remote=maybe", "rollouts.env.step_timeout_s=0", "rollouts.env.remot=true",
+                           "policy.max_model_len=1"], GRPOConfig)
     text = str(err.value)
-    for key in ("env.remote", "env.step_timeout_s", "env.remot", "policy.max_model_len"):
+    for key in ("rollouts.env.remote", "rollouts.env.step_timeout_s", "rollouts.env.remot", "policy.max_model_len"):
         assert key in text, text
     assert "maybe" in text and "Traceback" not in text
     with pytest.raises(ConfigError) as err:
         load_config(None, ["rollouts.mode=nemo_gym", "rollouts.gym.head_server_url=http://127.0.0.1:1",
-                           "env.remote=true", "data.train_path=x.jsonl"], GRPOConfig)
-    assert "env.remote" in str(err.value) and "native" in str(err.value), str(err.value)
+                           "rollouts.env.remote=true", "data.train_path=x.jsonl"], GRPOConfig)
+    assert "rollouts.env.remote" in str(err.value) and "native" in str(err.value), str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["eval.dataset_path=x.jsonl", "eval.save_path=out", "eval.remote_environment=sometimes",
-                           "eval.environment_step_timeout_s=-1"], EvalConfig)
+        load_config(None, ["eval.dataset_path=x.jsonl", "eval.save_path=out", "rollouts.env.remote=sometimes",
+                           "rollouts.env.step_timeout_s=-1"], EvalConfig)
     text = str(err.value)
-    assert "eval.remote_environment" in text and "eval.environment_step_timeout_s" in text, text
+    assert "rollouts.env.remote" in text and "rollouts.env.step_timeout_s" in text, text
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["eval.rollout_mode=nemo_gym", "eval.dataset_path=x.jsonl", "eval.save_path=out",
-                           "eval.remote_environment=true", "gym.head_server_url=http://127.0.0.1:1"], EvalConfig)
-    assert "eval.remote_environment" in str(err.value), str(err.value)
+        load_config(None, ["rollouts.mode=nemo_gym", "eval.dataset_path=x.jsonl", "eval.save_path=out",
+                           "rollouts.env.remote=true", "rollouts.gym.head_server_url=http://127.0.0.1:1"], EvalConfig)
+    assert "rollouts.env.remote" in str(err.value), str(err.value)
 
 
 @pytest.mark.gym
@@ -167,11 +169,11 @@ def test_one_nemo_gym_grpo_step_on_a_two_replica_pool_refits_both(local_ray, gym
                    "generation": {"max_new_tokens": 8, "temperature": 1.0},
                    "cluster": {"num_replicas": 2, "replica": {"num_cpus": 0.5}}},
         "data": {"train_path": str(data), "shuffle": False},
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": {"agent_alpha": 4, "agent_beta": 3},
-                 "max_num_steps": 1, "max_seq_len": 256, "seed": 3},
+        "grpo": {"num_prompts_per_step": 2, "max_num_steps": 1, "seed": 3},
         "optimizer": {"lr": 1.0e-3, "micro_batch_size": 8},
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},  # as before
-        "rollouts": {"mode": "nemo_gym", "gym": {
+        "rollouts": {"mode": "nemo_gym", "num_generations_per_prompt": {"agent_alpha": 4, "agent_beta": 3},
+                     "max_seq_len": 256, "gym": {
             "launch": {"gym_venv": str(gym_venv),
                        "config_paths": [str(REPO / "tests/functional/gym_configs/dense_arithmetic_agents.yaml")]},
             "row_timeout_s": 120}},

@@ -69,9 +69,10 @@ def check_session_ray_kept(ray, pool: RoutedGeneration, within_s: float = 60.0) 
 
 def test_the_eval_driver_generates_on_a_two_replica_pool(local_ray, tiny_model_dir, tmp_path, pools):
     cfg = EvalConfig.model_validate({
-        "eval": {"rollout_mode": "single_turn", "dataset_path": str(REPO / "examples/data/arithmetic.jsonl"),
-                 "save_path": str(tmp_path / "eval"), "num_prompts": 6, "num_tests_per_prompt": 2, "ks": [1, 2],
-                 "max_seq_len": 256, "environment": "math"},
+        "eval": {"dataset_path": str(REPO / "examples/data/arithmetic.jsonl"),
+                 "save_path": str(tmp_path / "eval"), "num_prompts": 6, "ks": [1, 2]},
+        "rollouts": {"mode": "native", "max_rollout_turns": 1, "num_generations_per_prompt": 2, "max_seq_len": 256,
+                     "env": {"name": "math"}},
         "policy": {"model_name": str(tiny_model_dir), "max_model_len": 512, "cluster": POOL,
                    "generation": {"max_new_tokens": 8, "temperature": 1.0, "seed": 0}},
     })
@@ -95,10 +96,10 @@ def grpo_config(model_dir: Path, tmp_path: Path) -> GRPOConfig:
     return GRPOConfig.model_validate({
         "policy": {"model_name": str(model_dir), "max_model_len": 256, "cluster": POOL,
                    "generation": {"max_new_tokens": 8, "temperature": 1.0, "stop_strings": ["yes"]}},
-        "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
+        "rollouts": {"num_generations_per_prompt": 4, "max_seq_len": 128,
+                     "env": {"name": "string_match", "kwargs": {"mode": "similarity"}}},
         "data": {"train_path": str(data)},
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 2,
-                 "max_seq_len": 128, "seed": 42},
+        "grpo": {"num_prompts_per_step": 2, "max_num_steps": 2, "seed": 42},
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 8},
         # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
@@ -139,14 +140,14 @@ def test_a_nemo_gym_eval_sees_one_policy_url_in_front_of_the_pool(local_ray, gym
             f"eval.save_path={tmp_path / 'eval'}",
             f"eval.dataset_path={REPO / 'examples' / 'data' / 'gym_arithmetic.jsonl'}",
             "eval.num_prompts=4",
-            "eval.num_tests_per_prompt=2",
+            "rollouts.num_generations_per_prompt=2",
             "eval.ks=[1,2]",
             f"policy.model_name={tiny_model_dir}",
             "policy.generation.max_new_tokens=8",
             "policy.cluster.num_replicas=2",
             "policy.cluster.replica.num_cpus=0.5",
-            f"gym.launch.gym_venv={gym_venv}",
-            f"gym.launch.config_paths=[{REPO / 'examples' / 'configs' / 'gym' / 'arithmetic_agents.yaml'}]",
+            f"rollouts.gym.launch.gym_venv={gym_venv}",
+            f"rollouts.gym.launch.config_paths=[{REPO / 'examples' / 'configs' / 'gym' / 'arithmetic_agents.yaml'}]",
         ],
         EvalConfig,
     )

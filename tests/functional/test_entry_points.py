@@ -80,19 +80,22 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def eval_config(backend: str, model_dir: Path, save_path: Path, **ev: Any) -> EvalConfig:
+def eval_config(backend: str, model_dir: Path, save_path: Path, **rollouts: Any) -> EvalConfig:
     return EvalConfig.model_validate(
         {
             "eval": {
-                "rollout_mode": "single_turn",
                 "dataset_path": str(ARITHMETIC),
                 "save_path": str(save_path),
                 "num_prompts": 3,
-                "num_tests_per_prompt": 1,
                 "ks": [1],
-                "max_seq_len": 256,
                 "save_token_ids": True,
-                **ev,
+            },
+            "rollouts": {
+                "mode": "native",
+                "max_rollout_turns": 1,
+                "num_generations_per_prompt": 1,
+                "max_seq_len": 256,
+                **rollouts,
             },
             "policy": policy_section(
                 backend, model_dir, MAX_MODEL_LEN, generation={"max_new_tokens": 8, "temperature": 0.0}
@@ -146,7 +149,7 @@ def check_grpo_steps(output_dir: Path, steps: int) -> list[dict[str, float]]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_run_eval_single_turn(backend, tiny_model_dir, tiny_model_and_tokenizer, tmp_path):
     model, _ = tiny_model_and_tokenizer
-    cfg = eval_config(backend, tiny_model_dir, tmp_path / "eval", environment="math")
+    cfg = eval_config(backend, tiny_model_dir, tmp_path / "eval", env={"name": "math"})
     result = run_eval(cfg, progress=False)
     assert result.complete and result.summary["num_completions"] == 3 and result.summary["num_errors"] == 0
     for line in read_lines(result.paths.completions):
@@ -158,8 +161,7 @@ def test_run_eval_single_turn(backend, tiny_model_dir, tiny_model_and_tokenizer,
 def test_run_eval_multi_turn(backend, tiny_model_dir, tiny_model_and_tokenizer, tmp_path):
     model, _ = tiny_model_and_tokenizer
     cfg = eval_config(
-        backend, tiny_model_dir, tmp_path / "eval", rollout_mode="multi_turn",
-        environment="entry_points_two_step", max_rollout_turns=3,
+        backend, tiny_model_dir, tmp_path / "eval", env={"name": "entry_points_two_step"}, max_rollout_turns=3,
     )
     result = run_eval(cfg, progress=False)
     assert result.complete and result.summary["num_errors"] == 0
@@ -185,11 +187,11 @@ def test_run_eval_nemo_gym(backend, gym_venv, tiny_model_dir, tiny_model_and_tok
             f"eval.save_path={tmp_path / 'eval'}",
             f"eval.dataset_path={GYM_ROWS}",
             "eval.num_prompts=3",
-            "eval.num_tests_per_prompt=1",
+            "rollouts.num_generations_per_prompt=1",
             "eval.ks=[1]",
             "eval.save_token_ids=true",
-            f"gym.launch.gym_venv={gym_venv}",
-            f"gym.launch.config_paths=[{REPO / 'examples' / 'configs' / 'gym' / 'arithmetic_agents.yaml'}]",
+            f"rollouts.gym.launch.gym_venv={gym_venv}",
+            f"rollouts.gym.launch.config_paths=[{REPO / 'examples' / 'configs' / 'gym' / 'arithmetic_agents.yaml'}]",
             *overrides("policy.", policy),
         ],
         EvalConfig,
@@ -235,10 +237,10 @@ def test_run_grpo_native(backend, soft_tiny_model, tmp_path):
                 backend, soft_tiny_model, 256,
                 generation={"max_new_tokens": 8, "temperature": 1.0, "stop_strings": ["yes"]},
             ),
-            "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
+            "rollouts": {"num_generations_per_prompt": 8, "max_seq_len": 128,
+                         "env": {"name": "string_match", "kwargs": {"mode": "similarity"}}},
             "data": {"train_path": str(data)},
-            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 8, "max_num_steps": 2,
-                     "max_seq_len": 128, "seed": 42},
+            "grpo": {"num_prompts_per_step": 2, "max_num_steps": 2, "seed": 42},
             "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16},
             # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
             "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},

@@ -66,19 +66,24 @@ class TwoStepEnv(ScriptedEnvironment):
 
 
 def make_cfg(
-    tiny_model_dir: Path, save_path: Path, policy: Mapping[str, Any] | None = None, **ev: Any
+    tiny_model_dir: Path, save_path: Path, policy: Mapping[str, Any] | None = None,
+    rollouts: Mapping[str, Any] | None = None, **ev: Any
 ) -> EvalConfig:
     data = {
         "eval": {
-            "rollout_mode": "single_turn",
             "dataset_path": str(ARITHMETIC),
             "save_path": str(save_path),
             "num_prompts": 6,
-            "num_tests_per_prompt": 4,
             "ks": [1, 2, 4],
-            "max_seq_len": 256,
-            "environment": "eval_test_parity",
             **ev,
+        },
+        "rollouts": {
+            "mode": "native",
+            "max_rollout_turns": 1,
+            "num_generations_per_prompt": 4,
+            "max_seq_len": 256,
+            "env": {"name": "eval_test_parity"},
+            **(rollouts or {}),
         },
         "policy": {
             "model_name": str(tiny_model_dir),
@@ -245,7 +250,7 @@ def check_outputs(result, num_prompts: int, num_samples: int) -> list[dict[str, 
 
 @pytest.mark.timeout(60)
 def test_single_turn_math_end_to_end(tiny_model_dir, generation, tmp_path) -> None:
-    cfg = make_cfg(tiny_model_dir, tmp_path / "math", environment="math", num_prompts=4)
+    cfg = make_cfg(tiny_model_dir, tmp_path / "math", rollouts={"env": {"name": "math"}}, num_prompts=4)
     result = run_eval(cfg, generation=generation, progress=False)
     assert result.complete and result.groups_generated == 4 and result.skipped_completions == 0
     lines = check_outputs(result, 4, 16)
@@ -284,12 +289,10 @@ def test_multi_turn_end_to_end_with_per_agent_counts(tiny_model_dir, generation,
     cfg = make_cfg(
         tiny_model_dir,
         tmp_path / "multi",
-        rollout_mode="multi_turn",
-        environment="eval_test_two_step",
+        rollouts={"max_rollout_turns": 3, "env": {"name": "eval_test_two_step"},
+                  "num_generations_per_prompt": {"alpha": 2, "_default": 3}},
         dataset_path=str(data),
-        num_tests_per_prompt={"alpha": 2, "_default": 3},
         ks=None,
-        max_rollout_turns=3,
         save_token_ids=True,
     )
     result = run_eval(cfg, generation=generation, progress=False)

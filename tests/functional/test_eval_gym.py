@@ -57,10 +57,10 @@ def test_nemo_gym_eval_with_per_agent_counts(gym_venv, tiny_model_and_tokenizer,
             f"eval.save_path={tmp_path / 'eval'}",
             f"eval.dataset_path={REPO / 'examples' / 'data' / 'gym_arithmetic.jsonl'}",
             "eval.num_prompts=6",
-            "eval.num_tests_per_prompt={agent_alpha: 4, _default: 2}",
+            "rollouts.num_generations_per_prompt={agent_alpha: 4, _default: 2}",
             "eval.ks=[1,2,3,4]",  # 3 and 4 are more than agent_beta's 2 samples
-            f"gym.launch.gym_venv={gym_venv}",
-            f"gym.launch.config_paths=[{REPO / 'examples' / 'configs' / 'gym' / 'arithmetic_agents.yaml'}]",
+            f"rollouts.gym.launch.gym_venv={gym_venv}",
+            f"rollouts.gym.launch.config_paths=[{REPO / 'examples' / 'configs' / 'gym' / 'arithmetic_agents.yaml'}]",
         ],
         EvalConfig,
     )

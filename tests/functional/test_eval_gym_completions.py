@@ -83,9 +83,10 @@ def test_gym_completions_mode_earns_the_chat_modes_rewards_with_ids_and_logprobs
         ("completions", f"{{use_completions_api: true, render_chat_template: true, tokenizer: '{tiny_model_dir}'}}"),
     ):
         cfg = load_config(REPO / "examples" / "configs" / "evals" / "nemo_gym_eval.yaml", [
-            f"eval.save_path={tmp_path / mode}", f"eval.dataset_path={data}", "eval.num_tests_per_prompt=2",
-            "eval.ks=[1]", "eval.save_token_ids=true", f"gym.launch.gym_venv={gym_venv}", f"gym.launch.config_paths=[{CONFIG}]",
-            f"gym.launch.policy_model={policy_model}", "gym.agent_name=mcqa_simple_agent",
+            f"eval.save_path={tmp_path / mode}", f"eval.dataset_path={data}", "rollouts.num_generations_per_prompt=2",
+            "eval.ks=[1]", "eval.save_token_ids=true", f"rollouts.gym.launch.gym_venv={gym_venv}",
+            f"rollouts.gym.launch.config_paths=[{CONFIG}]", f"rollouts.gym.launch.policy_model={policy_model}",
+            "rollouts.gym.agent_name=mcqa_simple_agent",
         ], EvalConfig)
         policy = MCQAPolicy(tokenizer, questions, answers)
         calls_before = len(text_completions)

@@ -66,11 +66,11 @@ def test_eval_on_gym_mcqa_config_and_example_data_as_shipped(gym_venv, tiny_mode
         [
             f"eval.save_path={tmp_path / 'eval'}",
             f"eval.dataset_path={DATA}",
-            "eval.num_tests_per_prompt=2",
+            "rollouts.num_generations_per_prompt=2",
             "eval.ks=[1,2]",
-            f"gym.launch.gym_venv={gym_venv}",
-            f"gym.launch.config_paths=[{CONFIG}]",
-            "gym.agent_name=mcqa_simple_agent",
+            f"rollouts.gym.launch.gym_venv={gym_venv}",
+            f"rollouts.gym.launch.config_paths=[{CONFIG}]",
+            "rollouts.gym.agent_name=mcqa_simple_agent",
         ],
         EvalConfig,
     )

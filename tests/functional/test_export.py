@@ -72,10 +72,10 @@ def _train(folder: Path, model_dir: Path, *overrides: str) -> dict[str, Any]:
     cfg = {
         "policy": {"model_name": str(model_dir), "max_model_len": 256,
                    "generation": {"max_new_tokens": 8, "temperature": TEMPERATURE, "stop_strings": ["yes"]}},
-        "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
+        "rollouts": {"num_generations_per_prompt": 8, "max_seq_len": 128,
+                     "env": {"name": "string_match", "kwargs": {"mode": "similarity"}}},
         "data": {"train_path": str(data)},
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 8, "max_num_steps": 2,
-                 "max_seq_len": 128, "seed": 42, "save_period": 1},
+        "grpo": {"num_prompts_per_step": 2, "max_num_steps": 2, "seed": 42, "save_period": 1},
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
         "loss": {"kl_coef": 0.0},
         "logger": {"progress": False, "tensorboard": False, "print_steps": False},

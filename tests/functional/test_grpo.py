@@ -58,13 +58,15 @@ def config_file(soft_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
             "max_model_len": 256,
             "generation": {"max_new_tokens": 8, "temperature": 1.0, "stop_strings": ["yes"]},
         },
-        "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
+        "rollouts": {
+            "num_generations_per_prompt": 16,
+            "max_seq_len": 128,
+            "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
+        },
         "data": {"train_path": str(data)},
         "grpo": {
             "num_prompts_per_step": 4,
-            "num_generations_per_prompt": 16,
             "max_num_steps": 30,
-            "max_seq_len": 128,
             "seed": 42,
         },
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
@@ -221,11 +223,11 @@ def test_sigterm_without_periodic_checkpoints_leaves_the_last_step_resumable(con
 def test_resume_refuses_a_changed_config_and_skips_a_damaged_checkpoint(
     config_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    small = ("grpo.num_generations_per_prompt=4", "grpo.save_period=1", "keep_last_checkpoints=null")
+    small = ("rollouts.num_generations_per_prompt=4", "grpo.save_period=1", "keep_last_checkpoints=null")
     run(config_file, f"output_dir={tmp_path}", "grpo.max_num_steps=2", *small)
 
     # training keys differ: refused before any model loads, every changed key listed
-    changed = ("optimizer.lr=0.001", "grpo.num_prompts_per_step=2", "env.kwargs.mode=exact")
+    changed = ("optimizer.lr=0.001", "grpo.num_prompts_per_step=2", "rollouts.env.kwargs.mode=exact")
     resume = (f"output_dir={tmp_path}", "resume=true", *small)
     with pytest.raises(ConfigError) as err:
         GRPO(load_config(config_file, [*resume, *changed], GRPOConfig))
@@ -234,9 +236,9 @@ def test_resume_refuses_a_changed_config_and_skips_a_damaged_checkpoint(
     assert text.startswith(f"{newest} was saved by a run with a different config"), text
     listed = [line.strip() for line in text.splitlines() if line.startswith("  - ")]
     assert listed == [
-        "- env.kwargs.mode: 'similarity' -> 'exact'",
         "- grpo.num_prompts_per_step: 4 -> 2",
         "- optimizer.lr: 0.003 -> 0.001",
+        "- rollouts.env.kwargs.mode: 'similarity' -> 'exact'",
     ]
     assert "grpo.max_num_steps" in text  # the message names the keys that may change
 
@@ -260,7 +262,7 @@ def test_resume_refuses_a_changed_config_and_skips_a_damaged_checkpoint(
 def test_dynamic_sampling_rolls_out_more_and_skips_steps_without_signal(config_file: Path, tmp_path: Path) -> None:
     # exact-match rewards are all 0 at first: every group has zero variance and is dropped
     metrics = run(
-        config_file, f"output_dir={tmp_path}", "grpo.max_num_steps=2", "env.kwargs.mode=exact",
+        config_file, f"output_dir={tmp_path}", "grpo.max_num_steps=2", "rollouts.env.kwargs.mode=exact",
         "grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_gen_batches=2",
     )
     for m in metrics:
@@ -281,7 +283,7 @@ def test_dynamic_sampling_rolls_out_more_and_skips_steps_without_signal(config_f
 def test_prompts_too_long_are_in_the_step_metrics_and_warned_about_once(
     config_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A prompt that alone fills grpo.max_seq_len (128) ends truncated at 0 turns: each step counts it in
+    """A prompt that alone fills rollouts.max_seq_len (128) ends truncated at 0 turns: each step counts it in
     `rollout/prompts_too_long`, and the run logs one warning naming it and the settings to raise."""
     data = tmp_path / "rows.jsonl"
     rows = [{"question": f"Say yes. {w}", "answer": "yes"} for w in WORDS[:3]]
@@ -289,7 +291,7 @@ def test_prompts_too_long_are_in_the_step_metrics_and_warned_about_once(
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level(logging.WARNING):
         metrics = run(config_file, f"output_dir={tmp_path / 'run'}", f"data.train_path={data}",
-                      "grpo.max_num_steps=2", "grpo.num_generations_per_prompt=4")
+                      "grpo.max_num_steps=2", "rollouts.num_generations_per_prompt=4")
     train = [m for m in metrics if m["step"] > 0]
     assert [m["rollout/prompts_too_long"] for m in train] == [1.0, 1.0]  # 4 prompts a step: the long one each time
     said = [r.getMessage() for r in caplog.records if "prompt(s) too long" in r.getMessage()]

@@ -148,7 +148,7 @@ def test_max_lag_2_learns_the_task_within_the_bound(config_file: Path, tmp_path:
 @pytest.mark.timeout(120)
 def test_dynamic_sampling_through_the_asynchronous_loop(config_file: Path, tmp_path: Path) -> None:
     # exact-match rewards are all 0 at first: every group has zero variance, a step takes what it has
-    metrics, _ = run(config_file, f"output_dir={tmp_path / 'exact'}", "grpo.max_num_steps=2", "env.kwargs.mode=exact",
+    metrics, _ = run(config_file, f"output_dir={tmp_path / 'exact'}", "grpo.max_num_steps=2", "rollouts.env.kwargs.mode=exact",
                      "grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_gen_batches=2", *ASYNC)
     for m in metrics:
         assert m["dynamic_sampling/kept_groups"] == 0.0 and m["dynamic_sampling/zero_variance_fraction"] == 1.0

@@ -50,9 +50,7 @@ def gym_grpo_config(policy: dict, gym_venv: Path, tmp_path: Path, *, steps: int)
             "data": {"train_path": str(data), "shuffle": False},
             "grpo": {
                 "num_prompts_per_step": 2,
-                "num_generations_per_prompt": {"agent_alpha": 4, "agent_beta": 3},
                 "max_num_steps": steps,
-                "max_seq_len": 256,
                 "seed": 3,
             },
             "optimizer": {"lr": 1.0e-3, "micro_batch_size": 8},
@@ -60,6 +58,8 @@ def gym_grpo_config(policy: dict, gym_venv: Path, tmp_path: Path, *, steps: int)
             "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
             "rollouts": {
                 "mode": "nemo_gym",
+                "num_generations_per_prompt": {"agent_alpha": 4, "agent_beta": 3},
+                "max_seq_len": 256,
                 "gym": {
                     "launch": {
                         "gym_venv": str(gym_venv),

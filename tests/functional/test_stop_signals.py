@@ -89,8 +89,8 @@ def eval_args(tiny_model_dir: Path, gym_venv: Path, out: Path) -> list[str]:
         "--config", "examples/configs/evals/nemo_gym_eval.yaml",
         f"policy.model_name={tiny_model_dir}",
         f"eval.save_path={out}",
-        f"gym.launch.gym_venv={gym_venv}",
-        "eval.num_tests_per_prompt={agent_alpha: 2, _default: 1}",
+        f"rollouts.gym.launch.gym_venv={gym_venv}",
+        "rollouts.num_generations_per_prompt={agent_alpha: 2, _default: 1}",
         "eval.ks=[1,2]",
         f"eval.num_prompts={NUM_PROMPTS}",
         "eval.max_concurrent_prompts=1",
@@ -174,8 +174,8 @@ def grpo_config(tmp_path: Path, gym_venv: Path | None) -> Path:
         "policy": {"model_name": str(model_dir), "max_model_len": 512,
                    "generation": {"max_new_tokens": 8, "temperature": 1.0}},
         "data": {"train_path": str(data), "shuffle": False},
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 200,
-                 "max_seq_len": 256, "seed": 3, "save_period": 1},
+        "rollouts": {"num_generations_per_prompt": 4, "max_seq_len": 256},
+        "grpo": {"num_prompts_per_step": 2, "max_num_steps": 200, "seed": 3, "save_period": 1},
         "optimizer": {"lr": 1.0e-3, "micro_batch_size": 8},
         # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
@@ -183,12 +183,12 @@ def grpo_config(tmp_path: Path, gym_venv: Path | None) -> Path:
         "keep_last_checkpoints": None,
     }
     if gym_venv is not None:
-        cfg["rollouts"] = {"mode": "nemo_gym", "gym": {"launch": {
+        cfg["rollouts"] |= {"mode": "nemo_gym", "gym": {"launch": {
             "gym_venv": str(gym_venv),
             "config_paths": [str(REPO / "tests/functional/gym_configs/dense_arithmetic_agents.yaml")]},
             "row_timeout_s": 120}}
     else:
-        cfg["env"] = {"name": "string_match", "kwargs": {"mode": "similarity"}}
+        cfg["rollouts"]["env"] = {"name": "string_match", "kwargs": {"mode": "similarity"}}
     path = tmp_path / "grpo.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

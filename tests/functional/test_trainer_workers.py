@@ -61,10 +61,10 @@ def config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "generation": {"max_new_tokens": 8, "temperature": 1.0, "stop_strings": ["yes"]},
             "hf": {"scheduler": "static"},
         },
-        "env": {"name": "string_match", "kwargs": {"mode": "similarity"}},
+        "rollouts": {"num_generations_per_prompt": 8, "max_seq_len": 128,
+                     "env": {"name": "string_match", "kwargs": {"mode": "similarity"}}},
         "data": {"train_path": str(data)},
-        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": 3, "max_seq_len": 128,
-                 "seed": 42, "save_period": 1},
+        "grpo": {"num_prompts_per_step": 4, "max_num_steps": 3, "seed": 42, "save_period": 1},
         # share_prompt_prefix off: the in-process trainer then runs the forward the ranks run (its prompt-sharing
         # path differs by float rounding, which Adam's first steps amplify to ~1e-4 on weights whose gradient is
         # near 0); micro_batch_size 8: each rank one micro-batch of a 16-sample minibatch

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
-from nemo_rl_ext.config import load_config
+from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,3 +64,9 @@ def test_the_warning_says_what_a_rollout_mode_means_today() -> None:
 def test_the_shipped_configs_warn_about_nothing(name: str) -> None:
     path = REPO / "examples" / "configs" / name
     assert moves_warned(path, [], GRPOConfig if name.startswith("grpo") else EvalConfig) == []
+
+
+def test_an_unknown_rollout_mode_names_the_three_modes_of_the_older_spelling() -> None:
+    with pytest.raises(ConfigError, match=r"eval.rollout_mode: Input should be 'single_turn', 'multi_turn' or "
+                       r"'nemo_gym'"):  # a value that moves nowhere: an error, no warning
+        load_config(None, ["eval.dataset_path=d", "eval.save_path=s", "eval.rollout_mode=chat"], EvalConfig)

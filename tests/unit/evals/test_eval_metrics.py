@@ -407,7 +407,8 @@ def test_the_eval_summary_votes_with_the_keys_written_to_completions_jsonl(tmp_p
     )
     cfg = load_config(
         None,
-        ["eval.dataset_path=d.jsonl", f"eval.save_path={tmp_path}", "eval.num_tests_per_prompt=5",
+        ["eval.dataset_path=d.jsonl", f"eval.save_path={tmp_path}", "rollouts.num_generations_per_prompt=5",
+         "rollouts.max_rollout_turns=1",
          "policy.generation.temperature=0.7"],
         EvalConfig,
     )

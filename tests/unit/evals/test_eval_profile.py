@@ -97,11 +97,14 @@ def write_lines(path: Path) -> None:
     write_timings(path.parent)
 
 
-def cfg_for(save: Path, dataset: Path | None = None, **ev: Any) -> EvalConfig:
+def cfg_for(save: Path, dataset: Path | None = None, num_generations_per_prompt: Any = 4,
+            **ev: Any) -> EvalConfig:
     return EvalConfig.model_validate({
-        "eval": {"rollout_mode": "single_turn", "dataset_path": str(dataset or REPO / "examples/data/arithmetic.jsonl"),
-                 "save_path": str(save), "num_tests_per_prompt": 4, "ks": list(KS),
-                 "reward_threshold": THRESHOLD, "max_error_rate": 1.0, "environment": "profile_test_env", **ev},
+        "eval": {"dataset_path": str(dataset or REPO / "examples/data/arithmetic.jsonl"),
+                 "save_path": str(save), "ks": list(KS),
+                 "reward_threshold": THRESHOLD, "max_error_rate": 1.0, **ev},
+        "rollouts": {"mode": "native", "max_rollout_turns": 1, "env": {"name": "profile_test_env"},
+                     "num_generations_per_prompt": num_generations_per_prompt},
         "policy": {"model_name": "unused", "generation": {"max_new_tokens": 8, "temperature": 1.0, "seed": 0}},
     })
 
@@ -360,7 +363,7 @@ def timing_lines(out: Path) -> list[dict[str, Any]]:
 async def test_native_eval_writes_the_profile_png_and_difficulty_file(tiny_model_and_tokenizer, tmp_path) -> None:
     _, tok = tiny_model_and_tokenizer
     data = eval_rows(tmp_path)
-    cfg = cfg_for(tmp_path / "out", data, num_tests_per_prompt={"odd": 2, "_default": 3}, ks=[1, 2])
+    cfg = cfg_for(tmp_path / "out", data, num_generations_per_prompt={"odd": 2, "_default": 3}, ks=[1, 2])
     result = await run_eval_async(cfg, generation=ScriptedGeneration(tok, reply, delay_s=DELAY_S), progress=False)
     assert result.complete
     out = tmp_path / "out"
@@ -401,8 +404,8 @@ async def test_native_eval_writes_the_profile_png_and_difficulty_file(tiny_model
     assert 0 < sum(d["num_solved"] for d in difficulty) < len(lines), "want a mix of rewards"
 
     # a second run (its own timings) writes the same completions bytes, and summary bytes but the latencies
-    again = await run_eval_async(cfg_for(tmp_path / "again", data, num_tests_per_prompt={"odd": 2, "_default": 3},
-                                         ks=[1, 2]),
+    again = await run_eval_async(cfg_for(tmp_path / "again", data,
+                                         num_generations_per_prompt={"odd": 2, "_default": 3}, ks=[1, 2]),
                                  generation=ScriptedGeneration(tok, reply, delay_s=DELAY_S), progress=False)
     assert again.complete
     two = tmp_path / "again"
@@ -418,7 +421,7 @@ async def test_native_eval_writes_the_profile_png_and_difficulty_file(tiny_model
 async def test_retried_errors_get_a_timing_per_written_line(tiny_model_and_tokenizer, tmp_path) -> None:
     _, tok = tiny_model_and_tokenizer
     data = eval_rows(tmp_path)
-    cfg = cfg_for(tmp_path / "out", data, num_tests_per_prompt=3, ks=[1, 3])
+    cfg = cfg_for(tmp_path / "out", data, num_generations_per_prompt=3, ks=[1, 3])
     broken = [True]
 
     def flaky(request) -> str:
@@ -451,10 +454,10 @@ async def test_nemo_gym_eval_records_each_rows_run_time(tiny_model_and_tokenizer
             for text, a in (("sleep 0.3", "agent_alpha"), ("y", "agent_beta"))]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = EvalConfig.model_validate({
-        "eval": {"rollout_mode": "nemo_gym", "dataset_path": str(data), "save_path": str(tmp_path / "out"),
-                 "num_tests_per_prompt": {"agent_alpha": 2, "agent_beta": 1}},
+        "eval": {"dataset_path": str(data), "save_path": str(tmp_path / "out")},
+        "rollouts": {"mode": "nemo_gym", "num_generations_per_prompt": {"agent_alpha": 2, "agent_beta": 1},
+                     "gym": {"agent_urls": agents.agent_urls(), "serve_policy": False}},
         "policy": {"generation": {"top_k": None, "temperature": 1.0, "seed": 5, "max_new_tokens": 9}},
-        "gym": {"agent_urls": agents.agent_urls(), "serve_policy": False},
     })
     policy = UnusedPolicy(tok)
     result = await run_eval_async(cfg, generation=policy, progress=False)

@@ -56,12 +56,13 @@ def test_shard_spec_parsing() -> None:
 def test_bad_shard_and_seed_keys_name_the_key_and_value_all_at_once() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, [*BASE, "eval.shard=3/3", "eval.seeds=[1,1]", "eval.ks=[1,9]",
-                           "eval.num_tests_per_prompt=4"], EvalConfig)
+                           "rollouts.num_generations_per_prompt=4", "rollouts.max_rollout_turns=1"], EvalConfig)
     msg = str(info.value)
     assert "3 problem(s)" in msg
     assert "eval.shard: Value error, I must be in 0..2 (shards are 0-based: I of N), not 3 (got '3/3')" in msg
     assert "eval.seeds: Value error, every seed must be listed once; repeated: [1]" in msg
-    assert "eval.ks: k=[9] larger than the largest sample count (4 from num_tests_per_prompt x 2 seeds)" in msg
+    assert "eval.ks: k=[9] larger than the largest sample count (4 from num_generations_per_prompt x 2 seeds)" \
+        in msg
     with pytest.raises(ConfigError, match=r"eval.seed_index: selects a seed of eval.seeds, which is not set"):
         load_config(None, [*BASE, "eval.seed_index=0"], EvalConfig)
     with pytest.raises(ConfigError, match=r"eval.seed_index: must be < 2 \(the number of eval.seeds\)"):
@@ -71,8 +72,8 @@ def test_bad_shard_and_seed_keys_name_the_key_and_value_all_at_once() -> None:
 
 
 def test_seeds_allow_ks_up_to_the_pooled_count_and_a_seed_reports_its_own() -> None:
-    cfg = load_config(None, [*BASE, "eval.seeds=[0,1]", "eval.ks=[1,4,8]", "eval.num_tests_per_prompt=4"],
-                      EvalConfig)
+    cfg = load_config(None, [*BASE, "eval.seeds=[0,1]", "eval.ks=[1,4,8]",
+                             "rollouts.num_generations_per_prompt=4", "rollouts.max_rollout_turns=1"], EvalConfig)
     assert cfg.ks == (1, 4)  # one seed's summary: its 4 samples
     assert load_config(None, [*BASE, "eval.shard=1/3"], EvalConfig).eval.shard_spec == ShardSpec(1, 3)
 
@@ -111,7 +112,8 @@ def line(seed: int | None, p: int, s: int, **change) -> CompletionLine:
 
 def run_cfg(root: Path, *extra: str) -> EvalConfig:
     return load_config(None, [f"eval.save_path={root}", "eval.dataset_path=data.jsonl",
-                              f"eval.num_tests_per_prompt={N_SAMPLES}", "policy.model_name=tiny", *extra], EvalConfig)
+                              f"rollouts.num_generations_per_prompt={N_SAMPLES}", "rollouts.max_rollout_turns=1",
+                              "policy.model_name=tiny", *extra], EvalConfig)
 
 
 def write_store(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,15 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     md = markdown_report(summary(), "pass_at_k.png")
     assert "| metric | all | alpha | beta |" in md and "![pass@k against k](pass_at_k.png)" in md
     plot_pass_at_k(summary(), tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_png_without_any_pass_at_k_draws_no_legend(tmp_path: Path) -> None:
+    empty = summary_json()
+    empty.update(metrics=aggregate_eval_metrics([PromptSamples("alpha", (), (), num_errors=2)], [1, 2, 4]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend" fails this
+        plot_pass_at_k(EvalSummary.from_json(empty), tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -248,7 +248,8 @@ def test_the_docs_worked_example_matches_every_definition() -> None:
 
 def cfg_with(*extra: str) -> EvalConfig:
     return load_config(None, ["eval.dataset_path=data.jsonl", "eval.save_path=out", "policy.model_name=tiny",
-                              "eval.num_tests_per_prompt=4", *extra], EvalConfig)
+                              "rollouts.num_generations_per_prompt=4", "rollouts.max_rollout_turns=1", *extra],
+                       EvalConfig)
 
 
 def test_eval_metrics_names_and_refuses_unknown_ones_listing_the_valid() -> None:
@@ -338,7 +339,8 @@ def test_seeds_pool_in_the_order_eval_seeds_lists_them_as_nemo_skills_seed_files
     seeds = {9: example_lines()[:2], 3: [CompletionLine(**{**x.to_json(), "sample_idx": x.sample_idx - 2})
                                          for x in example_lines()[2:]]}
     for j, (seed, lines) in enumerate(seeds.items()):
-        cfg = cfg_with(f"eval.save_path={tmp_path}", "eval.num_tests_per_prompt=2", "eval.num_prompts=1",
+        cfg = cfg_with(f"eval.save_path={tmp_path}", "rollouts.num_generations_per_prompt=2",
+                       "rollouts.max_rollout_turns=1", "eval.num_prompts=1",
                        "eval.seeds=[9,3]", f"eval.seed_index={j}", f"policy.generation.seed={seed}",
                        "eval.shard=0/1", "eval.ks=[1,2,3,4]")
         write_job(tmp_path, cfg, seed, "0-of-1", lines, 1, 2)

@@ -114,7 +114,8 @@ def summary_of_lines() -> EvalSummary:
         for s in range(len(prompt.rewards), len(prompt.rewards) + prompt.num_errors):
             lines.append(CompletionLine(prompt_idx=p, sample_idx=s, agent=prompt.agent_name, reward=0.0, answer=None,
                                         stop_reason="error", truncated=False, num_turns=0, error="down"))
-    cfg = load_config(None, ["eval.dataset_path=d.jsonl", "eval.save_path=out", "eval.num_tests_per_prompt=4",
+    cfg = load_config(None, ["eval.dataset_path=d.jsonl", "eval.save_path=out",
+                             "rollouts.num_generations_per_prompt=4", "rollouts.max_rollout_turns=1",
                              "eval.ks=[1,2,4]", "eval.reward_threshold=1.0", "eval.max_error_rate=1"], EvalConfig)
     expected = {p: len(x.rewards) + x.num_errors for p, x in enumerate(PROMPTS)}
     datums = [DatumSpec(idx=p, message_log=(), task_name="") for p in expected]

@@ -38,10 +38,11 @@ def eval_config(tmp_path: Path, rows: list, agents_urls: dict[str, str] | None =
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return EvalConfig.model_validate({
-        "eval": {"rollout_mode": "nemo_gym", "dataset_path": str(data), "save_path": str(tmp_path / "out"),
-                 "num_tests_per_prompt": 2},
+        "eval": {"dataset_path": str(data), "save_path": str(tmp_path / "out")},
+        "rollouts": {"mode": "nemo_gym", "num_generations_per_prompt": 2,
+                     "gym": {"agent_urls": agents_urls or {"agent_alpha": "http://127.0.0.1:9"},
+                             "serve_policy": False}},
         "policy": {"generation": {"top_k": None, "temperature": 1.0, "seed": 5, "max_new_tokens": 9}},
-        "gym": {"agent_urls": agents_urls or {"agent_alpha": "http://127.0.0.1:9"}, "serve_policy": False},
     })
 
 

@@ -177,8 +177,8 @@ def listed(root: Path) -> list[int]:
 
 
 def test_a_resumed_ray_eval_queues_from_the_lines_on_disk_with_skips_and_lists_them(tmp_path: Path) -> None:
-    cfg = load_config(None, [*BASE, f"eval.save_path={tmp_path}", "eval.ray_workers=2", "eval.num_tests_per_prompt=2"],
-                      EvalConfig)
+    cfg = load_config(None, [*BASE, f"eval.save_path={tmp_path}", "eval.ray_workers=2",
+                             "rollouts.num_generations_per_prompt=2", "rollouts.max_rollout_turns=1"], EvalConfig)
     groups = group_configs(cfg)
     a, b = worker_store(tmp_path, None, 0), worker_store(tmp_path, None, 1)
     for root in (a, b):
@@ -202,8 +202,8 @@ def test_a_resumed_ray_eval_queues_from_the_lines_on_disk_with_skips_and_lists_t
 
 
 def test_a_dead_workers_complete_prompts_are_listed_and_done_the_rest_requeued_with_skips(tmp_path: Path) -> None:
-    cfg = load_config(None, [*BASE, f"eval.save_path={tmp_path}", "eval.ray_workers=2", "eval.num_tests_per_prompt=2"],
-                      EvalConfig)
+    cfg = load_config(None, [*BASE, f"eval.save_path={tmp_path}", "eval.ray_workers=2",
+                             "rollouts.num_generations_per_prompt=2", "rollouts.max_rollout_turns=1"], EvalConfig)
     groups = group_configs(cfg)
     dead = worker_store(tmp_path, None, 1)
     dead.mkdir(parents=True)
@@ -237,8 +237,8 @@ def test_a_resumed_runs_dead_worker_neither_ends_the_queue_early_nor_drops_a_ret
     """A resumed run queues only prompts 2 (an error sample to retry) and 3. The worker that dies holds prompts 0
     and 1, complete in its store from the earlier run, and prompt 2's error line: none of them may count as done
     (0 and 1 were never queued; 2 still has no result), or the queue would end before 3 is done, or never end."""
-    cfg = load_config(None, [*BASE, f"eval.save_path={tmp_path}", "eval.ray_workers=2", "eval.num_tests_per_prompt=2"],
-                      EvalConfig)
+    cfg = load_config(None, [*BASE, f"eval.save_path={tmp_path}", "eval.ray_workers=2",
+                             "rollouts.num_generations_per_prompt=2", "rollouts.max_rollout_turns=1"], EvalConfig)
     groups = group_configs(cfg)
     dead = worker_store(tmp_path, None, 1)
     dead.mkdir(parents=True)
@@ -298,7 +298,8 @@ async def test_a_retried_prompt_appends_only_the_samples_no_store_has_and_the_me
 
     def cfg(save: Path) -> EvalConfig:
         return load_config(None, [f"eval.save_path={save}", f"eval.dataset_path={REPO / 'examples/data/arithmetic.jsonl'}",
-                                  "eval.num_prompts=3", "eval.num_tests_per_prompt=2", "policy.generation.seed=0",
+                                  "eval.num_prompts=3", "rollouts.num_generations_per_prompt=2",
+                                  "rollouts.max_rollout_turns=1", "policy.generation.seed=0",
                                   "eval.ray_workers=2", "policy.model_name=unused"], EvalConfig)
 
     def reply(request) -> str:

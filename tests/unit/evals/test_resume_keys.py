@@ -21,10 +21,9 @@ URLS = {"agent_urls": {"agent_alpha": "http://127.0.0.1:9"}, "policy_port": 8000
 def gym_eval(tmp_path: Path, gym: dict | None = None, **changes) -> EvalConfig:
     """A nemo_gym eval config whose Gym servers are launched (or `gym`); `changes` are dotted keys -> values."""
     data = {
-        "eval": {"rollout_mode": "nemo_gym", "dataset_path": str(tmp_path / "rows.jsonl"),
-                 "save_path": str(tmp_path / "out"), "num_tests_per_prompt": 2},
+        "eval": {"dataset_path": str(tmp_path / "rows.jsonl"), "save_path": str(tmp_path / "out")},
         "policy": {"generation": {"top_k": None, "temperature": 1.0, "seed": 5, "max_new_tokens": 9}},
-        "rollouts": {"gym": copy.deepcopy(gym or LAUNCH)},
+        "rollouts": {"mode": "nemo_gym", "num_generations_per_prompt": 2, "gym": copy.deepcopy(gym or LAUNCH)},
     }
     for key, value in changes.items():
         *parents, last = key.split(".")
@@ -65,10 +64,10 @@ def test_agent_urls_may_change_on_resume(tmp_path):
 
 def test_keys_that_change_completions_are_refused_and_each_is_named(tmp_path):
     paths = saved_folder(tmp_path)
-    changed = gym_eval(tmp_path, **{"policy.generation.temperature": 0.5, "eval.num_tests_per_prompt": 3,
-                                    "rollouts.gym.policy_port": 8123})
+    changed = gym_eval(tmp_path, **{"policy.generation.temperature": 0.5,
+                                    "rollouts.num_generations_per_prompt": 3, "rollouts.gym.policy_port": 8123})
     with pytest.raises(ConfigError) as err:
         check_store_config(changed, paths)
     text = str(err.value)
-    assert "temperature: 1.0 -> 0.5" in text and "num_tests_per_prompt" in text
+    assert "temperature: 1.0 -> 0.5" in text and "num_generations_per_prompt" in text
     assert "policy_port" not in text  # a location change is not listed among the refused ones

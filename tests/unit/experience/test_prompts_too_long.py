@@ -41,8 +41,8 @@ async def test_a_native_eval_counts_and_names_prompts_too_long(tiny_model_and_to
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = EvalConfig.model_validate({
-        "eval": {"rollout_mode": "single_turn", "dataset_path": str(data), "save_path": str(tmp_path / "out"),
-                 "num_tests_per_prompt": 2},
+        "eval": {"dataset_path": str(data), "save_path": str(tmp_path / "out")},
+        "rollouts": {"mode": "native", "max_rollout_turns": 1, "num_generations_per_prompt": 2},
         "policy": {"model_name": "unused", "generation": {"max_new_tokens": 8, "temperature": 1.0, "seed": 0}},
     })
     policy = ScriptedGeneration(tok, "\\boxed{2}", max_model_len=MAX_MODEL_LEN)

@@ -93,14 +93,14 @@ def test_rows_without_agent_ref_take_gym_agent_name(tiny_model_and_tokenizer, ag
 def test_eval_input_check_resolves_gym_agent_name(tmp_path, fake_gym_venv):
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in [row("a"), row("b", "other"), row("c")]) + "\n")
-    base = {"eval": {"rollout_mode": "nemo_gym", "dataset_path": str(data), "save_path": str(tmp_path / "o"),
-                     "num_tests_per_prompt": {"mine": 2, "other": 1}},
-            "policy": {"generation": {"top_k": None, "temperature": 1.0}},
-            "gym": {"agent_urls": {"mine": "http://x"}, "policy_port": 1}}
+    base = {"eval": {"dataset_path": str(data), "save_path": str(tmp_path / "o")},
+            "rollouts": {"mode": "nemo_gym", "num_generations_per_prompt": {"mine": 2, "other": 1},
+                         "gym": {"agent_urls": {"mine": "http://x"}, "policy_port": 1}},
+            "policy": {"generation": {"top_k": None, "temperature": 1.0}}}
     assert any("rows [0, 2]" in p for p in input_problems(EvalConfig.model_validate(base)))
-    base["gym"]["agent_name"] = "mine"
+    base["rollouts"]["gym"]["agent_name"] = "mine"
     assert not [p for p in input_problems(EvalConfig.model_validate(base)) if "dataset_path" in p
-                or "num_tests" in p]
+                or "num_generations_per_prompt" in p]
 
 
 # ---- 2. Gym's server configs used unchanged -------------------------------------------------------------
@@ -162,10 +162,9 @@ def test_a_missing_gym_config_is_one_error_naming_it(tmp_path, fake_gym_venv, mo
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps(row("a", "mcqa_simple_agent")) + "\n")
     ecfg = EvalConfig.model_validate({
-        "eval": {"rollout_mode": "nemo_gym", "dataset_path": "resources_servers/mcqa/data/example.jsonl",
-                 "save_path": "o"},
-        "policy": {"generation": {"top_k": None}},
-        "gym": {"launch": cfg.model_dump(), "agent_name": "mcqa_simple_agent"}})
+        "eval": {"dataset_path": "resources_servers/mcqa/data/example.jsonl", "save_path": "o"},
+        "rollouts": {"mode": "nemo_gym", "gym": {"launch": cfg.model_dump(), "agent_name": "mcqa_simple_agent"}},
+        "policy": {"generation": {"top_k": None}}})
     found = input_problems(ecfg)
     assert [p for p in found if "gym.launch" in p] == problems  # the dataset was found in the Gym install
     assert not [p for p in found if "dataset_path" in p]
@@ -204,10 +203,10 @@ def nemo_gym_eval(tmp_path, agents: FakeAgents, **gym) -> EvalConfig:
     rows = [row("x", alpha), row("y", "agent_beta"), row("x", alpha)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return EvalConfig.model_validate({
-        "eval": {"rollout_mode": "nemo_gym", "dataset_path": str(data), "save_path": str(tmp_path / "out"),
-                 "num_tests_per_prompt": {"agent_alpha": 2, "agent_beta": 1}},
+        "eval": {"dataset_path": str(data), "save_path": str(tmp_path / "out")},
+        "rollouts": {"mode": "nemo_gym", "num_generations_per_prompt": {"agent_alpha": 2, "agent_beta": 1},
+                     "gym": {"agent_urls": agents.agent_urls(), "serve_policy": False, **gym}},
         "policy": {"generation": {"top_k": None, "temperature": 1.0, "seed": 5, "max_new_tokens": 9}},
-        "gym": {"agent_urls": agents.agent_urls(), "serve_policy": False, **gym},
     })
 
 
