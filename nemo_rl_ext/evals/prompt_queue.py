@@ -68,6 +68,8 @@ class PromptQueue:
         self._add_skips(skips or {})
         self._stale: set[str] = set()
         """Workers `expire` has reported (until they are released)."""
+        self._released: set[str] = set()
+        """Workers `release`d (dead): a lease they asked for while dying takes nothing."""
         self._items = frozenset(items)
         """Every item queued: what `complete` may count (a store holds older prompts, done before this queue)."""
         self._pending: deque[Item] = deque(items)
@@ -81,10 +83,12 @@ class PromptQueue:
 
     def lease(self, worker: str, n: int = 1) -> list[Item] | None:
         """Up to `n` items for `worker`, oldest first; [] when none is pending but some are leased (one may
-        come back: ask again later); None when every item is done (the worker can stop)."""
+        come back: ask again later); None when every item is done (the worker can stop), and for a worker
+        already released: its request was on the way when it died, and what it took would stay leased to a dead
+        worker, never released, and the run would wait for it for ever."""
         if n < 1:
             raise ValueError(f"n must be >= 1, not {n}")
-        if len(self._done) == self._total:
+        if len(self._done) == self._total or worker in self._released:
             return None
         now = self._clock()
         taken: list[Item] = []
@@ -135,6 +139,7 @@ class PromptQueue:
         self._add_skips(skips or {})
         held = self._leases.pop(worker, {})
         self._stale.discard(worker)
+        self._released.add(worker)
         back = [item for item in held if item not in self._done]
         self._pending.extendleft(reversed(back))
         self._requeued += len(back)

@@ -130,6 +130,8 @@ class _Slot:
     k: int
     actor: Any = None
     name: str = ""
+    lease_name: str = ""
+    """The current incarnation's name at the queue (`worker-k.i`): a dead incarnation's is released for good."""
     deaths: int = 0
     incarnation: int = 0
 
@@ -194,6 +196,7 @@ class WorkerPool:
     def launch(self, slot: _Slot) -> None:
         """Start worker `slot.k` (again) on its stores."""
         slot.name = f"worker-{slot.k}"
+        slot.lease_name = f"{slot.name}.{slot.incarnation}"
         actor_name = f"nemo_rl_ext.eval/{self.run_id}/{slot.name}.{slot.incarnation}"
         options = {"num_cpus": self.cluster.replica.num_cpus, "num_gpus": self.cluster.replica.num_gpus,
                    "max_restarts": 0}
@@ -202,7 +205,7 @@ class WorkerPool:
         )
         jobs = [(gcfg, str(worker_store(self.save_path, seed, slot.k))) for seed, gcfg in self.groups]
         in_flight = self.cfg.eval.max_concurrent_prompts or DEFAULT_IN_FLIGHT
-        self.running[slot.actor.run.remote(jobs, self.queue, in_flight)] = slot
+        self.running[slot.actor.run.remote(jobs, self.queue, in_flight, slot.lease_name)] = slot
         self.event(event="started", worker=slot.name, incarnation=slot.incarnation, actor=actor_name)
         slot.incarnation += 1
 
@@ -221,7 +224,7 @@ class WorkerPool:
         """Worker `slot` died: settle its stores, release its prompts to the queue, restart it unless it has died
         `policy.cluster.max_failures` times."""
         dead = settle_dead_worker(self.save_path, self.groups, slot.k, self.num_rows, self.skips)
-        back = self.ray.get(self.queue.release.remote(slot.name, dead.done, dead.skips), timeout=RAY_CALL_TIMEOUT_S)
+        back = self.ray.get(self.queue.release.remote(slot.lease_name, dead.done, dead.skips), timeout=RAY_CALL_TIMEOUT_S)
         for item, held in dead.skips.items():
             self.skips[item] = self.skips.get(item, frozenset()) | held
         slot.deaths += 1
@@ -240,14 +243,15 @@ class WorkerPool:
     def _expire(self) -> None:
         """Kill every worker holding a lease older than `eval.ray_lease_timeout_s` (it may hang); what it lacks
         goes back to the queue once it is dead (`_died`)."""
-        for name, stale in self.ray.get(self.queue.expire.remote(), timeout=RAY_CALL_TIMEOUT_S).items():
+        for lease_name, stale in self.ray.get(self.queue.expire.remote(), timeout=RAY_CALL_TIMEOUT_S).items():
+            slot = next((s for s in self.slots if s.lease_name == lease_name and s.actor is not None), None)
+            name = slot.name if slot is not None else lease_name
             self.event(event="lease_expired", worker=name, held=[list(i) for i in stale])
             print(f"{name} held prompt(s) {[p for _, p in stale]} longer than eval.ray_lease_timeout_s "
                   f"({self.cfg.eval.ray_lease_timeout_s:g} s): killing {name} (what it lacks goes back once it is "
                   "dead)")
-            for slot in self.slots:
-                if slot.name == name and slot.actor is not None:
-                    self.ray.kill(slot.actor, no_restart=True)
+            if slot is not None:
+                self.ray.kill(slot.actor, no_restart=True)
 
     def stop(self) -> None:
         """Shut every worker's engine down (bounded), then end the actors and the queue."""

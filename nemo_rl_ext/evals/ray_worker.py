@@ -111,9 +111,13 @@ class EvalWorker:
         rollouts = cfg.rollouts.model_copy(update={"gym": gym.model_copy(update={"launch": launch})})
         return cfg.model_copy(update={"rollouts": rollouts})
 
-    async def run(self, jobs: Sequence[tuple[EvalConfig, str]], queue: Any, in_flight: int) -> WorkerStats:
+    async def run(
+        self, jobs: Sequence[tuple[EvalConfig, str]], queue: Any, in_flight: int, lease_as: str | None = None
+    ) -> WorkerStats:
         """Lease prompts from `queue` until it is done, `in_flight` at a time; `jobs[g]` is group g's config
-        and store. Returns what this incarnation generated."""
+        and store; `lease_as` is this incarnation's name at the queue (default: the worker's name). Returns what
+        this incarnation generated."""
+        who = lease_as or self.name
         start = time.perf_counter()
         groups = [await self._open(cfg, Path(root)) for cfg, root in jobs]
         finished: list[Item] = []
@@ -124,7 +128,7 @@ class EvalWorker:
             batch = list(finished)
             for g in {g for g, _ in batch}:
                 groups[g].write_record()  # on disk before the queue counts the prompts as done
-            await queue.complete.remote(self.name, batch)
+            await queue.complete.remote(who, batch)
             del finished[: len(batch)]
 
         async def flusher() -> None:
@@ -134,7 +138,7 @@ class EvalWorker:
 
         async def loop() -> None:
             while True:
-                items = await queue.lease.remote(self.name, 1)
+                items = await queue.lease.remote(who, 1)
                 if items is None:
                     return
                 if not items:

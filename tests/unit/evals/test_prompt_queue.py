@@ -70,6 +70,22 @@ def test_a_dead_workers_leases_go_back_to_the_front_of_the_queue() -> None:
     assert status.finished and status.requeued == 1 and status.leased == {}
 
 
+def test_a_lease_a_dead_worker_asked_for_while_dying_takes_nothing() -> None:
+    """The driver releases a dead worker before the lease request it sent while dying reaches the queue (two
+    callers of one Ray actor: no order between them). That lease must take nothing: the item would stay leased
+    to a worker that is never released again, and the run would wait for it for ever (seen in CI: 400 s)."""
+    queue = PromptQueue([(0, 0), (0, 1), (0, 2)])
+    assert queue.lease("worker-0.0") == [(0, 0)] and queue.lease("worker-1.0") == [(0, 1)]
+    queue.complete("worker-1.0", [(0, 1)])
+    assert queue.release("worker-1.0", done=[(0, 1)]) == []
+    assert queue.lease("worker-1.0") is None  # the dying worker's late request: stop, take nothing
+    assert queue.status().leased == {"worker-0.0": 1} and queue.status().pending == 1
+    assert queue.lease("worker-1.1") == [(0, 2)]  # its next incarnation leases under a name of its own
+    queue.complete("worker-0.0", [(0, 0)])
+    queue.complete("worker-1.1", [(0, 2)])
+    assert queue.status().finished and queue.lease("worker-0.0") is None
+
+
 def test_an_expired_lease_is_reported_once_and_goes_back_only_when_its_worker_is_released() -> None:
     clock = Clock()
     queue = PromptQueue(items(0, 1, 2), lease_timeout_s=10, clock=clock)
