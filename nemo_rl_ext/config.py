@@ -267,10 +267,15 @@ class CheckedConfig(StrictModel):
                 model._renames = renames
             return model
         details: list[InitErrorDetails] = []
+        unique = {(tuple(loc), message, repr(value)): (tuple(loc), message, value) for loc, message, value in conflicts}
+        conflicts = list(unique.values())  # an override's conflict is found again in the merged config: once
         for loc, message, value in conflicts:
             details.append(InitErrorDetails(type=PydanticCustomError("rule", message), loc=loc, input=value))
+        conflicted = {loc for loc, _, _ in conflicts}
         if field_error is not None:
             for e in field_error.errors():
+                if e["type"] == "extra_forbidden" and tuple(e["loc"]) in conflicted:
+                    continue  # the older spelling left beside the new one: its conflict says why, once
                 error_type = PydanticCustomError(e["type"], e["msg"])
                 details.append(InitErrorDetails(type=error_type, loc=_written_as(e["loc"], renames), input=e["input"]))
         for loc, message, value in problems:

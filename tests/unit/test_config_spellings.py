@@ -143,3 +143,15 @@ def test_an_eval_saved_in_the_older_spelling_resumes_under_the_new_one(tmp_path:
     changed = load_config(SHIPPED / "evals" / "eval.yaml", ["rollouts.max_seq_len=256"], EvalConfig)
     with pytest.raises(ConfigError, match=r"rollouts.max_seq_len: 512 -> 256"), older_spelling():
         check_resumable(saved, changed.model_dump(mode="json"), canonical)
+
+
+def test_both_spellings_in_overrides_are_one_problem_naming_the_older_key() -> None:
+    """An override layer's conflict is found again when the merged config is validated; it is reported once, and
+    the older key left beside the new one is not also an 'Extra inputs' error."""
+    with pytest.raises(ConfigError) as err:  # (refused before any older-spelling warning)
+        load_config(SHIPPED / "evals" / "eval.yaml",
+                    ["eval.num_tests_per_prompt=2", "rollouts.num_generations_per_prompt=2"], EvalConfig)
+    lines = [line for line in str(err.value).splitlines() if line.lstrip().startswith("- ")]
+    conflict = [line for line in lines if "eval.num_tests_per_prompt" in line]
+    assert len(conflict) == 1 and "give only one (got 2)" in conflict[0]
+    assert "Extra inputs" not in str(err.value)
