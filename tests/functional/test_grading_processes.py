@@ -14,17 +14,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hostile_answers import HOSTILE
 
 REPO = Path(__file__).resolve().parents[2]
-
-# Each made math-verify run for 40-70 s or more with its timeouts off (the unclosed boxes in extraction).
-HOSTILE = [
-    "\\boxed{\\binom{10000000}{5000000}}",
-    "\\boxed{\\prod_{i=1}^{10^8} i}",
-    "\\boxed{\\Gamma(10^9)}",
-    "\\boxed{" + "\\frac{1}{" * 20 + "2" + "}" * 20 + "}",
-    "\\boxed{" * 20_000,
-]
 
 
 def child_env() -> dict[str, str]:

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import pytest
+from hostile_answers import HOSTILE
 
 from nemo_rl_ext.data.datasets import datum_from_messages
 from nemo_rl_ext.data.records import Completion, Message, StopReason
@@ -18,15 +19,6 @@ from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
 from nemo_rl_ext.testing import ScriptedGeneration
-
-# Each made math-verify run for 40-70 s or more with its timeouts off (the unclosed boxes in extraction).
-HOSTILE = [
-    "\\boxed{\\binom{10000000}{5000000}}",
-    "\\boxed{\\prod_{i=1}^{10^8} i}",
-    "\\boxed{\\Gamma(10^9)}",
-    "\\boxed{" + "\\frac{1}{" * 20 + "2" + "}" * 20 + "}",
-    "\\boxed{" * 20_000,
-]
 
 
 def test_unclosed_boxes_are_extracted_in_linear_time() -> None:
