@@ -65,10 +65,10 @@ unit: setup
 # (ATEN_CPU_CAPABILITY) and MKL's generic GEMM code path (MKL_CBWR=COMPATIBLE; ignored where torch has no MKL).
 # If that fails, the same files run under ATEN_CPU_CAPABILITY=default with 2 torch threads, to say whether the
 # failure is specific to those kernels. 15-20 s on 2 cores, about 50 s when they are busy (load average 8).
-NUMERICS_TESTS := tests/unit/algorithms/test_trainer_logprobs.py tests/unit/algorithms/test_grpo_trainer.py tests/unit/algorithms/test_loss.py \
-	tests/unit/algorithms/test_kl_gradient.py tests/unit/algorithms/test_advantages.py tests/unit/algorithms/test_grpo_checkpoint.py \
+NUMERICS_TESTS := tests/unit/training/test_trainer_logprobs.py tests/unit/training/test_grpo_trainer.py tests/unit/objectives/test_loss.py \
+	tests/unit/objectives/test_kl_gradient.py tests/unit/objectives/test_advantages.py tests/unit/training/test_grpo_checkpoint.py \
 	tests/unit/models/test_hf_backend_weights.py tests/unit/models/test_hf_backend_faults.py tests/unit/models/test_hf_backend_continuous.py \
-	tests/unit/models/test_generation_contract.py tests/unit/algorithms/test_trainer_memory.py
+	tests/unit/models/test_generation_contract.py tests/unit/training/test_trainer_memory.py
 numerics: setup
 	@echo "numerics check: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
 	@if ( export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1; \

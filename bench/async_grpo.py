@@ -36,14 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine_line  # noqa: E402
 
-from nemo_rl_ext.algorithms.async_collector import AsyncCollector  # noqa: E402
-from nemo_rl_ext.algorithms.grpo_config import AsyncSettings  # noqa: E402
-from nemo_rl_ext.algorithms.prompt_stream import PromptStream  # noqa: E402
-from nemo_rl_ext.algorithms.staleness import lag_histogram  # noqa: E402
-from nemo_rl_ext.algorithms.step_seeds import SaltedGeneration  # noqa: E402
 from nemo_rl_ext.data.records import DatumSpec, Message  # noqa: E402
 from nemo_rl_ext.experience.rollout_manager import RolloutManager  # noqa: E402
+from nemo_rl_ext.grpo.async_collector import AsyncCollector  # noqa: E402
+from nemo_rl_ext.grpo.config import AsyncSettings  # noqa: E402
+from nemo_rl_ext.grpo.prompt_stream import PromptStream  # noqa: E402
+from nemo_rl_ext.grpo.step_seeds import SaltedGeneration  # noqa: E402
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig  # noqa: E402
+from nemo_rl_ext.objectives.staleness import lag_histogram  # noqa: E402
 from nemo_rl_ext.testing import LongTail, ScriptedEnvironment, SleepGeneration  # noqa: E402
 
 SIMULATED = (("sync", 0, "finish", 0), ("async", 1, "finish", 0), ("async", 1, "abort", 0), ("async", 2, "finish", 0),
@@ -120,10 +120,10 @@ async def run_async(args: argparse.Namespace, max_lag: int, in_flight: str, over
 def real_rows(args: argparse.Namespace) -> list[tuple[str, float, float, dict]]:
     import yaml
 
-    from nemo_rl_ext.algorithms.grpo import GRPO
-    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
-    from nemo_rl_ext.algorithms.metrics_logger import read_metrics
     from nemo_rl_ext.config import load_config
+    from nemo_rl_ext.grpo.config import GRPOConfig
+    from nemo_rl_ext.grpo.loop import GRPO
+    from nemo_rl_ext.grpo.metrics_logger import read_metrics
     from nemo_rl_ext.models.tiny import build_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="async_grpo_bench_"))

@@ -93,9 +93,9 @@ def full_vocab_token_logprobs(model, input_ids, attention_mask, temperature=1.0,
 def worker_ours(steps: int, variant: str, workdir: Path) -> list[dict[str, float]]:
     """Run `steps` GRPO steps of our trainer (`variant`: one of our contenders); per step: wall, CPU,
     generation and training seconds."""
-    from nemo_rl_ext.algorithms import trainer as trainer_module
-    from nemo_rl_ext.algorithms.grpo import GRPO
-    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+    from nemo_rl_ext.grpo.config import GRPOConfig
+    from nemo_rl_ext.grpo.loop import GRPO
+    from nemo_rl_ext.training import trainer as trainer_module
 
     if variant == "ours-full-vocab":
         trainer_module.token_logprobs = full_vocab_token_logprobs

@@ -128,7 +128,7 @@ def memory_row(params: int, probe: StateProbe, rss_before_kib: int) -> dict[str,
 
 def _bench_rank_class() -> type:
     """`TrainerRank` with a probe and a `bench_memory` call (DistributedTrainer builds this instead)."""
-    from nemo_rl_ext.algorithms.fsdp_workers import TrainerRank
+    from nemo_rl_ext.training.fsdp_workers import TrainerRank
 
     class BenchRank(TrainerRank):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -144,8 +144,8 @@ def _bench_rank_class() -> type:
 
 def config(workdir: Path, workers: int, lora: bool, precision: str) -> Any:
     """The GRPOConfig of a combination; ConfigError when the config refuses it."""
-    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
     from nemo_rl_ext.config import load_config
+    from nemo_rl_ext.grpo.config import GRPOConfig
     from nemo_rl_ext.models.smollm2 import smollm2_path
 
     data = workdir / "prompts.jsonl"
@@ -173,7 +173,7 @@ def batch(tokenizer: Any) -> tuple[list[Any], Any]:
     """SAMPLES completions (distinct prompts + REPLY_TOKENS random reply tokens) and their advantages."""
     import torch
 
-    from nemo_rl_ext.algorithms.loss import CompletionTensors
+    from nemo_rl_ext.objectives.loss import CompletionTensors
 
     g = torch.Generator().manual_seed(SEED)
     items = []
@@ -193,9 +193,9 @@ def in_process_trainer(cfg: Any) -> Any:
     """The workers=1 trainer as GRPO builds it (float32 master weights under bf16; LoRA via peft)."""
     import torch
 
-    from nemo_rl_ext.algorithms.lora import with_lora
-    from nemo_rl_ext.algorithms.trainer import PolicyTrainer
     from nemo_rl_ext.models.loading import load_model_and_tokenizer
+    from nemo_rl_ext.training.lora import with_lora
+    from nemo_rl_ext.training.trainer import PolicyTrainer
 
     model, tokenizer = load_model_and_tokenizer(cfg.policy.model_name, dtype=torch.float32)
     if cfg.trainer.lora is not None:
@@ -208,8 +208,8 @@ def in_process_trainer(cfg: Any) -> Any:
 
 def distributed_trainer(cfg: Any) -> Any:
     """The workers>1 trainer as GRPO builds it, its ranks `BenchRank`s."""
-    from nemo_rl_ext.algorithms import distributed_trainer as dt
     from nemo_rl_ext.models.loading import load_tokenizer
+    from nemo_rl_ext.training import distributed_trainer as dt
 
     tokenizer = load_tokenizer(cfg.policy.model_name)
     dt.TrainerRank = _bench_rank_class()  # noqa: N806 - what DistributedTrainer hands to ray.remote

@@ -6,7 +6,7 @@
     python examples/run_grpo.py export RUN_DIR [--step N] [--out DIR] [--force]   # a Hugging Face folder
 
 Prints one line per step (reward, loss, grad norm, timings); metrics go to <output_dir>/metrics.jsonl.
-A resume refuses a changed config (except the keys of grpo_config.RESUME_MAY_CHANGE, e.g.
+A resume refuses a changed config (except the keys of nemo_rl_ext.grpo.config.RESUME_MAY_CHANGE, e.g.
 grpo.max_num_steps) and skips a damaged checkpoint for the previous whole one; it never overwrites an earlier
 run it cannot continue (step folders without a complete checkpoint: refused unless resume=restart). User errors
 (config, input files, resume) and Gym servers that do not start (their name and log file) print one message
@@ -14,7 +14,7 @@ and exit 2. NeMo Gym servers the run launches log to <output_dir>/gym/.
 
 `export` writes a checkpoint of the run in RUN_DIR (its output_dir; default: the newest whole checkpoint) as a
 Hugging Face folder that transformers and `run_eval.py policy.model_name=DIR` load (default --out:
-RUN_DIR/export/step_N; --adapter-only is for LoRA runs); see nemo_rl_ext/algorithms/export.py and docs/training.md.
+RUN_DIR/export/step_N; --adapter-only is for LoRA runs); see nemo_rl_ext/training/export.py and docs/training.md.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     parser.add_argument("--adapter-only", action="store_true", help="LoRA runs: the peft adapter folder alone")
     args = parser.parse_args(argv)
-    from nemo_rl_ext.algorithms.export import export_checkpoint
+    from nemo_rl_ext.training.export import export_checkpoint
 
     try:
         result = export_checkpoint(args.run_dir, step=args.step, out=args.out, force=args.force,
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides may come before and after the flags
     import transformers  # here, not at the top: `export` does without transformers and the trainer
 
-    from nemo_rl_ext.algorithms.grpo import GRPO
-    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+    from nemo_rl_ext.grpo.config import GRPOConfig
+    from nemo_rl_ext.grpo.loop import GRPO
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -46,8 +46,8 @@ class Root:
 
 def roots() -> tuple[Root, ...]:
     """The configs the CLIs load (imported here, so the page lists whatever they register at import)."""
-    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
     from nemo_rl_ext.evals.config import EvalConfig
+    from nemo_rl_ext.grpo.config import GRPOConfig
 
     return (
         Root(

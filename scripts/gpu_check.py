@@ -11,7 +11,7 @@ file ($OUT/gpu_report.md when $OUT is set, else ./gpu_report.md):
 - grpo: two GRPO steps (rollouts, update, refit) on the device in fp32; then the same with
   `trainer.mixed_precision: bf16`, `trainer.activation_checkpointing: true`, `trainer.lora`, and FSDP2 at world
   size 1 (NCCL on CUDA, gloo on the CPU; on CUDA once more with `trainer.cpu_offload`). A setting whose feature is not built yet is refused by the config
-  (`trainer_config.UNBUILT`): that check says NOT BUILT, and runs unchanged once the feature lands.
+  (`training/config.UNBUILT`): that check says NOT BUILT, and runs unchanged once the feature lands.
 
 `--device cpu` runs the same logic on the CPU (tests/functional/test_gpu_check.py). Exit status: 0 when no check
 failed, 1 otherwise. Nothing here imports Ray (the report says so).
@@ -43,7 +43,7 @@ ABSENT_ON_THE_IMAGE = ("ray", "vllm")
 them fails its check on any machine, the CPU test's included, never only on the GPU."""
 for _name in ABSENT_ON_THE_IMAGE:
     sys.modules[_name] = None  # type: ignore[assignment]
-NEEDED_MODULES = ("nemo_rl_ext.models.tiny", "nemo_rl_ext.models.generation.hf_backend", "nemo_rl_ext.algorithms.grpo")
+NEEDED_MODULES = ("nemo_rl_ext.models.tiny", "nemo_rl_ext.models.generation.hf_backend", "nemo_rl_ext.grpo.loop")
 """What the checks import: a missing package (a wheel not carried) is one FAIL naming it, before any check runs."""
 
 import torch  # noqa: E402
@@ -197,9 +197,9 @@ def check_grpo(device: str, model_dir: Path, work: Path, name: str, trainer: dic
                precision: str = "fp32") -> None:
     """Two GRPO steps with this trainer section: finite metrics, an update, engine and trainer agree after the refit;
     NOT BUILT when the config refuses a setting whose feature is not built yet."""
-    from nemo_rl_ext.algorithms.grpo import GRPO
-    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
     from nemo_rl_ext.config import ConfigError, load_config
+    from nemo_rl_ext.grpo.config import GRPOConfig
+    from nemo_rl_ext.grpo.loop import GRPO
 
     try:
         cfg = load_config(grpo_config(device, model_dir, work, name, trainer), [], GRPOConfig)
@@ -232,8 +232,8 @@ def check_grpo(device: str, model_dir: Path, work: Path, name: str, trainer: dic
 def check_fsdp(device: str, model_dir: Path, work: Path, result: Result) -> None:
     """FSDP2 at world size 1 (NCCL on CUDA): one rank of the distributed trainer, in this process (no Ray), against
     the in-process trainer on the same batch; NOT BUILT while the config refuses `trainer.workers > 1`."""
-    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
     from nemo_rl_ext.config import ConfigError, load_config
+    from nemo_rl_ext.grpo.config import GRPOConfig
 
     try:
         cfg = load_config(grpo_config(device, model_dir, work, "fsdp2", {"workers": 2, "sharding": "fsdp2"}), [],
@@ -243,9 +243,9 @@ def check_fsdp(device: str, model_dir: Path, work: Path, result: Result) -> None
             result.status, result.detail = "NOT BUILT", str(err).strip()
             return
         raise
-    from nemo_rl_ext.algorithms.fsdp_workers import RankSpec
-    from nemo_rl_ext.algorithms.trainer import PolicyTrainer
     from nemo_rl_ext.models.loading import load_model_and_tokenizer
+    from nemo_rl_ext.training.fsdp_workers import RankSpec
+    from nemo_rl_ext.training.trainer import PolicyTrainer
 
     model, tokenizer = load_model_and_tokenizer(model_dir, device=device)
     items, advantages = _batch(tokenizer)
@@ -264,7 +264,7 @@ def check_fsdp(device: str, model_dir: Path, work: Path, result: Result) -> None
     if not (norm is not None and math.isclose(norm, expected_norm, rel_tol=1e-4) and worst <= 1e-4):
         problems.append("the world-size-1 FSDP2 step differs from the in-process trainer's")
     if device.startswith("cuda"):  # trainer.cpu_offload: FSDP2's CPUOffloadPolicy (refused on the CPU)
-        from nemo_rl_ext.algorithms.fsdp_wrap import WrapSettings
+        from nemo_rl_ext.training.fsdp_wrap import WrapSettings
 
         offload = dataclasses.replace(spec, wrap=WrapSettings(cpu_offload=True))
         off_norm, off_worst, _, off_where = _rank_step(offload, items, advantages, want)
@@ -288,7 +288,7 @@ def _rank_step(spec: Any, items: list[Any], advantages: torch.Tensor,
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from nemo_rl_ext.algorithms.fsdp_workers import TrainerRank  # the rank a Ray actor hosts
+    from nemo_rl_ext.training.fsdp_workers import TrainerRank  # the rank a Ray actor hosts
 
     rank = TrainerRank(0, 1)
     with socket.socket() as sock:
@@ -312,7 +312,7 @@ def _rank_step(spec: Any, items: list[Any], advantages: torch.Tensor,
 
 def _batch(tokenizer: Any) -> tuple[list[Any], torch.Tensor]:
     """Four chat completions with advantages +-1 (the loss mask on the replies)."""
-    from nemo_rl_ext.algorithms.loss import CompletionTensors
+    from nemo_rl_ext.objectives.loss import CompletionTensors
 
     items = []
     for i, reply in enumerate(("yes", "no", "yes yes", "maybe")):

@@ -335,10 +335,10 @@ def run_grpo(args) -> None:
     import torch
     import yaml
 
-    from nemo_rl_ext.algorithms.grpo import GRPO
-    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
-    from nemo_rl_ext.algorithms.metrics_logger import read_metrics
     from nemo_rl_ext.config import load_config
+    from nemo_rl_ext.grpo.config import GRPOConfig
+    from nemo_rl_ext.grpo.loop import GRPO
+    from nemo_rl_ext.grpo.metrics_logger import read_metrics
     from nemo_rl_ext.models.generation import GenerationConfig
     from nemo_rl_ext.models.tiny import build_tiny_model
     from nemo_rl_ext.testing import forward_logprobs

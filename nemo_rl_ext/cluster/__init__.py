@@ -1,7 +1,7 @@
 """Ray: a pool of generation replicas routed in the caller's process, and environments hosted in actors.
 
 The layer above environments/, gym/ and serving/ in pyproject's import contract (beside testing/): imports
-from those and the layers below them (models/, data/, config), never experience/, evals/ or algorithms/. `ray` is imported
+from those and the layers below them (models/, data/, config), never experience/, evals/, objectives/, training/ or grpo/. `ray` is imported
 when a pool, a remote environment or `init_ray` is used, not by importing this package.
 """
 

@@ -21,9 +21,9 @@ import pytest
 import yaml
 from script_main import script_main
 
-from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir
 from nemo_rl_ext.config import dump_config, load_config
 from nemo_rl_ext.evals.config import EvalConfig
+from nemo_rl_ext.training.checkpoint import checkpoint_dir
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = [
@@ -141,8 +141,8 @@ def test_eval_resume_with_a_changed_config_lists_the_keys(main, files: dict[str,
 @pytest.mark.timeout(120)
 def test_grpo_resume_with_a_changed_config_lists_the_keys(main, files: dict[str, Path], tiny_model_dir: Path,
                                                           tmp_path: Path) -> None:
-    from nemo_rl_ext.algorithms.grpo import run_grpo
-    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
+    from nemo_rl_ext.grpo.config import GRPOConfig
+    from nemo_rl_ext.grpo.loop import run_grpo
 
     run = [f"output_dir={tmp_path}", f"policy.model_name={tiny_model_dir}", "grpo.save_period=1"]
     run_grpo(load_config(files["grpo"], run, GRPOConfig))
@@ -244,11 +244,11 @@ def test_grpo_resume_never_overwrites_step_folders_it_cannot_resume(main, files:
                                                                    tmp_path: Path) -> None:
     import shutil
 
-    from nemo_rl_ext.algorithms.checkpoint import MARKER_FILE, list_checkpoints
-    from nemo_rl_ext.algorithms.grpo import GRPO, run_grpo
-    from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
-    from nemo_rl_ext.algorithms.metrics_logger import read_metrics
     from nemo_rl_ext.config import ConfigError
+    from nemo_rl_ext.grpo.config import GRPOConfig
+    from nemo_rl_ext.grpo.loop import GRPO, run_grpo
+    from nemo_rl_ext.grpo.metrics_logger import read_metrics
+    from nemo_rl_ext.training.checkpoint import MARKER_FILE, list_checkpoints
 
     def config(out: Path, *more: str) -> list[str]:
         return [f"output_dir={out}", f"policy.model_name={tiny_model_dir}", "grpo.save_period=1",

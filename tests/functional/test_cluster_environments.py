@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_ext.algorithms import grpo as grpo_module
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.cluster import RemoteEnvironment, RoutedGeneration
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
 from nemo_rl_ext.evals.profile import without_timings
+from nemo_rl_ext.grpo import loop as grpo_module
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.loop import GRPO
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(600)

@@ -15,12 +15,12 @@ import orjson
 import pytest
 
 import nemo_rl_ext.cluster as cluster
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.cluster import RoutedGeneration
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.loop import GRPO
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation import FinishReason, GenerationConfig
 from nemo_rl_ext.models.generation.hf_backend import HfGeneration

@@ -29,14 +29,14 @@ from policy_server_cli import policy_server_cli
 from test_grpo_gym import gym_grpo_config
 from tolerances import ENGINE_LOGPROBS
 
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
-from nemo_rl_ext.algorithms.metrics_logger import read_metrics
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.environments.interfaces import Observation
 from nemo_rl_ext.environments.registry import register_environment
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.driver import run_eval
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.loop import GRPO
+from nemo_rl_ext.grpo.metrics_logger import read_metrics
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
 from nemo_rl_ext.testing import ScriptedEnvironment

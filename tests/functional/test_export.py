@@ -22,16 +22,16 @@ from script_main import script_main
 from test_cli_errors import assert_one_message
 from tolerances import SAME_MODEL_LOGPROBS
 
-from nemo_rl_ext.algorithms import export as export_module
-from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
-from nemo_rl_ext.algorithms.export import ExportError, export_checkpoint
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
-from nemo_rl_ext.algorithms.lora import peft_reads_a_deprecated_alias
-from nemo_rl_ext.algorithms.loss import CompletionTensors
-from nemo_rl_ext.algorithms.sharded_checkpoint import save_trained_state
 from nemo_rl_ext.config import load_config
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.loop import GRPO
 from nemo_rl_ext.models.loading import load_tokenizer
+from nemo_rl_ext.objectives.loss import CompletionTensors
+from nemo_rl_ext.training import export as export_module
+from nemo_rl_ext.training.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+from nemo_rl_ext.training.export import ExportError, export_checkpoint
+from nemo_rl_ext.training.lora import peft_reads_a_deprecated_alias
+from nemo_rl_ext.training.sharded_checkpoint import save_trained_state
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.7

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_ext.algorithms.trainer_config import UNBUILT
+from nemo_rl_ext.training.config import UNBUILT
 
 REPO = Path(__file__).resolve().parents[2]
 FEATURE_ROWS = {"mixed_precision": "trainer.mixed_precision", "activation_checkpointing":

@@ -26,11 +26,11 @@ import pytest
 import yaml
 from child_env import one_thread_env
 
-from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import RESUME_MAY_CHANGE, GRPOConfig
-from nemo_rl_ext.algorithms.metrics_logger import read_metrics
 from nemo_rl_ext.config import ConfigError, load_config
+from nemo_rl_ext.grpo.config import RESUME_MAY_CHANGE, GRPOConfig
+from nemo_rl_ext.grpo.loop import GRPO
+from nemo_rl_ext.grpo.metrics_logger import read_metrics
+from nemo_rl_ext.training.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 # the resume tests compare runs trained here with runs trained partly in subprocesses (started with one thread too)
@@ -248,7 +248,7 @@ def test_resume_refuses_a_changed_config_and_skips_a_damaged_checkpoint(
     damaged.write_bytes(damaged.read_bytes()[:1000])
     allowed = ("grpo.max_num_steps=3", "logger.progress=true", "grpo.save_period=3", "validation.ks=[1, 2]")
     assert {"grpo.max_num_steps", "logger", "grpo.save_period", "validation"} <= set(RESUME_MAY_CHANGE)
-    with caplog.at_level(logging.WARNING, logger="nemo_rl_ext.algorithms.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="nemo_rl_ext.training.checkpoint"):
         with GRPO(load_config(config_file, [*resume, *allowed], GRPOConfig)) as grpo:
             assert grpo.step == 1
             grpo.run()

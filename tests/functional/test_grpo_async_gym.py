@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
-from nemo_rl_ext.algorithms.metrics_logger import read_metrics
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.loop import GRPO
+from nemo_rl_ext.grpo.metrics_logger import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.gym, pytest.mark.timeout(900)]
@@ -29,9 +29,9 @@ def test_async_grpo_in_nemo_gym_mode_on_two_trainer_ranks_keeps_the_bound_and_th
     4-step run: the lag bound holds and each group has its agent's count; the steps train on Gym's records (token
     ids and engine logprobs from our policy server), and each refit hands the ranks' gathered weights to the
     engine that serves Gym. (One run proves both: the loop's interface to the trainer is the same at 1 worker.)"""
-    from nemo_rl_ext.algorithms import grpo as grpo_module
-    from nemo_rl_ext.algorithms.distributed_trainer import DistributedTrainer
+    from nemo_rl_ext.grpo import loop as grpo_module
     from nemo_rl_ext.models.tiny import build_tiny_model
+    from nemo_rl_ext.training.distributed_trainer import DistributedTrainer
 
     trained = []  # the records of every step, as the trainer gets them
     build = grpo_module.build_training_batch

@@ -26,14 +26,14 @@ import torch
 import yaml
 from child_env import one_thread_env
 
-from nemo_rl_ext.algorithms.async_collector import CollectorError
-from nemo_rl_ext.algorithms.checkpoint import latest_checkpoint, load_checkpoint
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
-from nemo_rl_ext.algorithms.metrics_logger import read_metrics
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.environments.string_match import match_reward
+from nemo_rl_ext.grpo.async_collector import CollectorError
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.loop import GRPO
+from nemo_rl_ext.grpo.metrics_logger import read_metrics
 from nemo_rl_ext.testing import FailingEnvironment, Fault
+from nemo_rl_ext.training.checkpoint import latest_checkpoint, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = ("apple", "river", "blue", "seven", "cat", "hello", "tree", "water")
@@ -92,7 +92,7 @@ def test_max_lag_0_gives_the_synchronous_weights_and_metrics_to_the_bit(
     # the static scheduler: batches of equal-length prompts, so no row's logprobs depend on its batch mates
     common = ("grpo.max_num_steps=4", "policy.hf.scheduler=static")
     sync, sync_weights = run(config_file, f"output_dir={tmp_path / 'sync'}", *common)
-    with caplog.at_level(logging.WARNING, logger="nemo_rl_ext.algorithms.grpo"):
+    with caplog.at_level(logging.WARNING, logger="nemo_rl_ext.grpo.loop"):
         lagged, lagged_weights = run(config_file, f"output_dir={tmp_path / 'async'}", *common, *ASYNC,
                                      "grpo.async.max_lag=0")
     # no slack: a group that never finishes would stop this run, and the run says so

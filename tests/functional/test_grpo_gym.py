@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_batch import build_training_batch
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
-from nemo_rl_ext.algorithms.metrics_logger import read_metrics
+from nemo_rl_ext.grpo.batch import build_training_batch
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.loop import GRPO
+from nemo_rl_ext.grpo.metrics_logger import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.gym, pytest.mark.timeout(900)]
@@ -75,7 +75,7 @@ def gym_grpo_config(policy: dict, gym_venv: Path, tmp_path: Path, *, steps: int)
 
 
 def test_one_grpo_step_in_nemo_gym_mode(gym_venv, tmp_path, monkeypatch, caplog):
-    from nemo_rl_ext.algorithms import grpo as grpo_module
+    from nemo_rl_ext.grpo import loop as grpo_module
     from nemo_rl_ext.models.tiny import build_tiny_model
 
     batches = []  # (records, batch) of every step, as the trainer gets them

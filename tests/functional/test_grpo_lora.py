@@ -12,11 +12,11 @@ import yaml
 from safetensors.torch import load_file
 from test_grpo import assert_same_step, config_file, run, soft_tiny_model  # noqa: F401 (fixtures)
 
-from nemo_rl_ext.algorithms import grpo_setup
-from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir, load_checkpoint
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.config import ConfigError, load_config
+from nemo_rl_ext.grpo import build as grpo_build
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.loop import GRPO
+from nemo_rl_ext.training.checkpoint import checkpoint_dir, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # Measured (seeded, 2 cores, ~18 s for 50 steps): reward/mean of steps 1-5 0.114 on average, of steps 46-50 1.000;
@@ -88,8 +88,8 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_config: Pat
 @pytest.mark.timeout(120)
 def test_lora_with_kl_loads_no_reference_copy(lora_config: Path, tmp_path: Path, monkeypatch) -> None:
     loaded = []
-    load = grpo_setup.load_model_and_tokenizer
-    monkeypatch.setattr(grpo_setup, "load_model_and_tokenizer", lambda *a, **k: loaded.append(a[0]) or load(*a, **k))
+    load = grpo_build.load_model_and_tokenizer
+    monkeypatch.setattr(grpo_build, "load_model_and_tokenizer", lambda *a, **k: loaded.append(a[0]) or load(*a, **k))
     cfg = load_config(lora_config, [f"output_dir={tmp_path}", "loss.kl_coef=0.1", "grpo.max_num_steps=3", *LORA,
                                     STATIC], GRPOConfig)
     with GRPO(cfg) as grpo:
@@ -123,7 +123,7 @@ def test_lora_targets_the_model_lacks_are_one_error_before_any_model_loads(confi
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was checked")
 
-    monkeypatch.setattr(grpo_setup, "load_model_and_tokenizer", no_load)
+    monkeypatch.setattr(grpo_build, "load_model_and_tokenizer", no_load)
     cfg = load_config(config_file, [f"output_dir={tmp_path}", "trainer.lora.target_modules=[q_proj,qkv,c_attn]"],
                       GRPOConfig)
     with pytest.raises(ConfigError) as err:

@@ -195,8 +195,8 @@ def grpo_config(tmp_path: Path, gym_venv: Path | None) -> Path:
 
 
 def sigterm_grpo_then_resume(tmp_path: Path, config: Path, gym: bool) -> None:
-    from nemo_rl_ext.algorithms.checkpoint import latest_checkpoint, load_checkpoint
-    from nemo_rl_ext.algorithms.metrics_logger import read_metrics
+    from nemo_rl_ext.grpo.metrics_logger import read_metrics
+    from nemo_rl_ext.training.checkpoint import latest_checkpoint, load_checkpoint
 
     run_dir = tmp_path / "run"
     log = tmp_path / "first.log"

@@ -29,15 +29,15 @@ from test_export import chat_items, reload_logprobs
 from tolerances import SAME_MODEL_LOGPROBS
 from transformers import PreTrainedModel
 
-from nemo_rl_ext.algorithms.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
-from nemo_rl_ext.algorithms.distributed_trainer import DistributedTrainer, TrainerWorkerError
-from nemo_rl_ext.algorithms.export import export_checkpoint
-from nemo_rl_ext.algorithms.export_weights import trained_weights
-from nemo_rl_ext.algorithms.grpo import GRPO
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
-from nemo_rl_ext.algorithms.metrics_logger import read_metrics
-from nemo_rl_ext.algorithms.sharded_checkpoint import SHARDS
 from nemo_rl_ext.config import ConfigError, load_config
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.loop import GRPO
+from nemo_rl_ext.grpo.metrics_logger import read_metrics
+from nemo_rl_ext.training.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
+from nemo_rl_ext.training.distributed_trainer import DistributedTrainer, TrainerWorkerError
+from nemo_rl_ext.training.export import export_checkpoint
+from nemo_rl_ext.training.export_weights import trained_weights
+from nemo_rl_ext.training.sharded_checkpoint import SHARDS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "local_ray")
@@ -298,7 +298,7 @@ def test_two_ranks_resume_exactly_export_and_a_rank_killed_mid_step_stops_the_ru
 def test_more_ranks_than_the_cluster_has_cpus_is_refused_before_any_model_loads(
     config_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import nemo_rl_ext.algorithms.grpo_setup as grpo_setup
+    import nemo_rl_ext.grpo.build as grpo_setup
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
@@ -317,10 +317,10 @@ def test_uneven_micro_batches_logprobs_and_optimizer_state_match_the_in_process_
     sequence without trained tokens and a completion shorter than its peers ride along. Then the ranks' sharded
     checkpoint loads into the in-process trainer (the ranks' weights and optimizer state, to the bit), and a rank
     killed while the ranks write the next one fails that save, which leaves no step folder."""
-    from nemo_rl_ext.algorithms.distributed_trainer import rank_spec
-    from nemo_rl_ext.algorithms.loss import CompletionTensors
-    from nemo_rl_ext.algorithms.trainer import PolicyTrainer
     from nemo_rl_ext.models.loading import load_model_and_tokenizer
+    from nemo_rl_ext.objectives.loss import CompletionTensors
+    from nemo_rl_ext.training.distributed_trainer import rank_spec
+    from nemo_rl_ext.training.trainer import PolicyTrainer
 
     cfg = load_config(config_file, ["trainer.workers=2", "optimizer.micro_batch_size=4",
                                     "optimizer.minibatches_per_step=1"], GRPOConfig)
@@ -369,9 +369,9 @@ def test_uneven_micro_batches_logprobs_and_optimizer_state_match_the_in_process_
 
 
 def _sharded_save_then_a_rank_dies_in_the_next(ranks: DistributedTrainer, local, root: Path) -> None:
-    from nemo_rl_ext.algorithms.checkpoint import list_checkpoints, save_checkpoint
-    from nemo_rl_ext.algorithms.sharded_checkpoint import load_trained_state
     from nemo_rl_ext.models.loading import load_tokenizer
+    from nemo_rl_ext.training.checkpoint import list_checkpoints, save_checkpoint
+    from nemo_rl_ext.training.sharded_checkpoint import load_trained_state
 
     tokenizer = load_tokenizer(ranks.spec.model_path)
     save_checkpoint(root, 1, tokenizer=tokenizer, data_state={}, write_state=ranks.save_sharded)
@@ -406,7 +406,7 @@ def test_sigterm_checkpoints_and_leaves_no_trainer_rank_behind(config_file: Path
     import psutil
     from gym_processes import descendants, wait_until_gone
 
-    from nemo_rl_ext.algorithms.checkpoint import load_checkpoint
+    from nemo_rl_ext.training.checkpoint import load_checkpoint
 
     cmd = [sys.executable, str(REPO / "examples" / "run_grpo.py"), "--config", str(config_file),
            f"output_dir={tmp_path}", "trainer.workers=2",  # policy.cluster null: a local Ray of every core

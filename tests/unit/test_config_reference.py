@@ -42,7 +42,7 @@ def test_every_key_has_a_description(generator):
 
 
 def test_the_page_lists_every_key_with_its_default_and_description(generator, monkeypatch):
-    from nemo_rl_ext.algorithms.grpo_config import LossSettings
+    from nemo_rl_ext.grpo.config import LossSettings
     from nemo_rl_ext.models.config import HfConfig
 
     text = generator.render()

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.store import check_resumable
+from nemo_rl_ext.grpo.config import GRPOConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "examples" / "configs"

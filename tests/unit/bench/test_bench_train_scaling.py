@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rl_ext.algorithms.grpo_config import OptimizerSettings
-from nemo_rl_ext.algorithms.lora import with_lora
-from nemo_rl_ext.algorithms.loss import ClippedPGLossConfig, CompletionTensors
-from nemo_rl_ext.algorithms.trainer import PolicyTrainer
-from nemo_rl_ext.algorithms.trainer_config import LoraSettings
+from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors
+from nemo_rl_ext.training.config import LoraSettings, OptimizerSettings
+from nemo_rl_ext.training.lora import with_lora
+from nemo_rl_ext.training.trainer import PolicyTrainer
 
 BENCH = Path(__file__).resolve().parents[3] / "bench" / "train_scaling.py"
 

@@ -17,13 +17,13 @@ from test_gym_rollouts import gym_datum
 from test_native_rollouts import TOOL_SCRIPT, EchoEnv, ScriptedPolicy, datum
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl_ext.algorithms.grpo_batch import build_training_batch
 from nemo_rl_ext.data.records import Completion, Message, PromptGroupRecord, StopReason
 from nemo_rl_ext.environments.interfaces import Observation
 from nemo_rl_ext.environments.tool_env import ToolCalculatorEnvironment
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
 from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
+from nemo_rl_ext.grpo.batch import build_training_batch
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.testing import FakeAgents, ScriptedEnvironment
 
@@ -534,7 +534,7 @@ def test_prompt_group_record_built_positionally_as_in_nemo_rl():
 
 
 def test_grpo_weights_each_groups_loss_by_its_loss_multiplier():
-    from nemo_rl_ext.algorithms.grpo import weight_by_loss_multiplier
+    from nemo_rl_ext.grpo.loop import weight_by_loss_multiplier
 
     records = [
         PromptGroupRecord(0, (), {}, {}, [completion(1.0), completion(0.0)], {}, loss_multiplier=0.0),

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_ext.algorithms.grpo import rollout_generation_config
-from nemo_rl_ext.algorithms.grpo_config import GRPOConfig
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.environments import create_environment
 from nemo_rl_ext.evals.config import EvalConfig
@@ -19,6 +17,8 @@ from nemo_rl_ext.evals.store_setup import build_rollout_setup
 from nemo_rl_ext.experience.build import build_rollouts
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.loop import rollout_generation_config
 from nemo_rl_ext.testing import ScriptedGeneration
 
 REPO = Path(__file__).resolve().parents[3]

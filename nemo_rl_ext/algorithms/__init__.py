@@ -1,1 +1,0 @@
-"""Algorithms: pure functions first (group advantages, the clipped policy-gradient loss, loss masks), then the GRPO loop."""

@@ -1,0 +1,94 @@
+"""From scored prompt groups to what the trainer consumes: completions as tensors, with group advantages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nemo_rl_ext.data.records import Completion, PromptGroupRecord, StopReason
+from nemo_rl_ext.objectives.advantages import (
+    Baseline,
+    StdScope,
+    compute_group_advantages,
+    flatten_group_advantages,
+)
+from nemo_rl_ext.objectives.loss import CompletionTensors, completion_to_tensors
+
+
+@dataclass(frozen=True, eq=False)
+class TrainingBatch:
+    """Every completion of a step's groups, in group order, with its advantage."""
+
+    items: tuple[CompletionTensors, ...]
+    """Token ids, loss mask and engine logprobs of each completion."""
+    advantages: torch.Tensor
+    """[N] float32: the advantage of each completion (shared by all its trained tokens)."""
+    group_ids: torch.Tensor
+    """[N] int64: index of each completion's group in the step."""
+    valid: torch.Tensor
+    """[N] bool: False for failed rollouts (stop_reason error): no baseline, no std, no loss, no count."""
+
+
+def is_valid(completion: Completion) -> bool:
+    """A completion that counts in its group's baseline and std: every one but a failed rollout."""
+    return completion.stop_reason != StopReason.ERROR
+
+
+def has_reward_variance(record: PromptGroupRecord) -> bool:
+    """True when the rewards of the group's valid completions are not all equal (it can teach something)."""
+    rewards = [c.reward for c in record.completions if is_valid(c)]
+    return len(rewards) > 1 and any(r != rewards[0] for r in rewards)
+
+
+def build_training_batch(
+    records: Sequence[PromptGroupRecord],
+    *,
+    baseline: Baseline = "leave_one_out",
+    normalize_std: bool = True,
+    std_scope: StdScope = "baseline",
+    overlong_filtering: bool = False,
+) -> TrainingBatch:
+    """Group-relative advantages of every completion (see `compute_group_advantages`), and its tensors.
+
+    Failed rollouts are left out of their group's baseline and std (advantage 0) and get an all-zero loss
+    mask, so they count in neither the token nor the sequence normalization of the loss. With
+    `overlong_filtering`, truncated completions get an all-zero loss mask too, but keep their place in the
+    baseline (as NeMo-RL's overlong filtering).
+    """
+    rewards = [[c.reward for c in r.completions] for r in records]
+    valid = [[is_valid(c) for c in r.completions] for r in records]
+    advantages, group_ids = flatten_group_advantages(
+        compute_group_advantages(
+            rewards, baseline=baseline, normalize_std=normalize_std, std_scope=std_scope, valid_per_group=valid
+        )
+    )
+    items = tuple(
+        completion_to_tensors(c, overlong_filtering=overlong_filtering) for r in records for c in r.completions
+    )
+    return TrainingBatch(
+        items=items,
+        advantages=advantages.to(torch.float32),
+        group_ids=group_ids,
+        valid=torch.tensor([v for group in valid for v in group], dtype=torch.bool),
+    )
+
+
+def training_batch_metrics(batch: TrainingBatch, records: Sequence[PromptGroupRecord]) -> dict[str, float]:
+    """Metrics of what is trained on: advantages, sequence lengths, groups with reward variance."""
+    adv = batch.advantages
+    lengths = torch.tensor([float(x.token_ids.numel()) for x in batch.items])
+    trained = torch.tensor([float(x.loss_mask.sum()) for x in batch.items])
+    return {
+        "batch/num_groups": float(len(records)),
+        "batch/num_samples": float(len(batch.items)),
+        "batch/excluded_samples": float((~batch.valid).sum()),
+        "batch/groups_with_variance": float(sum(has_reward_variance(r) for r in records)),
+        "batch/reward/mean": float(torch.tensor([c.reward for r in records for c in r.completions]).mean()),
+        "batch/advantage/mean": float(adv.mean()) if adv.numel() else 0.0,
+        "batch/advantage/abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0,
+        "batch/seq_len/mean": float(lengths.mean()),
+        "batch/seq_len/max": float(lengths.max()),
+        "batch/trained_tokens/mean": float(trained.mean()),
+    }

@@ -1,0 +1,301 @@
+"""The GRPO config schema: one typed section per concept, every problem reported in one `ConfigError`.
+
+    cfg = load_config("examples/configs/grpo_smollm2.yaml", ["grpo.max_num_steps=3"], GRPOConfig)
+
+Field problems (types, ranges, unknown keys) and the cross-field rules of `GRPOConfig.rule_problems` are
+reported together. `input_problems` then checks what would otherwise fail only once the model is loaded
+(the model folder, the data files and their agents' counts, the environment name), and a resumed run
+refuses a config that differs from its checkpoint's outside `RESUME_MAY_CHANGE`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from nemo_rl_ext.compat import grpo_spellings
+from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, raw_field
+from nemo_rl_ext.experience.config import RolloutsConfig, rollouts_rule_problems
+from nemo_rl_ext.experience.resume_keys import GRPO_RESUME_MAY_CHANGE
+from nemo_rl_ext.models.config import PolicyConfig
+from nemo_rl_ext.models.generation.interfaces import GenerationConfig
+from nemo_rl_ext.objectives.loss_settings import LossSettings
+from nemo_rl_ext.training.config import OptimizerSettings, TrainerSettings, trainer_rule_problems
+
+RESUME_MAY_CHANGE: tuple[str, ...] = GRPO_RESUME_MAY_CHANGE
+"""Keys (and sections: `logger` means `logger.*`) that may differ between a run and its resumption
+(`experience.resume_keys`, where the eval's list is too): how long to train, when to checkpoint and validate
+and on what, where logs and outputs go, the hf batch size, and where the Gym servers listen. Any other change
+is refused, listing the changed keys."""
+
+
+RESTART = "restart"
+"""`resume=restart`: start over in an output_dir that holds an earlier run (the only way to discard it)."""
+
+
+class DynamicSamplingSettings(StrictModel):
+    """DAPO-style dynamic sampling: keep only groups whose rewards differ, generate more to fill the step."""
+
+    enabled: bool = Field(default=False, description="Drop zero-variance groups and roll out more prompts.")
+    max_gen_batches: int = Field(
+        default=4, ge=1, description="Most rollout batches (of num_prompts_per_step prompts) per training step."
+    )
+
+
+class AsyncSettings(StrictModel):
+    """Asynchronous GRPO (`grpo/async_collector.py`): rollouts stay in flight while the trainer steps,
+    each trained group at most `max_lag` policy versions behind the weights it trains."""
+
+    enabled: bool = Field(default=False, description="Stream groups to the trainer; false: the synchronous loop.")
+    max_lag: int = Field(
+        default=1, ge=0, description="Most policy versions a trained group's oldest token may lag; 0 is on-policy."
+    )
+    in_flight: Literal["finish", "abort"] = Field(
+        default="abort",
+        description="Generations in flight at a weight update: abort and continue on the new weights (the turn "
+        "keeps its tokens, each with its version), or finish on the old ones (the refit then waits for the "
+        "longest generation in flight).",
+    )
+    oversample: int = Field(
+        default=0, ge=0, description="Groups started beyond what the steps within max_lag need (straggler slack)."
+    )
+    group_deadline_s: float | None = Field(
+        default=None, gt=0.0, description="A group running longer is cancelled and counted; None: no deadline."
+    )
+    queue_size: int | None = Field(
+        default=None, ge=1, description="Most finished groups waiting for the trainer (admission stops); None: "
+        "what max_lag and oversample allow."
+    )
+
+
+def async_wedge_warning(settings: AsyncSettings) -> str | None:
+    """The warning for an asynchronous config where one group that never finishes stops the run (None when
+    there is slack): max_lag 0 leaves no spare budget slot, as the synchronous loop has none."""
+    if not (settings.enabled and settings.max_lag == 0 and settings.oversample == 0
+            and settings.group_deadline_s is None):
+        return None
+    return ("grpo.async: max_lag 0 with oversample 0 and no group_deadline_s: a group that never finishes (a hung "
+            "generation; a hung environment step until rollouts.fault_policy.env_step_timeout_s) stops the run, as "
+            "it would the synchronous loop. Set grpo.async.oversample >= 1 or grpo.async.group_deadline_s.")
+
+
+def stale_rollouts_lag(data: Mapping[str, Any]) -> int:
+    """`grpo.async.max_lag` of a raw config when asynchronous GRPO is on with max_lag > 0 (rollouts may then come
+    from weights one or more steps old), else 0; 0 too where those keys don't validate (their error says why)."""
+    grpo = data.get("grpo")
+    if not isinstance(grpo, Mapping):
+        return 0
+    settings = grpo.get("async", grpo.get("async_"))
+    enabled = raw_field(AsyncSettings, settings, "enabled")
+    max_lag = raw_field(AsyncSettings, settings, "max_lag")
+    return max_lag if enabled is True and max_lag is not INVALID and max_lag > 0 else 0
+
+
+class GRPOSettings(StrictModel):
+    """The loop: how many prompts and samples per step, for how long, and when to validate and save."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True, validate_by_name=True,
+                              validate_by_alias=True)
+
+    num_prompts_per_step: int = Field(default=8, ge=1, description="Prompts (groups) per training step.")
+    max_num_steps: int = Field(default=100, ge=1, description="Training steps of the whole run.")
+    baseline: Literal["mean", "leave_one_out"] = Field(
+        default="leave_one_out",
+        description="Group reward baseline: the mean of the other samples (NeMo-RL's default) or of all.",
+    )
+    normalize_std: bool = Field(
+        default=True, description="Divide advantages by a reward std (skipped where that std is 0)."
+    )
+    std_scope: Literal["baseline", "group"] = Field(
+        default="baseline",
+        description="Std of the rewards the baseline averages (NeMo-RL), or of the whole group for every sample.",
+    )
+    overlong_filtering: bool = Field(default=False, description="Truncated rollouts get no loss.")
+    dynamic_sampling: DynamicSamplingSettings = Field(default_factory=DynamicSamplingSettings)
+    val_period: int = Field(default=0, ge=0, description="Validate every this many steps; 0 never.")
+    val_at_start: bool = Field(default=False, description="Also validate before the first step.")
+    save_period: int = Field(
+        default=0, ge=0, description="Checkpoint every this many steps and at the last; 0 never."
+    )
+    seed: int = Field(default=42, description="Seed of data order, torch, and rollouts when generation.seed is unset.")
+    stop_timeout_s: float = Field(
+        default=600.0, gt=0.0, description="On SIGTERM / Ctrl-C, most seconds to finish the step in progress and "
+        "checkpoint it before stopping at once without a new checkpoint.",
+    )
+    async_: AsyncSettings = Field(
+        default_factory=AsyncSettings, alias="async", description="Asynchronous GRPO (`grpo.async` in YAML)."
+    )
+
+
+class DataSettings(StrictModel):
+    """Question/answer JSONL files turned into prompts for the environment."""
+
+    train_path: Path = Field(description="Training rows (JSONL with the question and answer keys).")
+    val_path: Path | None = Field(default=None, description="Validation rows; None: the training file.")
+    question_key: str = Field(default="question", description="Key of the prompt text.")
+    answer_key: str = Field(default="answer", description="Key of the ground truth.")
+    shuffle: bool = Field(default=True, description="Shuffle the rows each epoch (seeded by grpo.seed).")
+
+
+class GRPORollouts(RolloutsConfig):
+    """The shared `rollouts` section (`experience.config`) with GRPO's defaults: 8 samples, 512 tokens."""
+
+    num_generations_per_prompt: int | dict[str, int] = Field(
+        default=8, description="Samples per prompt: an int, or agent name -> int with `_default` as fallback."
+    )
+    max_seq_len: int = Field(default=512, ge=2, description="Most tokens (prompt + every turn) per rollout.")
+
+
+class ValidationSettings(StrictModel):
+    """Validation rollouts every `grpo.val_period` steps, scored with the eval metrics."""
+
+    num_prompts: int | None = Field(default=None, ge=1, description="First N validation rows; None: all.")
+    num_generations_per_prompt: int | None = Field(
+        default=None, ge=1, description="Samples per prompt; None: the training setting (same manager)."
+    )
+    ks: tuple[Annotated[int, Field(ge=1)], ...] = Field(
+        default=(1,), description="k values of pass@k, maj@k and mean@k."
+    )
+
+
+class LoggerSettings(StrictModel):
+    """Where step metrics go."""
+
+    tensorboard: bool = Field(default=True, description="Also write TensorBoard events (if installed).")
+    progress: bool = Field(default=True, description="Show a progress bar over steps.")
+    print_steps: bool = Field(default=True, description="Print one summary line per step.")
+
+
+class GRPOConfig(CheckedConfig):
+    """A whole GRPO run (resuming may change only the keys of `RESUME_MAY_CHANGE`)."""
+
+    grpo: GRPOSettings = Field(default_factory=GRPOSettings)
+    loss: LossSettings = Field(default_factory=LossSettings)
+    optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    data: DataSettings
+    rollouts: GRPORollouts = Field(default_factory=GRPORollouts)
+    validation: ValidationSettings = Field(default_factory=ValidationSettings)
+    logger: LoggerSettings = Field(default_factory=LoggerSettings)
+    output_dir: Path = Field(default=Path("results/grpo"), description="Metrics, config and checkpoints.")
+    resume: bool | Literal["restart"] | Path = Field(
+        default=False,
+        description="false: a new run (refused where output_dir holds checkpoints or step folders); true: "
+        "continue from the latest complete checkpoint in output_dir (refused where the folder holds an earlier "
+        "run's step folders or step metrics but no complete checkpoint); a path: continue from that checkpoint; "
+        "restart: start over at step 0, deleting the checkpoints and step folders in output_dir.",
+    )
+    keep_last_checkpoints: int | None = Field(default=2, ge=1, description="Delete older ones; None keeps all.")
+
+    @classmethod
+    def legacy_spellings(
+        cls, data: dict[str, Any], *, whole: bool = True, base: Mapping[str, Any] | None = None
+    ) -> tuple[Renames, list[RuleProblem]]:
+        """NeMo-RL's GRPO spellings and this package's earlier ones (`compat.grpo_spellings`) rewritten to the
+        shared `rollouts` section, with a DeprecationWarning per key."""
+        return grpo_spellings(data, whole=whole, base=base)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stale_rollouts_get_importance_sampling(cls, data: Any) -> Any:
+        """With grpo.async on and max_lag > 0, loss.importance_sampling_correction defaults to true (NeMo-RL's
+        async GRPO guide requires it there); an explicit false is refused by `rule_problems`."""
+        if not isinstance(data, Mapping) or not stale_rollouts_lag(data):
+            return data
+        loss = data.get("loss")
+        loss = {} if loss is None else loss
+        if not isinstance(loss, Mapping) or "importance_sampling_correction" in loss:
+            return data
+        return {**data, "loss": {**loss, "importance_sampling_correction": True}}
+
+    @classmethod
+    def rule_problems(cls, data: Mapping[str, Any]) -> list[RuleProblem]:
+        """The shared rollouts rules (`rollouts_rule_problems`), sampling is never greedy, an asynchronous
+        run's queue holds at least one step's groups, and one whose rollouts may be stale keeps the
+        importance-sampling correction."""
+        policy = data.get("policy")
+        generation = policy.get("generation") if isinstance(policy, Mapping) else None
+        temperature = raw_field(GenerationConfig, generation, "temperature")
+        problems = rollouts_rule_problems(data, GRPORollouts, seq_len_within_model=True)
+        if temperature is not INVALID and temperature == 0.0:
+            problems.append(
+                (
+                    ("policy", "generation", "temperature"),
+                    "must be > 0: GRPO compares sampled completions",
+                    temperature,
+                )
+            )
+        grpo = data.get("grpo")
+        settings = grpo.get("async") if isinstance(grpo, Mapping) else None
+        queue_size = raw_field(AsyncSettings, settings, "queue_size")
+        per_step = raw_field(GRPOSettings, grpo, "num_prompts_per_step")
+        if queue_size not in (None, INVALID) and per_step is not INVALID and queue_size < per_step:
+            problems.append(
+                (
+                    ("grpo", "async", "queue_size"),
+                    f"must be >= grpo.num_prompts_per_step ({per_step}): the trainer waits for a step's groups",
+                    queue_size,
+                )
+            )
+        lag, loss = stale_rollouts_lag(data), data.get("loss")
+        written = isinstance(loss, Mapping) and "importance_sampling_correction" in loss  # absent: true (above)
+        correction = raw_field(LossSettings, loss, "importance_sampling_correction") if written else None
+        if lag and correction is False:
+            problems.append(
+                (
+                    ("loss", "importance_sampling_correction"),
+                    f"must be true when grpo.async is enabled with max_lag > 0 (here {lag}): a group may have been "
+                    "generated by weights one or more steps old, and without the correction its policy gradient "
+                    "is taken as if the current weights had sampled it (NeMo-RL's async GRPO guide: 'required for "
+                    "convergence'). Leave the key out (it defaults to true there) or set grpo.async.max_lag: 0",
+                    correction,
+                )
+            )
+        device = raw_field(PolicyConfig, policy, "device") if isinstance(policy, Mapping) or policy is None else "cpu"
+        problems += trainer_rule_problems(data, "cpu" if device is INVALID else device)
+        return problems
+
+
+def saved_config_settings(saved: Any) -> Any:
+    """A checkpoint's saved config with the settings it trained with where it predates a key: a config without
+    `loss.kl_gradient` and with a KL term trained with the pathwise KL gradient (the default before NeMo-RL's),
+    so resuming it under today's default is listed as a changed key instead of switching silently."""
+    if not isinstance(saved, Mapping):
+        return saved
+    out = dict(saved)
+    loss = out.get("loss")
+    if isinstance(loss, Mapping) and "kl_gradient" not in loss and loss.get("kl_coef", 0.0) not in (0, 0.0, None):
+        out["loss"] = {**loss, "kl_gradient": "pathwise"}
+    return out
+
+
+def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True) -> list[str]:
+    """What a run of `cfg` would stop on once its model is loaded, found without loading it: the model folder,
+    the Gym configs it launches, the training (`train`) and validation (`val`) files and their agents' counts.
+    Switch a file's check off when the run is given its datums directly. (An unknown environment name is a
+    config error already: `experience.config` validates it.)"""
+    # local (light, no cycle): could move to the top
+    from nemo_rl_ext.experience.input_checks import dataset_problems, rollouts_problems
+
+    problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
+    problems += rollouts_problems(cfg.rollouts)
+    keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
+    if train:
+        problems += dataset_problems(
+            "data.train_path", cfg.data.train_path, cfg.rollouts, counts=cfg.rollouts.num_generations_per_prompt,
+            counts_key=cfg.key_as_written("rollouts.num_generations_per_prompt"), **keys,
+        )
+    if val and (cfg.grpo.val_period > 0 or cfg.grpo.val_at_start) and cfg.data.val_path is not None:
+        val_counts = cfg.validation.num_generations_per_prompt
+        problems += dataset_problems(
+            "data.val_path", cfg.data.val_path, cfg.rollouts, limit=cfg.validation.num_prompts,
+            counts=val_counts if val_counts is not None else cfg.rollouts.num_generations_per_prompt,
+            counts_key="validation.num_generations_per_prompt" if val_counts is not None
+            else cfg.key_as_written("rollouts.num_generations_per_prompt"),
+            **keys,
+        )
+    return problems

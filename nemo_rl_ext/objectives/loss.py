@@ -1,0 +1,376 @@
+"""The clipped policy-gradient loss (GRPO/PPO style) over token tensors, and loss masks from completions.
+
+Token convention: every `[B, T]` tensor is indexed by the token it scores; `logprobs[b, t]` is
+log pi(token_t | tokens_<t) of sequence b. A trainer that takes logprobs from logits must shift them
+(the logits at position t-1 score token t); position 0 is never generated, so its mask is 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nemo_rl_ext.data.records import Completion, StopReason
+from nemo_rl_ext.objectives.loss_settings import ClippedPGLossConfig
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    estimator: str = "k3",
+    input_clamp_value: float | None = 20.0,
+    output_clamp_value: float | None = 10.0,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from x = reference_logprobs - logprobs (Schulman's k1/k2/k3).
+
+    x is clamped to [-input_clamp_value, input_clamp_value] first; the estimate is then multiplied by
+    `weights` (if given) and clamped to [-output_clamp_value, output_clamp_value] last (None skips a clamp), as
+    NeMo-RL's `calculate_kl`. Where the input clamp bites, the weight is detached: a clamped token passes no
+    gradient at all, through the estimate or through its weight; the output clamp, applied after the weight,
+    does the same.
+    """
+    x = reference_logprobs - logprobs
+    if input_clamp_value is not None:
+        clamped = x.clamp(-input_clamp_value, input_clamp_value)
+        if weights is not None:
+            weights = torch.where(clamped == x, weights, weights.detach())
+        x = clamped
+    if estimator == "k1":
+        kl = -x
+    elif estimator == "k2":
+        kl = x.square() / 2
+    elif estimator == "k3":
+        kl = torch.exp(x) - x - 1.0
+    else:
+        raise ValueError(f"KL estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+    if weights is not None:
+        kl = weights * kl
+    if output_clamp_value is not None:
+        kl = kl.clamp(-output_clamp_value, output_clamp_value)
+    return kl
+
+
+def kl_weight(
+    logprobs: torch.Tensor, generation_logprobs: torch.Tensor | None, config: ClippedPGLossConfig
+) -> torch.Tensor:
+    """The weight of each token's KL estimate: its value is pi / pi_gen with `on_policy_kl_approximation`, else 1;
+    it carries d/dlogp (the score function of the sampled token) unless `kl_gradient` is pathwise."""
+    if config.on_policy_kl_approximation:
+        if generation_logprobs is None:
+            raise ValueError("on_policy_kl_approximation needs generation_logprobs")
+        sampled_by = generation_logprobs.detach()
+    else:
+        sampled_by = logprobs.detach()
+    weight = torch.nan_to_num(torch.exp(logprobs - sampled_by), nan=0.0, posinf=0.0, neginf=0.0)
+    return weight.detach() if config.kl_gradient == "pathwise" else weight
+
+
+def _normalize(per_token: torch.Tensor, valid: torch.Tensor, mode: str, count: float | None) -> torch.Tensor:
+    """Reduce a [B, T] per-token quantity to a scalar over the valid tokens (see ClippedPGLossConfig)."""
+    masked = torch.where(valid, per_token, torch.zeros_like(per_token))
+    if mode == "token":
+        denom = float(count) if count is not None else float(valid.sum())
+        return masked.sum() / max(denom, 1.0)
+    seq_tokens = valid.sum(dim=-1)
+    seq_mean = masked.sum(dim=-1) / seq_tokens.clamp(min=1).to(per_token.dtype)
+    denom = float(count) if count is not None else float((seq_tokens > 0).sum())
+    return seq_mean.sum() / max(denom, 1.0)
+
+
+def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> float:
+    n = int(valid.sum())
+    return float(x[valid].sum() / n) if n else 0.0
+
+
+def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> float:
+    return float(x[valid].max()) if bool(valid.any()) else 0.0
+
+
+def clipped_pg_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: ClippedPGLossConfig | None = None,
+    *,
+    generation_logprobs: torch.Tensor | None = None,
+    reference_logprobs: torch.Tensor | None = None,
+    global_normalization_count: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss with optional dual clip, KL penalty and truncated IS correction.
+
+    Inputs (all `[B, T]` unless said): `logprobs` of the current policy (carries the gradient);
+    `old_logprobs` of the trainer's policy before this update; `advantages` per sequence `[B]` (or per
+    token `[B, T]`); `mask` 0/1 (or bool), 1 on tokens that are trained; `generation_logprobs` from the
+    engine (needed by `importance_sampling_correction` and `on_policy_kl_approximation`); `reference_logprobs`
+    (needed when kl_coef != 0).
+
+    Per valid token, with r = exp(logprobs - old), w = min(exp(old - gen), cap) detached (1 without the
+    correction) and u = exp(logprobs - g), g = gen with `on_policy_kl_approximation` else sg(logprobs) (so u = 1):
+      pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), then for A < 0: pg = min(pg, -A * clip_c)
+      kl = clamp(u * k(clamp(log ref - log pi, +-kl_input_clamp_value)), +-kl_output_clamp_value)  (k: estimator)
+      loss_token = w * pg + kl_coef * kl      (w weights only the pg term, as in NeMo-RL)
+    u carries a gradient (kl_gradient "score_function", NeMo-RL's since 2026: d kl/d logp gains the term
+    u * k, the score function of the sampled token) unless kl_gradient is "pathwise" (u detached); where
+    either clamp bites the token passes no KL gradient.
+    Reduction: `token` divides the masked sum by `global_normalization_count` if given (the masked-token
+    count of the whole step, for gradient accumulation) else by this batch's masked-token count;
+    `sequence` averages each sequence over its masked tokens, sums over sequences and divides by
+    `global_normalization_count` if given (the step's number of sequences with a masked token) else by
+    this batch's number of such sequences. Sequences without masked tokens contribute nothing.
+
+    Metrics (floats over this batch's masked tokens; 0.0 when there are none): `loss`, `loss/pg`,
+    `loss/kl` (= loss - loss/pg), `kl/mean` (the per-token `kl` above before kl_coef, when a reference is given),
+    `clip_fraction`
+    (+ `/low`, `/high`), `dual_clip_fraction`, `policy_ratio/mean|max` (pi / pi_old),
+    `importance_ratio/mean|max` (exp(old - gen), untruncated), `is_weight/mean`,
+    `is_weight/truncated_fraction`, `num_tokens`, `num_sequences`.
+    """
+    cfg = config or ClippedPGLossConfig()
+    _check_loss_inputs(
+        logprobs, old_logprobs, advantages, mask, cfg, generation_logprobs, reference_logprobs,
+        global_normalization_count,
+    )
+    valid = mask.to(torch.bool)
+    pg = _clipped_pg_terms(logprobs, old_logprobs, advantages, valid, cfg)
+    raw_is, is_weight = _importance_weights(logprobs, pg.old, generation_logprobs, valid, cfg)
+    kl = _kl_terms(logprobs, generation_logprobs, reference_logprobs, valid, cfg)
+    mode, count = cfg.normalization, global_normalization_count
+    pg_loss = _normalize(is_weight * pg.pg, valid, mode, count)
+    kl_loss = None
+    if kl is not None and cfg.kl_coef != 0.0:  # the IS weight multiplies only the pg term (as NeMo-RL's)
+        kl_loss = _normalize(cfg.kl_coef * kl, valid, mode, count)
+    loss = pg_loss + kl_loss if kl_loss is not None else pg_loss
+    with torch.no_grad():
+        metrics = _loss_metrics(loss, pg_loss, kl_loss, pg, raw_is, is_weight, kl, valid)
+    return loss, metrics
+
+
+def _check_loss_inputs(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: ClippedPGLossConfig,
+    generation_logprobs: torch.Tensor | None,
+    reference_logprobs: torch.Tensor | None,
+    global_normalization_count: float | None,
+) -> None:
+    """`clipped_pg_loss`' inputs have matching shapes and carry what its settings need."""
+    shape = logprobs.shape
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(shape)}")
+    named = {
+        "old_logprobs": old_logprobs,
+        "mask": mask,
+        "generation_logprobs": generation_logprobs,
+        "reference_logprobs": reference_logprobs,
+    }
+    for name, t in named.items():
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if advantages.shape not in (shape, shape[:1], (shape[0], 1)):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [B], [B, 1] or [B, T]")
+    if cfg.importance_sampling_correction and generation_logprobs is None:
+        raise ValueError("importance_sampling_correction needs generation_logprobs (or disable it)")
+    if cfg.on_policy_kl_approximation and reference_logprobs is not None and generation_logprobs is None:
+        raise ValueError("on_policy_kl_approximation needs generation_logprobs (or disable it)")
+    if cfg.kl_coef != 0.0 and reference_logprobs is None:
+        raise ValueError("kl_coef != 0 needs reference_logprobs")
+    if global_normalization_count is not None and global_normalization_count < 0:
+        raise ValueError(f"global_normalization_count must be >= 0, got {global_normalization_count}")
+
+
+@dataclass(frozen=True, eq=False)
+class _PGTerms:
+    """The per-token clipped policy-gradient term of `clipped_pg_loss` and what its metrics read."""
+
+    adv: torch.Tensor
+    """[B, T] advantages, detached, in the logprobs' dtype."""
+    old: torch.Tensor
+    """[B, T] old logprobs, detached, in the logprobs' dtype."""
+    ratio: torch.Tensor
+    """[B, T] pi / pi_old (1 outside the mask)."""
+    loss_unclipped: torch.Tensor
+    """[B, T] -A * ratio."""
+    loss_clipped: torch.Tensor
+    """[B, T] -A * clip(ratio, 1 - clip_low, 1 + clip_high)."""
+    pg: torch.Tensor
+    """[B, T] the larger of the two, dual-clipped where `dual`."""
+    dual: torch.Tensor
+    """[B, T] bool: where the dual clip bit (all False without `clip_c`)."""
+
+
+def _clipped_pg_terms(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    cfg: ClippedPGLossConfig,
+) -> _PGTerms:
+    """pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), then for A < 0: pg = min(pg, -A * clip_c)."""
+    shape, dtype = logprobs.shape, logprobs.dtype
+    zero = torch.zeros_like(logprobs)
+    adv = advantages.to(dtype).detach()
+    adv = (adv.reshape(-1, 1) if adv.ndim == 1 else adv).expand(shape)
+    old = old_logprobs.to(dtype).detach()
+    ratio = torch.exp(torch.where(valid, logprobs - old, zero))
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    pg = torch.maximum(loss_unclipped, loss_clipped)
+    dual = torch.zeros_like(valid)
+    if cfg.clip_c is not None:
+        loss_dual = -adv * cfg.clip_c
+        dual = (adv < 0) & (loss_dual < pg)
+        pg = torch.where(dual, loss_dual, pg)
+    return _PGTerms(adv, old, ratio, loss_unclipped, loss_clipped, pg, dual)
+
+
+def _importance_weights(
+    logprobs: torch.Tensor,
+    old: torch.Tensor,
+    generation_logprobs: torch.Tensor | None,
+    valid: torch.Tensor,
+    cfg: ClippedPGLossConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp(old - gen), 1 without generation logprobs; the pg term's weight: it capped at
+    `importance_sampling_cap` with `importance_sampling_correction`, else 1), both detached."""
+    zero = torch.zeros_like(logprobs)
+    if generation_logprobs is not None:
+        raw_is = torch.exp(torch.where(valid, old - generation_logprobs.to(logprobs.dtype).detach(), zero))
+    else:
+        raw_is = torch.ones_like(logprobs)
+    if cfg.importance_sampling_correction:
+        cap = cfg.importance_sampling_cap
+        is_weight = raw_is.clamp(max=cap) if cap is not None else raw_is
+    else:
+        is_weight = torch.ones_like(logprobs)
+    return raw_is, is_weight
+
+
+def _kl_terms(
+    logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor | None,
+    reference_logprobs: torch.Tensor | None,
+    valid: torch.Tensor,
+    cfg: ClippedPGLossConfig,
+) -> torch.Tensor | None:
+    """The per-token weighted KL estimate (see `kl_penalty`, `kl_weight`); None without reference logprobs."""
+    if reference_logprobs is None:
+        return None
+    dtype = logprobs.dtype
+    zero = torch.zeros_like(logprobs)
+    current = torch.where(valid, logprobs, zero)
+    gen = torch.where(valid, generation_logprobs.to(dtype), zero) if generation_logprobs is not None else None
+    return kl_penalty(
+        current,
+        torch.where(valid, reference_logprobs.to(dtype).detach(), zero),
+        cfg.kl_estimator,
+        cfg.kl_input_clamp_value,
+        cfg.kl_output_clamp_value,
+        weights=kl_weight(current, gen, cfg),
+    )
+
+
+def _loss_metrics(
+    loss: torch.Tensor,
+    pg_loss: torch.Tensor,
+    kl_loss: torch.Tensor | None,
+    pg: _PGTerms,
+    raw_is: torch.Tensor,
+    is_weight: torch.Tensor,
+    kl: torch.Tensor | None,
+    valid: torch.Tensor,
+) -> dict[str, float]:
+    """`clipped_pg_loss`' metrics (see its docstring), over the valid tokens."""
+    dtype = pg.ratio.dtype
+    clipped = (pg.loss_clipped > pg.loss_unclipped) & valid & ~pg.dual
+    metrics = {
+        "loss": float(loss),
+        "loss/pg": float(pg_loss),
+        "loss/kl": float(kl_loss) if kl_loss is not None else 0.0,
+        "clip_fraction": _masked_mean(clipped.to(dtype), valid),
+        "clip_fraction/low": _masked_mean((clipped & (pg.adv < 0)).to(dtype), valid),
+        "clip_fraction/high": _masked_mean((clipped & (pg.adv > 0)).to(dtype), valid),
+        "dual_clip_fraction": _masked_mean(pg.dual.to(dtype), valid),
+        "policy_ratio/mean": _masked_mean(pg.ratio, valid),
+        "policy_ratio/max": _masked_max(pg.ratio, valid),
+        "importance_ratio/mean": _masked_mean(raw_is, valid),
+        "importance_ratio/max": _masked_max(raw_is, valid),
+        "is_weight/mean": _masked_mean(is_weight, valid),
+        "is_weight/truncated_fraction": _masked_mean((raw_is > is_weight).to(dtype), valid),
+        "num_tokens": float(valid.sum()),
+        "num_sequences": float((valid.sum(dim=-1) > 0).sum()),
+    }
+    if kl is not None:
+        metrics["kl/mean"] = _masked_mean(kl, valid)
+    return metrics
+
+
+def build_loss_mask(
+    completion: Completion, overlong_filtering: bool = False, only_generated: bool = True
+) -> torch.Tensor:
+    """0/1 float32 mask over `completion.token_ids` (all messages' ids, concatenated): 1 on assistant tokens.
+
+    With `only_generated` (default) an assistant message counts only when it carries
+    `generation_logprobs`, i.e. it came from the engine (few-shot assistant turns in the prompt do not).
+    Everything is 0 when the completion errored (stop_reason "error") or, with `overlong_filtering`, when
+    it was truncated.
+    """
+    n = sum(len(m.token_ids) for m in completion.message_log)
+    if completion.stop_reason == StopReason.ERROR or (overlong_filtering and completion.truncated):
+        return torch.zeros(n, dtype=torch.float32)
+    parts = []
+    for m in completion.message_log:
+        trained = m.role == "assistant" and (m.generation_logprobs is not None or not only_generated)
+        parts.append(torch.full((len(m.token_ids),), 1.0 if trained else 0.0, dtype=torch.float32))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class CompletionTensors:
+    """A completion as the trainer consumes it: one entry per token of its full token sequence."""
+
+    token_ids: torch.Tensor
+    """[L] int64: all token ids of the completion, in context order."""
+    loss_mask: torch.Tensor
+    """[L] float32 0/1: see `build_loss_mask`."""
+    generation_logprobs: torch.Tensor
+    """[L] float32: the engine's logprob of each generated token; 0 where the token was not generated."""
+
+
+def completion_to_tensors(
+    completion: Completion, overlong_filtering: bool = False, only_generated: bool = True
+) -> CompletionTensors:
+    """Token ids, loss mask and per-token generation logprobs of a completion, aligned."""
+    ids = torch.tensor(completion.token_ids, dtype=torch.int64)
+    gen = [
+        torch.tensor(m.generation_logprobs, dtype=torch.float32)
+        if m.generation_logprobs is not None
+        else torch.zeros(len(m.token_ids), dtype=torch.float32)
+        for m in completion.message_log
+    ]
+    return CompletionTensors(
+        token_ids=ids,
+        loss_mask=build_loss_mask(completion, overlong_filtering, only_generated),
+        generation_logprobs=torch.cat(gen) if gen else torch.zeros(0, dtype=torch.float32),
+    )
+
+
+def pad_completion_tensors(
+    items: Sequence[CompletionTensors], pad_token_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad to `[B, T_max]`: (token ids, loss mask, generation logprobs); padding has mask 0."""
+    if len(items) == 0:
+        raise ValueError("nothing to pad")
+    t_max = max(int(x.token_ids.numel()) for x in items)
+    ids = torch.full((len(items), t_max), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros(len(items), t_max, dtype=torch.float32)
+    gen = torch.zeros(len(items), t_max, dtype=torch.float32)
+    for b, x in enumerate(items):
+        n = x.token_ids.numel()
+        ids[b, :n], mask[b, :n], gen[b, :n] = x.token_ids, x.loss_mask, x.generation_logprobs
+    return ids, mask, gen

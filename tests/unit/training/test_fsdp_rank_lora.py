@@ -1,0 +1,70 @@
+"""One FSDP2 rank at world size 1 (gloo, in this process, no Ray) with LoRA on a decoder projection and the LM
+head, and a KL term: the rank's update equals the in-process trainer's. The KL reference switches the adapters off
+without peft's `disable_adapter()`, which also flips their `requires_grad` and, under FSDP2, left the root unit's
+(the LM head's) adapters untrained (`fsdp_wrap.adapters_off`)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nemo_rl_ext.models.loading import load_model_and_tokenizer
+from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors
+from nemo_rl_ext.training.config import LoraSettings, OptimizerSettings
+from nemo_rl_ext.training.fsdp_workers import RankSpec, TrainerRank
+from nemo_rl_ext.training.lora import with_lora
+from nemo_rl_ext.training.trainer import PolicyTrainer
+
+SEED = 7
+
+
+def _items() -> tuple[list[CompletionTensors], torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for i in range(4):
+        ids = torch.randint(0, 500, (8 + 2 * i,), generator=g)
+        mask = torch.zeros(ids.numel())
+        mask[5:] = 1.0
+        items.append(CompletionTensors(ids, mask, -torch.rand(ids.numel(), generator=g) * mask))
+    return items, torch.tensor([1.0, -0.5, 2.0, -1.0])
+
+
+@pytest.mark.timeout(120)
+def test_a_lora_rank_with_a_kl_term_trains_the_lm_head_adapters_as_one_process_does(tmp_path):
+    from nemo_rl_ext.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "model", seed=0, initializer_range=0.05, tie_word_embeddings=False)
+    lora = LoraSettings(r=4, alpha=8, target_modules=("q_proj", "lm_head"))
+    optimizer = OptimizerSettings(lr=1e-2, micro_batch_size=2, share_prompt_prefix=False)
+    loss = ClippedPGLossConfig(kl_coef=0.1)
+    items, advantages = _items()
+    model, _ = load_model_and_tokenizer(path)
+    torch.manual_seed(SEED)
+    local = PolicyTrainer(with_lora(model, lora), optimizer=optimizer, loss=loss, temperature=1.0, pad_token_id=0)
+    rank = TrainerRank(0, 1, torch_threads=None)  # leaves this process's thread count alone
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spec = RankSpec(model_path=str(path), reference_path=None, dtype="float32", device="cpu", optimizer=optimizer,
+                    loss=loss, temperature=1.0, pad_token_id=0, lora=lora, init_seed=SEED)
+    try:
+        loaded = rank.setup("127.0.0.1", port, spec)
+        assert loaded["reference_loaded"] is False
+        count = float(sum(float(x.loss_mask.sum()) for x in items))
+        for _ in range(2):
+            expected = local.train_step(items, advantages)
+            ref = [lp for chunk in rank.logprobs([items[:2], items[2:]], reference=True) for lp in chunk]
+            slots = [(items[:2], advantages[:2], None, ref[:2]), (items[2:], advantages[2:], None, ref[2:])]
+            _, norm = rank.train_minibatch(slots, count)
+            assert norm == pytest.approx(expected["grad_norm"], rel=1e-4)
+        names = [name for name, *_ in rank.tensor_sizes()]
+        got = rank.gather(names)
+    finally:
+        rank.shutdown()
+    want, initial = local.state_dict(), load_file(path / "model.safetensors")
+    for name in ("lm_head.weight", "model.layers.0.self_attn.q_proj.weight"):
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+        assert float((got[name] - initial[name]).abs().max()) > 1e-4, name  # its adapters trained
