@@ -10,7 +10,8 @@ A resume refuses a changed config (except the keys of nemo_rl_ext.grpo.config.RE
 grpo.max_num_steps) and skips a damaged checkpoint for the previous whole one; it never overwrites an earlier
 run it cannot continue (step folders without a complete checkpoint: refused unless resume=restart). User errors
 (config, input files, resume) and Gym servers that do not start (their name and log file) print one message
-and exit 2. NeMo Gym servers the run launches log to <output_dir>/gym/.
+and exit 2; a trainer rank that dies or fails (trainer.workers > 1), an infrastructure failure, prints one `error:`
+line (the rank, its pid and node, the last complete checkpoint, the command that resumes) last and exits 3. NeMo Gym servers the run launches log to <output_dir>/gym/.
 
 `export` writes a checkpoint of the run in RUN_DIR (its output_dir; default: the newest whole checkpoint) as a
 Hugging Face folder that transformers and `run_eval.py policy.model_name=DIR` load (default --out:
@@ -23,6 +24,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.gym.launcher import GymLaunchError
@@ -53,6 +55,12 @@ def export_main(argv: list[str]) -> int:
     return 0
 
 
+def _script() -> str:
+    """This script's path as the user would type it here: relative to the working directory when inside it."""
+    path = Path(__file__).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
@@ -65,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     import transformers  # here, not at the top: `export` does without transformers and the trainer
 
     from nemo_rl_ext.grpo.config import GRPOConfig
+    from nemo_rl_ext.grpo.failures import infrastructure_error_line
     from nemo_rl_ext.grpo.loop import GRPO
+    from nemo_rl_ext.training.distributed_trainer import TrainerWorkerError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -84,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     except GymLaunchError as exc:  # a Gym server that did not start: its name, error and log file, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TrainerWorkerError as exc:  # infrastructure: one line with the rank, its node, the checkpoint, the resume
+        sys.stdout.flush()  # Ray's own lines (stdout) come before the error line, not after it
+        print("error: " + infrastructure_error_line(exc, cfg.output_dir, _script(), args.config, args.overrides,
+                                                    args.imports), file=sys.stderr)
+        return 3
     rewards = [h["rollout/reward/mean"] for h in history]
     print(f"\n{len(history)} step(s) in {time.perf_counter() - start:.1f} s; outputs in {cfg.output_dir}")
     if rewards:

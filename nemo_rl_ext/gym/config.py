@@ -36,7 +36,8 @@ class GymLaunchConfig(StrictModel):
 
     mode: Literal["direct", "ng_run"] = Field(
         default="direct",
-        description="direct: start each server's app.py (no Ray, loopback only); ng_run: Gym's own launcher.",
+        description="direct: start each server's entrypoint script, as ng_run does (no Ray, loopback only); "
+        "ng_run: Gym's own launcher.",
     )
     gym_venv: Path = Field(description="The NeMo Gym venv (scripts/setup_nemo_gym.sh prints it).")
     config_paths: tuple[Path, ...] = Field(

@@ -1,8 +1,11 @@
 """Starting NeMo Gym servers from a Gym venv, waiting until they are healthy, and stopping them.
 
 Two modes (docs/nemo_gym.md has the measurements behind them):
-- `direct` (default): each server's `app.py` is started with the resolved config in its environment.
-  No Ray and no head server; every socket is on 127.0.0.1; up in ~7 s on 2 cores.
+- `direct` (default): each server's `entrypoint` (`app.py` in Gym's configs) is started, as `ng_run` starts it, with
+  the resolved config in its environment; a server without one, or whose script is not in its folder, is refused
+  before anything starts (`entrypoint_problems`). No Ray and no head server; every socket is on 127.0.0.1; up in
+  ~7 s on 2 cores. A server's folder is found as `ng_run` finds it: NEMO_GYM_EXTRA_ROOTS, then the caller's
+  working directory, then the Gym install (`resolve_gym_config.py`).
 - `ng_run`: Gym's own launcher (`ng_run`, alias of `gym env start`) with a head server; it also starts
   a Ray cluster, which listens on every interface, and takes ~40 s. Stopped with SIGTERM, then SIGKILL
   of its process group (Ray's agents ignore SIGTERM).
@@ -103,6 +106,24 @@ def undefined_model_servers(config_paths: list[Path]) -> list[str]:
     return sorted(set(referenced) - defined)
 
 
+def entrypoint_problems(servers: dict[str, dict]) -> list[str]:
+    """One message per server (resolved: `type`, `impl`, `dir`, `entrypoint`) whose `entrypoint` `ng_run` could not
+    run: none given, an absolute path (`ng_run` refuses it), or no such file in the server's folder."""
+    problems = []
+    for name, server in servers.items():
+        key = f"{name}.{server['type']}.{server['impl']}.entrypoint"
+        entrypoint = server.get("entrypoint")
+        if not entrypoint:
+            problems.append(f"NeMo Gym server {name!r}: {key} is missing (the script Gym starts, e.g. app.py)")
+        elif Path(entrypoint).is_absolute():
+            problems.append(f"NeMo Gym server {name!r}: {key}={entrypoint!r} must be relative to the server's "
+                            f"folder {server['dir']}, as Gym requires")
+        elif not (Path(server["dir"]) / entrypoint).is_file():
+            problems.append(f"NeMo Gym server {name!r}: {key}={entrypoint!r}: no such file in the server's folder "
+                            f"{server['dir']}")
+    return problems
+
+
 class GymLaunchError(RuntimeError):
     """Gym could not be started; the message is one line naming the servers, their log files and the error
     their logs end with (`log_tails`: the logs' last lines)."""
@@ -200,7 +221,7 @@ class GymLauncher:
     def _resolve(self) -> dict:
         cmd = [str(self.python), str(RESOLVER), "--policy-base-url", self.policy_base_url,
                "--policy-model-name", self.policy_model_name, "--policy-api-key", self.policy_api_key,
-               *[str(p) for p in self.config_paths]]
+               "--search-root", os.getcwd(), *[str(p) for p in self.config_paths]]
         deadline = time.monotonic() + 120
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=self.work_dir) as proc:
@@ -229,13 +250,16 @@ class GymLauncher:
 
     def _start_direct(self, resolved: dict) -> dict[str, str]:
         servers = {n: s for n, s in resolved["servers"].items() if s["type"] in DIRECT_TYPES}
+        problems = entrypoint_problems(servers)
+        if problems:
+            raise GymLaunchError("; ".join(problems))
         for name, server in servers.items():
             env = os.environ | {
                 "NEMO_GYM_CONFIG_DICT": resolved["yaml"],
                 "NEMO_GYM_CONFIG_PATH": name,
                 "PYTHONPATH": server["dir"],
             }
-            self._spawn(name, [str(self.python), "app.py"], cwd=server["dir"], env=env)
+            self._spawn(name, [str(self.python), server["entrypoint"]], cwd=server["dir"], env=env)
         urls = {n: f"http://{s['host']}:{s['port']}" for n, s in servers.items()}
         self._wait_healthy(urls)
         self._servers = servers_from_config(
@@ -266,7 +290,10 @@ class GymLauncher:
                f"+model_endpoint_readiness_timeout_seconds={int(self.cfg.startup_timeout_s)}"]
         # a private Ray temp dir: never join (or hang on) another Ray cluster of this user
         self._ray_tmp = Path(tempfile.mkdtemp(prefix="ngray-", dir="/tmp"))
-        self._spawn("ng_run", cmd, cwd=str(self.work_dir), env=os.environ | {"RAY_TMPDIR": str(self._ray_tmp)})
+        # the server folders ng_run finds (run in work_dir): those the resolver found from the caller's cwd
+        roots = os.pathsep.join(r for r in (os.environ.get("NEMO_GYM_EXTRA_ROOTS", ""), os.getcwd()) if r)
+        self._spawn("ng_run", cmd, cwd=str(self.work_dir),
+                    env=os.environ | {"RAY_TMPDIR": str(self._ray_tmp), "NEMO_GYM_EXTRA_ROOTS": roots})
         head = f"http://127.0.0.1:{self.cfg.head_server_port}"
         self._wait_healthy({"head_server": head}, path="/readyz")
         instances = httpx.get(f"{head}/server_instances", timeout=30).json()

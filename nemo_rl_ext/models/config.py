@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from nemo_rl_ext.config import StrictModel
+from nemo_rl_ext.models.adapters import adapter_folder_problem, is_adapter_folder
 from nemo_rl_ext.models.backend_registry import available_backends, backend_settings_models
 from nemo_rl_ext.models.backend_settings import HfConfig, VllmConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
@@ -133,15 +134,20 @@ class PolicyConfig(StrictModel):
         return (self.__pydantic_extra__ or {}).get(self.backend if name is None else name)
 
     def model_folder_problem(self) -> str | None:
-        """Why `model_name` names no model (not a built-in name nor a folder with config.json), or None.
+        """Why `model_name` names no model (not a built-in name, nor a folder with config.json, nor a peft LoRA
+        adapter folder with its weights and a base model found here), or None.
 
         Loads nothing, so a run can check it before any model is built."""
         folder = Path(self.model_name).expanduser()
-        if self.model_name in BUILTIN_MODELS or (folder / "config.json").is_file():
+        if self.model_name in BUILTIN_MODELS:
+            return None
+        if is_adapter_folder(folder):
+            return adapter_folder_problem(folder, BUILTIN_MODELS)
+        if (folder / "config.json").is_file():
             return None
         return (
             f"policy.model_name={self.model_name!r} is neither {' nor '.join(map(repr, BUILTIN_MODELS))} "
-            "nor a model folder with config.json"
+            "nor a model folder with config.json nor a LoRA adapter folder (adapter_config.json)"
         )
 
 

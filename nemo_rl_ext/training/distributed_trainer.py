@@ -50,7 +50,38 @@ START_TIMEOUT_S = 600.0
 
 
 class TrainerWorkerError(RuntimeError):
-    """A trainer rank died or failed; the message names it, its process and its node."""
+    """A trainer rank died or failed; the message names it, its process and its node (and holds the cause's
+    text, Ray's advice included); `summary` is the same in one line, for a CLI's `error:` line."""
+
+    def __init__(self, message: str, *, rank: int, pid: Any, node_id: Any, ip: Any, what: str, cause: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        """The rank that died or failed."""
+        self.pid = pid
+        """Its process id ('?' when it died before reporting it)."""
+        self.node_id = node_id
+        """Its Ray node id ('?' when unknown)."""
+        self.ip = ip
+        """Its node's IP address ('?' when unknown)."""
+        self.what = what
+        """'died' (its process is gone) or 'failed' (it raised)."""
+        self.cause = cause
+        """The cause in one line: the exception's type and the first line of its message."""
+
+    @property
+    def summary(self) -> str:
+        """One line: `trainer worker rank R (pid P) on node N (IP) died: Cause: first line`."""
+        return f"trainer worker rank {self.rank} (pid {self.pid}) on node {self.node_id} ({self.ip}) {self.what}: " \
+               f"{self.cause}"
+
+
+def _one_line(exc: BaseException) -> str:
+    """`Type: first line of the message` of a rank's error; a task's error is its own exception's (`cause`),
+    not Ray's wrapper, whose first line only names the task."""
+    inner = getattr(exc, "cause", None)
+    exc = inner if isinstance(inner, BaseException) else exc
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first[:300].rstrip('.')}" if first else type(exc).__name__
 
 
 def check_trainer_resources(
@@ -162,10 +193,15 @@ class DistributedTrainer:
         where = self.workers[rank]
         died = isinstance(exc, ray.exceptions.RayActorError)
         what = "died" if died else "failed"
-        message = (f"trainer worker rank {rank} (pid {where.get('pid', '?')}) on node {where.get('node_id', '?')} "
-                   f"({where.get('ip', '?')}) {what}: {type(exc).__name__}: {str(exc).strip()[:2000]}")
+        text = str(exc).strip()
+        error = TrainerWorkerError(
+            f"trainer worker rank {rank} (pid {where.get('pid', '?')}) on node {where.get('node_id', '?')} "
+            f"({where.get('ip', '?')}) {what}: {type(exc).__name__}: {text[:2000]}",
+            rank=rank, pid=where.get("pid", "?"), node_id=where.get("node_id", "?"), ip=where.get("ip", "?"),
+            what=what, cause=_one_line(exc),
+        )
         self._kill_ranks()  # Ray itself stays up for the others using it (a generation pool) until `close`
-        raise TrainerWorkerError(message) from exc
+        raise error from exc
 
     def _slots(self, chunks: Sequence[Any]) -> list[list[Any]]:
         """Chunk j to rank j % world; every rank gets ceil(len / world) slots, None where it has none."""

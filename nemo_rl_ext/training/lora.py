@@ -10,9 +10,6 @@ module, computed one module at a time.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,6 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from nemo_rl_ext.models.adapters import peft_reads_a_deprecated_alias
 from nemo_rl_ext.training.config import LoraSettings
 from nemo_rl_ext.training.streamed_weights import StreamedWeights
 
@@ -76,16 +74,6 @@ def with_lora(model: PreTrainedModel, settings: LoraSettings, adapter_dir: str |
         if adapter_dir is not None:
             return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
         return get_peft_model(model, _lora_config(settings))
-
-
-@contextlib.contextmanager
-def peft_reads_a_deprecated_alias() -> Iterator[None]:
-    """peft 0.21.2 (the newest release) reads `model.is_gradient_checkpointing` in `PeftModel.__init__`, an alias
-    transformers 5.x deprecates with a FutureWarning (the value is `is_activation_checkpointing`'s, so nothing is
-    wrong); that one warning, by its message, is not shown. Nothing of ours reads the alias."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
 
 
 def _lora_config(settings: LoraSettings) -> LoraConfig:

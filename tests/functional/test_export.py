@@ -319,3 +319,40 @@ def test_lora_exports_merged_or_as_its_adapters_with_the_trainers_logprobs(lora_
         adapter_files[source] = load_file(adapters.out / "adapter_model.safetensors")
     one, sharded = adapter_files["dir"], adapter_files["sharded"]
     assert one.keys() == sharded.keys() and all(torch.equal(one[k], sharded[k]) for k in one)  # the same adapters
+
+
+@pytest.mark.timeout(300)
+def test_run_eval_loads_a_lora_checkpoints_policy_folder_and_its_adapter_export_as_the_merged_model(
+        lora_run: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`policy.model_name=<step>/policy` of the one-process LoRA run and its `--adapter-only` export (before: exit 2,
+    "neither 'smollm2' nor 'tiny' nor a model folder with config.json") load as the base model with the adapters
+    merged, the very weights of the merged export (peft's merge of the same float32 tensors): the eval's greedy
+    completions are those of the merged export, token for token."""
+    from safetensors.torch import load_file
+
+    from nemo_rl_ext.models.config import PolicyConfig
+    from nemo_rl_ext.models.policy import resolve_model_path
+
+    monkeypatch.setenv("NEMO_RL_EXT_CACHE", str(tmp_path / "cache"))  # the merged folders land there
+    policy = checkpoint_dir(lora_run["dir"] / "checkpoints", 2) / "policy"
+    merged = export_checkpoint(lora_run["dir"], step=2, out=tmp_path / "merged").out
+    adapters = export_checkpoint(lora_run["dir"], step=2, out=tmp_path / "adapters", adapter_only=True).out
+    exported = load_file(merged / "model.safetensors")
+    for folder in (policy, adapters):
+        weights = load_file(resolve_model_path(PolicyConfig(model_name=str(folder))) / "model.safetensors")
+        assert weights.keys() == exported.keys() and all(torch.equal(weights[k], exported[k]) for k in weights), folder
+
+    completions = {}
+    for name, folder in (("merged", merged), ("policy", policy), ("adapters", adapters)):
+        save = tmp_path / f"eval_{name}"
+        proc = script_main(capsys, "run_eval.py", "--config", REPO / "examples/configs/evals/eval.yaml",
+                           f"policy.model_name={folder}", "eval.num_prompts=3", "eval.ks=[1]",
+                           "rollouts.num_generations_per_prompt=1", "policy.generation.max_new_tokens=8",
+                           "policy.generation.temperature=0.0", "eval.save_token_ids=true", f"eval.save_path={save}",
+                           "--no-progress")
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        lines = [json.loads(line) for line in (save / "completions.jsonl").read_text().splitlines()]
+        completions[name] = sorted((line["prompt_idx"], [m["token_ids"] for m in line["message_log"]]) for line in lines)
+        assert len(lines) == 3, (name, len(lines))
+    assert completions["policy"] == completions["merged"] and completions["adapters"] == completions["merged"]

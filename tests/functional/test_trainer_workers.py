@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -399,39 +400,89 @@ def _sharded_save_then_a_rank_dies_in_the_next(ranks: DistributedTrainer, local,
         checkpoint_dir(root, 1).name]  # no step_2 folder, no temporary folder
 
 
-@pytest.mark.timeout(300)
-def test_sigterm_checkpoints_and_leaves_no_trainer_rank_behind(config_file: Path, tmp_path: Path) -> None:
-    """examples/run_grpo.py with 2 ranks on its own local Ray (2 cores here): SIGTERM after step 1 exits 143 with a resumable
-    checkpoint, and every rank process (and the rest of that Ray) is gone."""
+def _grpo_cli(*args: str) -> subprocess.Popen:
+    """examples/run_grpo.py ARGS (its own local Ray of every core), stdout and stderr apart."""
+    return subprocess.Popen([sys.executable, str(REPO / "examples" / "run_grpo.py"), *args], cwd=REPO,
+                            env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(proc: subprocess.Popen, done, what: str, within_s: float = 180) -> None:
+    deadline = time.monotonic() + within_s
+    while not done():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no {what} after {within_s} s"
+        time.sleep(0.05)
+
+
+def _trainer_ranks(psutil, pid: int) -> list[int]:
+    return [p for p in descendants_of(pid) if "TrainerRank" in " ".join(_cmdline(psutil, p))]
+
+
+def descendants_of(pid: int) -> list[int]:
+    from gym_processes import descendants
+
+    return descendants(pid)
+
+
+@pytest.mark.timeout(420)
+def test_a_killed_rank_is_one_error_line_and_its_resume_command_continues_until_sigterm(
+        config_file: Path, tmp_path: Path) -> None:
+    """examples/run_grpo.py with 2 ranks (2 cores here). (1) SIGKILL of a rank once step 1 is checkpointed: exit 3
+    (an infrastructure failure), no traceback, and the last stderr line is the one `error:` line naming the rank's
+    pid and node, the last complete checkpoint and the resume command. (2) That command, run as printed, continues
+    from the checkpoint; SIGTERM after its first step exits 143 with a resumable checkpoint, and every rank process
+    (and the rest of that Ray) is gone."""
     import psutil
-    from gym_processes import descendants, wait_until_gone
+    from gym_processes import wait_until_gone
 
-    from nemo_rl_ext.training.checkpoint import load_checkpoint
-
-    cmd = [sys.executable, str(REPO / "examples" / "run_grpo.py"), "--config", str(config_file),
-           f"output_dir={tmp_path}", "trainer.workers=2",  # policy.cluster null: a local Ray of every core
-           "grpo.max_num_steps=100", "grpo.save_period=0"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    metrics_file = tmp_path / "metrics.jsonl"
+    proc = _grpo_cli("--config", str(config_file), f"output_dir={tmp_path}", "trainer.workers=2",
+                     "grpo.max_num_steps=100", "grpo.save_period=1")
+    root = tmp_path / "checkpoints"
     try:
-        deadline = time.monotonic() + 180
-        while not any(m.get("step", 0) >= 1 for m in read_metrics(metrics_file)):
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "no step 1 after 180 s"
-            time.sleep(0.05)
-        ranks = [pid for pid in descendants(proc.pid) if "TrainerRank" in " ".join(_cmdline(psutil, pid))]
-        everything = descendants(proc.pid)
+        _wait_for(proc, lambda: latest_checkpoint(root) is not None, "checkpoint")
+        ranks = _trainer_ranks(psutil, proc.pid)
+        everything = descendants_of(proc.pid)
         assert len(ranks) == 2, [(pid, _cmdline(psutil, pid)) for pid in everything]
-        proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=120)[0].decode()
+        os.kill(ranks[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert proc.returncode == 3, (out + err)[-3000:]
+    assert "Traceback" not in out + err, (out + err)[-3000:]
+    line = err.rstrip().splitlines()[-1]
+    assert [x for x in err.splitlines() if "error:" in x.lower()] == [line], err[-3000:]
+    saved = latest_checkpoint(root)  # a later step may have been saved between the kill and the rank's death
+    assert line.startswith("error: trainer worker rank ") and f"(pid {ranks[1]}) on node " in line, line
+    assert " died: ActorDiedError: " in line, line
+    assert f"; the last complete checkpoint is {saved} (step {load_checkpoint(saved).step}); resume with: " \
+        f"python examples/run_grpo.py --config {config_file} output_dir={tmp_path} trainer.workers=2 " \
+        "grpo.max_num_steps=100 grpo.save_period=1 resume=true" in line, line
+    assert wait_until_gone(everything, [], within_s=20) < 20
+
+    command = shlex.split(line.split("; resume with: ", 1)[1])
+    assert command[:2] == ["python", "examples/run_grpo.py"]
+    resumed = _grpo_cli(*command[2:])
+    first = load_checkpoint(saved).step
+    try:
+        _wait_for(resumed, lambda: any(m.get("step", 0) > first for m in read_metrics(tmp_path / "metrics.jsonl")),
+                  f"step {first + 1}")
+        ranks = _trainer_ranks(psutil, resumed.pid)
+        everything = descendants_of(resumed.pid)
+        assert len(ranks) == 2, [(pid, _cmdline(psutil, pid)) for pid in everything]
+        resumed.send_signal(signal.SIGTERM)
+        out, err = resumed.communicate(timeout=120)
+    finally:
+        if resumed.poll() is None:
+            resumed.kill()
+            resumed.wait()
+    assert resumed.returncode == 128 + signal.SIGTERM, (out + err)[-3000:]
+    steps = [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl") if "step" in m]
+    assert steps.count(1) == 1 and steps.count(first + 1) == 1, steps  # continued from `saved`, not from step 0
     assert wait_until_gone(ranks, [], within_s=10) < 10, [pid for pid in ranks if psutil.pid_exists(pid)]
     assert wait_until_gone(everything, [], within_s=20) < 20
-    assert load_checkpoint(latest_checkpoint(tmp_path / "checkpoints")).step >= 1
+    assert load_checkpoint(latest_checkpoint(root)).step > first
 
 
 def _cmdline(psutil, pid: int) -> list[str]:
