@@ -155,9 +155,7 @@ class WorkerPool:
         self.events = self.save_path / EVENTS_FILE
         # on the driver's node: a worker node lost must not take the queue with it
         queue = ray.remote(PromptQueue).options(num_cpus=0, max_restarts=0, scheduling_strategy=on_this_node())
-        self.queue = queue.remote(
-            plan.items, cfg.eval.ray_lease_timeout_s, skips=self.skips
-        )
+        self.queue = queue.remote(plan.items, cfg.eval.ray_lease_timeout_s, skips=self.skips)
         self.worker_cls = ray.remote(EvalWorker)
         self.slots = [_Slot(k) for k in range(cfg.eval.ray_workers)]
         self.running: dict[Any, _Slot] = {}
