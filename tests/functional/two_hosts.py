@@ -153,9 +153,11 @@ class TwoHosts:
     def run_in(self, host: Host, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout)
 
-    def popen_in(self, host: Host, argv: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(self.command(host, argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+    def popen_in(self, host: Host, argv: list[str], log: Path) -> subprocess.Popen:
+        """Start `argv` in `host`'s namespace, its output into `log` (a file: a pipe nobody reads could fill)."""
+        with log.open("w") as out:
+            return subprocess.Popen(self.command(host, argv), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
 
     def raylet(self, host: Host) -> psutil.Process:
         """The raylet of `host`'s current Ray node."""
