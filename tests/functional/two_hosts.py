@@ -85,6 +85,7 @@ class TwoHosts:
         self.worker = Host(f"nrx{pid}w", f"{net}.2")
         self.address = f"{self.head.ip}:{RAY_PORT}"
         self._made: list[str] = []
+        self._veths: tuple[str, ...] = ()
         self._env = self._node_env()
 
     @staticmethod
@@ -103,7 +104,7 @@ class TwoHosts:
     def make(self) -> TwoHosts:
         """The namespaces, the veth pair between them, then the Ray head and the worker node."""
         head, worker = self.head, self.worker
-        veth_h, veth_w = f"{head.ns}v", f"{worker.ns}v"
+        veth_h, veth_w = self._veths = f"{head.ns}v", f"{worker.ns}v"
         for host in (head, worker):
             self._ip("netns", "add", host.ns)
             self._made.append(host.ns)
@@ -172,12 +173,15 @@ class TwoHosts:
 
     def close(self) -> list[int]:
         """Kill every process on the hosts (the Ray nodes, their workers, drivers), delete the namespaces (and with
-        them the veth pair) and the nodes' temp dirs; returns the pids still alive after that (none, normally)."""
+        them the veth pair, or the pair itself if it never got there) and the nodes' temp dirs; returns the pids
+        still alive after that (none, normally)."""
         left: list[int] = []
         for ns in self._made:
             kill_processes(namespace_processes(ns))
             left += [p.pid for p in namespace_processes(ns)]
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+        for veth in self._veths:  # still here only if `make` failed before moving it into its namespace
+            subprocess.run(["ip", "link", "delete", veth], capture_output=True, timeout=30)
         for host in (self.head, self.worker):
             for temp_dir in host.temp_dirs:
                 shutil.rmtree(temp_dir, ignore_errors=True)
