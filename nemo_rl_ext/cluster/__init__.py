@@ -7,7 +7,7 @@ when a pool, a remote environment or `init_ray` is used, not by importing this p
 
 from nemo_rl_ext.cluster.environment_hosting import build_environment
 from nemo_rl_ext.cluster.policy_generation import build_policy_generation, loads_model_folder
-from nemo_rl_ext.cluster.ray_runtime import init_ray
+from nemo_rl_ext.cluster.ray_runtime import init_ray, on_this_node
 from nemo_rl_ext.cluster.remote_environment import RemoteEnvironment
 from nemo_rl_ext.cluster.routed_generation import RoutedGeneration
 from nemo_rl_ext.models.config import ClusterConfig, ReplicaResources
@@ -21,4 +21,5 @@ __all__ = [
     "build_policy_generation",
     "init_ray",
     "loads_model_folder",
+    "on_this_node",
 ]

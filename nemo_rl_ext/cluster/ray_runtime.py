@@ -64,6 +64,16 @@ def _start_or_join(ray: Any, cfg: ClusterConfig) -> None:
         logger.info("joined the Ray cluster at %s: %s", cfg.address, ray.cluster_resources())
 
 
+def on_this_node() -> Any:
+    """The Ray scheduling strategy that keeps an actor on this process's node: state the driver cannot lose
+    without losing the run anyway (an eval's prompt queue). Placed anywhere, it may land on a worker node,
+    and losing that node would lose the run that the other nodes could finish."""
+    import ray  # lazy: ray loads only when Ray is used
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def keep_ray_on_loopback() -> None:
     """Make a local Ray use 127.0.0.1 for every server it binds and every address it connects to.
 

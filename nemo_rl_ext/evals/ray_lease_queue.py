@@ -52,7 +52,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from nemo_rl_ext.cluster import init_ray
+from nemo_rl_ext.cluster import init_ray, on_this_node
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.evals.config import EvalConfig
 from nemo_rl_ext.evals.merge import merge_run
@@ -153,9 +153,9 @@ class WorkerPool:
         self.skips: dict[Item, frozenset[int]] = dict(plan.skips)  # kept here too: a dead store is read against them
         self.run_id = uuid.uuid4().hex[:8]
         self.events = self.save_path / EVENTS_FILE
-        self.queue = ray.remote(PromptQueue).options(num_cpus=0, max_restarts=0).remote(
-            plan.items, cfg.eval.ray_lease_timeout_s, skips=self.skips
-        )
+        # on the driver's node: a worker node lost must not take the queue with it
+        queue = ray.remote(PromptQueue).options(num_cpus=0, max_restarts=0, scheduling_strategy=on_this_node())
+        self.queue = queue.remote(plan.items, cfg.eval.ray_lease_timeout_s, skips=self.skips)
         self.worker_cls = ray.remote(EvalWorker)
         self.slots = [_Slot(k) for k in range(cfg.eval.ray_workers)]
         self.running: dict[Any, _Slot] = {}

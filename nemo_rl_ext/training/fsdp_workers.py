@@ -75,6 +75,21 @@ class RankSpec:
     after seeding torch with it, so every worker count starts from the same adapters)."""
 
 
+def use_gloo_interface_of(ip: str) -> None:
+    """Make gloo listen on, and tell its peers, the network interface that holds `ip` (the rank's node address).
+
+    Without it gloo takes the address the machine's host name resolves to, and advertises 127.0.0.1 where that
+    fails or is a loopback (Debian's 127.0.1.1 too): ranks on other nodes then cannot connect (seen with two
+    hosts, `tests/functional/test_two_hosts.py`). A `GLOO_SOCKET_IFNAME` set by the user is kept.
+    """
+    import psutil  # lazy: only a trainer rank needs it
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addresses):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+            return
+
+
 Slot = Sequence[CompletionTensors] | None
 """One micro-batch of a pass, or None: the rank runs a dummy micro-batch (its peers have a real one)."""
 
@@ -90,13 +105,14 @@ class TrainerRank:
         self.reference: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._listen: socket.socket | None = None  # rank 0: the rendezvous socket (`where`, else `setup`)
+        self._ip: str | None = None  # this rank's node address (`where`): gloo's connections use it
 
     def where(self) -> dict[str, Any]:
         """This rank's node, IP address and pid, and (for rank 0) a free port for the rendezvous."""
         # Ray actor code: runs in the worker process (ray loads only when Ray is used)
         import ray
 
-        ip = ray.util.get_node_ip_address()
+        ip = self._ip = ray.util.get_node_ip_address()
         info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "ip": ip,
                                 "node_id": ray.get_runtime_context().get_node_id()}
         if self.rank == 0:  # the rendezvous listens on this socket, bound to the node's address only (no race)
@@ -120,6 +136,8 @@ class TrainerRank:
         # bound to the node's address (127.0.0.1 on a local Ray)
         if self.rank == 0 and self._listen is None:  # set up without `where` (no Ray: scripts/gpu_check.py)
             self._listen = socket.create_server((master, port))
+        if self._ip is not None:
+            use_gloo_interface_of(self._ip)
         listen_fd = self._listen.fileno() if self._listen is not None else None
         store = dist.TCPStore(master, port, self.world_size, self.rank == 0, timeout, wait_for_workers=False,
                               master_listen_fd=listen_fd)

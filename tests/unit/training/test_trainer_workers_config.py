@@ -3,6 +3,9 @@ any model loads (the ranks themselves: tests/functional/test_trainer_workers.py)
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from nemo_rl_ext.config import ConfigError, load_config
@@ -59,3 +62,17 @@ def test_the_generation_pool_on_the_same_ray_counts_too():
                                           r"cluster has 3"):
         check_trainer_resources(TrainerSettings(workers=2), {"CPU": 3.0}, pool)
     check_trainer_resources(TrainerSettings(workers=2), {"CPU": 4.0}, pool)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux names its loopback interface lo")
+def test_a_rank_gives_gloo_the_interface_of_its_node_address_and_keeps_one_the_user_set(monkeypatch):
+    """Gloo's default is the host name's address, 127.0.0.1 where that fails: ranks on other nodes cannot connect
+    (tests/functional/test_two_hosts.py runs ranks on two hosts)."""
+    from nemo_rl_ext.training.fsdp_workers import use_gloo_interface_of
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    use_gloo_interface_of("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
+    use_gloo_interface_of("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
