@@ -23,7 +23,12 @@ from nemo_rl_ext.experience.resume_keys import GRPO_RESUME_MAY_CHANGE
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
 from nemo_rl_ext.objectives.loss_settings import LossSettings
-from nemo_rl_ext.training.config import OptimizerSettings, TrainerSettings, trainer_rule_problems
+from nemo_rl_ext.training.config import (
+    OptimizerSettings,
+    TrainerSettings,
+    optimizer_rule_problems,
+    trainer_rule_problems,
+)
 
 RESUME_MAY_CHANGE: tuple[str, ...] = GRPO_RESUME_MAY_CHANGE
 """Keys (and sections: `logger` means `logger.*`) that may differ between a run and its resumption
@@ -257,6 +262,7 @@ class GRPOConfig(CheckedConfig):
             )
         device = raw_field(PolicyConfig, policy, "device") if isinstance(policy, Mapping) or policy is None else "cpu"
         problems += trainer_rule_problems(data, "cpu" if device is INVALID else device)
+        problems += optimizer_rule_problems(data)
         return problems
 
 

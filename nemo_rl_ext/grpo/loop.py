@@ -69,6 +69,7 @@ from nemo_rl_ext.grpo.step_seeds import TRAIN_SALT, VAL_SALT
 from nemo_rl_ext.grpo.stopping import LoopStop, Stopped
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, InFlightPolicy
 from nemo_rl_ext.training.checkpoint import Checkpoint, discard_checkpoints, get_rng_state, save_checkpoint
+from nemo_rl_ext.training.schedule import scheduled_lr
 from nemo_rl_ext.training.state import restore_trainer_state, state_writer, weights_in_model_dir
 from nemo_rl_ext.training.streamed_weights import refit_nbytes
 
@@ -127,6 +128,8 @@ class GRPO:
         self._build_data(task_to_env, train_datums, val_datums)
 
         self.step = 0
+        self.schedule_steps = cfg.optimizer.scheduler.total_steps or cfg.grpo.max_num_steps
+        """The horizon T of `optimizer.scheduler` (saved in checkpoints: a resumed run keeps its start's)."""
         self.logger = MetricsLogger(self.output_dir, tensorboard=cfg.logger.tensorboard)
         self._prompt_length_warning = PromptLengthWarning()  # once per run: prompts that leave no room
         if checkpoint is not None:
@@ -184,6 +187,10 @@ class GRPO:
             self._refit(in_flight="finish")
         self.train_data.load_state_dict(checkpoint.data_state)
         self.step = checkpoint.step
+        self.schedule_steps = int(checkpoint.extra.get("schedule_steps", self.schedule_steps))
+        if self.cfg.optimizer.scheduler.type != "constant" and self.cfg.grpo.max_num_steps > self.schedule_steps:
+            logger.info("optimizer.scheduler: the run's schedule ends at step %d (its horizon when it started); "
+                        "steps after it train at min_lr", self.schedule_steps)
         checkpoint.restore_rng()
         logger.info("resumed from %s at step %d", checkpoint.path, self.step)
 
@@ -247,6 +254,7 @@ class GRPO:
             )
             batch = weight_by_loss_multiplier(batch, records)
             metrics.update(training_batch_metrics(batch, records))
+            self.trainer.set_lr(scheduled_lr(self.cfg.optimizer, self.step + 1, self.schedule_steps))
             train_metrics = self.trainer.train_step(batch.items, batch.advantages)
             metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         else:  # dynamic sampling found no group with reward variance: nothing to learn from
@@ -285,7 +293,8 @@ class GRPO:
             tokenizer=self.tokenizer,
             write_state=state_writer(self.trainer),  # FSDP2 ranks: each writes its shards
             data_state=self.train_data.state_dict(),
-            extra={"config": self.cfg.model_dump(mode="json"), **(extra or {})},
+            extra={"config": self.cfg.model_dump(mode="json"), "schedule_steps": self.schedule_steps,
+                   **(extra or {})},
             keep_last=self.cfg.keep_last_checkpoints,
             rng_state=self._rng_after_step,
         )

@@ -106,10 +106,35 @@ def trainer_rule_problems(data: Mapping[str, Any], device: str) -> list[RuleProb
     return problems
 
 
+class SchedulerSettings(StrictModel):
+    """The learning rate over the run's GRPO steps s = 1..T: a linear warm-up, then constant or a decay to `min_lr`
+    (`training.schedule.scheduled_lr` has the formula)."""
+
+    type: Literal["constant", "linear", "cosine"] = Field(
+        default="constant",
+        description="After the warm-up: `constant` (lr), `linear` (min_lr + (lr - min_lr)(1 - p)) or `cosine` "
+        "(min_lr + (lr - min_lr)(1 + cos(pi p))/2), p = (s - P)/(T - P) the fraction of the decay done, P = max(W, 1) the step at lr.",
+    )
+    warmup_steps: int | None = Field(
+        default=None, ge=0, description="W: GRPO steps of linear warm-up, lr x s/W at step s <= W; None: "
+        "`warmup_ratio`, else no warm-up.",
+    )
+    warmup_ratio: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="W = ceil(warmup_ratio x T) (TRL's `warmup_ratio`); give it or "
+        "`warmup_steps`, not both.",
+    )
+    min_lr: float = Field(default=0.0, ge=0.0, description="The lr a decay ends at, at step T (at most `lr`).")
+    total_steps: int | None = Field(
+        default=None, ge=1, description="T: the schedule's horizon in GRPO steps; None: `grpo.max_num_steps` of the "
+        "run's start (a resumed run keeps the horizon it started with, even if `grpo.max_num_steps` grows; "
+        "steps past T train at `min_lr`).",
+    )
+
+
 class OptimizerSettings(StrictModel):
     """AdamW, gradient clipping and micro-batching of the policy update."""
 
-    lr: float = Field(default=1e-6, gt=0.0, description="Learning rate (constant).")
+    lr: float = Field(default=1e-6, gt=0.0, description="Learning rate (the peak, with `scheduler`).")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
     eps: float = Field(default=1e-8, gt=0.0, description="AdamW epsilon.")
@@ -124,3 +149,26 @@ class OptimizerSettings(StrictModel):
         "continuing from copies of its KV cache (the same logprobs and gradients up to float rounding); false: "
         "one forward over every sample's full sequence.",
     )
+    scheduler: SchedulerSettings = Field(
+        default_factory=SchedulerSettings,
+        description="The learning-rate schedule over GRPO steps (NeMo-RL's `policy.scheduler`, TRL's "
+        "`lr_scheduler_type` + `warmup_ratio`); the default keeps `lr` constant. Every optimizer step of a GRPO "
+        "step (`minibatches_per_step`) uses that step's lr.",
+    )
+
+
+def optimizer_rule_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
+    """Cross-field rules of the `optimizer` section: one warm-up setting, and a decay that ends at or below lr."""
+    optimizer = data.get("optimizer")
+    scheduler = optimizer.get("scheduler") if isinstance(optimizer, Mapping) else None
+    if not isinstance(scheduler, Mapping):
+        return []
+    problems: list[RuleProblem] = []
+    steps, ratio = (raw_field(SchedulerSettings, scheduler, k) for k in ("warmup_steps", "warmup_ratio"))
+    if steps not in (None, INVALID) and ratio not in (None, INVALID):
+        problems.append((("optimizer", "scheduler", "warmup_ratio"), "give warmup_steps or warmup_ratio, not both "
+                         f"(warmup_steps is {steps})", ratio))
+    min_lr, lr = raw_field(SchedulerSettings, scheduler, "min_lr"), raw_field(OptimizerSettings, optimizer, "lr")
+    if INVALID not in (min_lr, lr) and min_lr > lr:
+        problems.append((("optimizer", "scheduler", "min_lr"), f"must be at most optimizer.lr ({lr})", min_lr))
+    return problems

@@ -264,6 +264,10 @@ class DistributedTrainer:
         metrics["lr"] = self._call([(self._ranks[0].lr, ())])[0]
         return metrics
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next optimizer steps, on every rank (`optimizer.scheduler`)."""
+        self._call([(r.set_lr, (lr,)) for r in self._ranks])
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights of the plain model (LoRA targets merged), gathered bucket by bucket (at most
         `REFIT_BUCKET_BYTES` at a time on a rank) to this process; `refit_metrics` then reports the gather."""

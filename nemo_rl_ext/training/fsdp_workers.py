@@ -337,6 +337,12 @@ class TrainerRank:
         assert self.optimizer is not None
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next optimizer steps (`optimizer.scheduler`; every rank the same)."""
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def shutdown(self) -> None:
         import torch.distributed as dist  # lazy: torch.distributed loads only where a rank uses it
 

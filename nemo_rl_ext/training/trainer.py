@@ -209,6 +209,11 @@ class PolicyTrainer:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next optimizer steps (`optimizer.scheduler`)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def _minibatch(
         self,
         items: Sequence[CompletionTensors],

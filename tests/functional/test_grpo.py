@@ -297,3 +297,31 @@ def test_prompts_too_long_are_in_the_step_metrics_and_warned_about_once(
     said = [r.getMessage() for r in caplog.records if "prompt(s) too long" in r.getMessage()]
     assert len(said) == 1, said
     assert said[0].startswith("1 of 4 prompt(s) too long") and "policy.max_model_len and rollouts.max_seq_len" in said[0]
+
+
+@pytest.mark.timeout(150)
+def test_lr_schedule_per_step_and_across_a_resume(config_file: Path, tmp_path: Path) -> None:
+    """`optimizer.scheduler`: train/lr follows the formula at each step, a run stopped after step 2 and resumed
+    continues the schedule exactly (the same lr, and the same step 3 as the uninterrupted run), and a resumed
+    run that trains past the horizon it started with stays at min_lr."""
+    cosine = ("optimizer.scheduler.type=cosine", "optimizer.scheduler.warmup_steps=1",
+              "optimizer.scheduler.min_lr=3.0e-4", "optimizer.scheduler.total_steps=4", "policy.hf.scheduler=static",
+              "grpo.save_period=2")
+    whole = run(config_file, f"output_dir={tmp_path / 'a'}", "grpo.max_num_steps=4", *cosine)
+    # lr 3e-3, W = 1, T = 4: step 1 at lr; p = (s - 1)/3; 3e-4 + 2.7e-3 (1 + cos(pi p))/2
+    expected = [3e-3, 3e-4 + 2.7e-3 * 0.75, 3e-4 + 2.7e-3 * 0.25, 3e-4]
+    assert [m["train/lr"] for m in whole] == pytest.approx(expected, rel=1e-6)
+
+    stopped = tmp_path / "b"
+    run(config_file, f"output_dir={stopped}", "grpo.max_num_steps=2", *cosine)
+    resumed = run(config_file, f"output_dir={stopped}", "resume=true", "grpo.max_num_steps=4", *cosine)
+    assert [m["train/lr"] for m in resumed] == [m["train/lr"] for m in whole]  # the same float, by construction
+    assert_same_step(resumed[2], whole[2])
+
+    # no total_steps: the horizon is the starting run's grpo.max_num_steps (2), kept by its checkpoint
+    linear = ("optimizer.scheduler.type=linear", "optimizer.scheduler.min_lr=3.0e-4", "grpo.save_period=1")
+    short = tmp_path / "c"
+    first = run(config_file, f"output_dir={short}", "grpo.max_num_steps=2", *linear)
+    longer = run(config_file, f"output_dir={short}", "resume=true", "grpo.max_num_steps=4", *linear)
+    assert [m["train/lr"] for m in first] == [3e-3, 3e-4]
+    assert [m["train/lr"] for m in longer] == [3e-3, 3e-4, 3e-4, 3e-4]  # a horizon of 4 would give 1.2e-3 at 3
