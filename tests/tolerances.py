@@ -18,8 +18,10 @@ JSON round trips) and for runs that execute the same kernels on the same shapes 
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -64,30 +66,16 @@ def adam_step_bound(t: int, betas: tuple[float, float] = (0.9, 0.999)) -> float:
     return math.sqrt(sum(wi * wi / ci for wi, ci in zip(w, c, strict=True)))
 
 
-class AdamRecord:
-    """What the weight rule needs from the reference path's Adam(W), recorded after each of its steps (a step
-    post-hook): per element the smallest sqrt(v_hat) of any step (`floor`: the gradient RMS Adam divides by, at its
-    smallest), the largest gradient entry of the model at any step (`largest`, after clipping: what Adam saw), and
-    the number of steps. Recorded, not read from the final state: an element whose gradient was near 0 at step 1
-    and large later is noise at step 1, which the final v_hat cannot tell."""
+@dataclass(frozen=True)
+class AdamGradients:
+    """What the weight rule needs to know of the reference path's gradients, up to one of its steps."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, named: Mapping[str, torch.nn.Parameter]) -> None:
-        self.floor: dict[str, torch.Tensor] = {}
-        self.largest = 0.0
-        self.steps = 0
-        self.beta2 = optimizer.defaults["betas"][1]
-        self._named = dict(named)
-        self.handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self._record(opt))
-
-    def _record(self, optimizer: torch.optim.Optimizer) -> None:
-        self.steps += 1
-        for name, p in self._named.items():
-            state = optimizer.state[p]
-            t = int(state["step"])
-            rms = (state["exp_avg_sq"].detach().double() / (1 - self.beta2**t)).sqrt().cpu()
-            self.floor[name] = torch.minimum(self.floor[name], rms) if name in self.floor else rms
-            if p.grad is not None:
-                self.largest = max(self.largest, float(p.grad.detach().abs().max()))
+    floor: dict[str, torch.Tensor]
+    """Per element, the smallest sqrt(v_hat) of any step so far: the gradient RMS Adam divided by, at its smallest."""
+    largest: float
+    """The largest gradient entry of the model at any step so far (after clipping: what Adam saw)."""
+    steps: int
+    """Optimizer steps taken."""
 
     @property
     def noise(self) -> float:
@@ -96,6 +84,45 @@ class AdamRecord:
         added to every key shifts a query's scores alike, which the softmax ignores) is a sum of terms as large as
         its neighbours', so all its entries are rounding noise."""
         return GRADIENT_OF_LARGEST * self.largest
+
+
+class AdamRecord:
+    """Records the reference path's `AdamGradients` after each step of its Adam(W) (a step post-hook): recorded,
+    not read from the final state, because an element whose gradient was near 0 at step 1 and large later is
+    noise at step 1, which the final v_hat cannot tell. `at(steps)`: as they were after that many steps;
+    `renamed(rename)`: the same record under other names (a checkpoint's)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named: Mapping[str, torch.nn.Parameter]) -> None:
+        self.history: list[AdamGradients] = []
+        self.beta2 = optimizer.defaults["betas"][1]
+        self._named = dict(named)
+        self.initial = {name: p.detach().to("cpu", copy=True) for name, p in self._named.items()}
+        """The parameters as they were when the record began (before the first step)."""
+        self.handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self._record(opt))
+
+    def _record(self, optimizer: torch.optim.Optimizer) -> None:
+        last = self.history[-1] if self.history else AdamGradients({}, 0.0, 0)
+        floor, largest = {}, last.largest
+        for name, p in self._named.items():
+            state = optimizer.state[p]
+            rms = (state["exp_avg_sq"].detach().double() / (1 - self.beta2 ** int(state["step"]))).sqrt().cpu()
+            floor[name] = torch.minimum(last.floor[name], rms) if name in last.floor else rms
+            if p.grad is not None:
+                largest = max(largest, float(p.grad.detach().abs().max()))
+        self.history.append(AdamGradients(floor, largest, last.steps + 1))
+
+    def renamed(self, rename: Callable[[str], str]) -> AdamRecord:
+        """This record with every name passed through `rename` (e.g. peft's parameter names to its file names)."""
+        other = copy.copy(self)
+        other.initial = {rename(k): v for k, v in self.initial.items()}
+        other.history = [AdamGradients({rename(k): v for k, v in h.floor.items()}, h.largest, h.steps)
+                         for h in self.history]
+        return other
+
+    def at(self, steps: int) -> AdamGradients:
+        """The record after `steps` optimizer steps."""
+        assert 1 <= steps <= len(self.history), f"{steps} steps asked, {len(self.history)} recorded"
+        return self.history[steps - 1]
 
 
 def adam_weight_tolerance(floor: torch.Tensor, *, noise: float, lr: float, steps: int,
@@ -148,10 +175,10 @@ def _element_report(name: str, ref: torch.Tensor, cand: torch.Tensor, initial: t
 
 
 def assert_trained_weights_close(reference: Mapping[str, torch.Tensor], candidate: Mapping[str, torch.Tensor], *,
-                                 initial: Mapping[str, torch.Tensor], record: AdamRecord, lr: float,
+                                 initial: Mapping[str, torch.Tensor], record: AdamGradients, lr: float,
                                  betas: tuple[float, float] = (0.9, 0.999), worst: int = 5) -> float:
     """Weights that two code paths trained with Adam(W) from the same `initial` weights, compared element by
-    element with `adam_weight_tolerance` (`record`: the reference path's `AdamRecord`) plus each side's rounding
+    element with `adam_weight_tolerance` (`record`: the reference path's, `AdamRecord.at`) plus each side's rounding
     of its weights, 2 ulps of the element a step (w - lr * u, and the decay's product). Every tensor of
     `reference` is compared; one AssertionError names each tensor that fails, its worst elements, and why.
     Returns the fraction of elements held to 1% of one step's lr or tighter: the check's power, which a test
@@ -179,7 +206,7 @@ def assert_adam_moments_close(reference: Mapping[str, Mapping[str, torch.Tensor]
                               candidate: Mapping[str, Mapping[str, torch.Tensor]], *, noise: float, steps: int,
                               betas: tuple[float, float] = (0.9, 0.999)) -> None:
     """Adam's moments of two code paths after `steps` steps ({name: {"exp_avg", "exp_avg_sq"}}; `noise`:
-    `AdamRecord.noise`). m = sum (1 - b1) b1^(T-i) g_i, weights summing to 1 - b1^T, so |m - m'| <=
+    `AdamGradients.noise`). m = sum (1 - b1) b1^(T-i) g_i, weights summing to 1 - b1^T, so |m - m'| <=
     (1 - b1^T) noise; sqrt(v) is a weighted L2 norm of the gradients, weights summing to 1 - b2^T, so
     |sqrt(v) - sqrt(v')| <= sqrt(1 - b2^T) noise (Minkowski). v is compared through its root: where the gradient
     is noise, v ~ noise^2 and its relative differences are of order 1. Plus 2 ulps of the moment a step."""

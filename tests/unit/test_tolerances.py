@@ -9,6 +9,7 @@ import pytest
 import torch
 from tolerances import (
     GRADIENT_OF_LARGEST,
+    AdamGradients,
     AdamRecord,
     assert_adam_moments_close,
     assert_trained_weights_close,
@@ -31,7 +32,7 @@ def _true_gradients() -> list[dict[str, torch.Tensor]]:
 
 
 def _train(gradients: list[dict[str, torch.Tensor]], *, seed: int, lr: float = LR,
-           ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], AdamRecord]:
+           ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], AdamGradients | None]:
     """Adam from the same initial weights on these gradients, each entry off by rounding noise of this path
     (`seed`): up to a quarter of GRADIENT_OF_LARGEST of the largest entry, the size rounding has."""
     torch.manual_seed(1)
@@ -46,14 +47,14 @@ def _train(gradients: list[dict[str, torch.Tensor]], *, seed: int, lr: float = L
             p.grad = step[name] + off
         optimizer.step()
     state = {name: {k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for name, p in params.items()}
-    return {k: p.detach().clone() for k, p in params.items()}, state, record
+    return {k: p.detach().clone() for k, p in params.items()}, state, record.at(len(gradients)) if gradients else None
 
 
 def _initial() -> dict[str, torch.Tensor]:
     return _train([], seed=0)[0]
 
 
-def _check(reference, candidate, record: AdamRecord) -> float:
+def _check(reference, candidate, record: AdamGradients) -> float:
     return assert_trained_weights_close(reference, candidate, initial=_initial(), record=record, lr=LR)
 
 
