@@ -12,6 +12,11 @@ path) and 1 or 2 torch threads with a margin of 4x or more, and stay far below t
 token, position or temperature, a bf16 path, a stale weight: 1e-2 and up). `make numerics` re-runs the tests
 that use them under other CPU kernels.
 
+Weights after optimizer steps are no such pair: Adam divides by the gradient's size, so an element whose gradient
+is rounding noise moves by up to lr in a direction the noise picks. `assert_trained_weights_close` (below) bounds
+each element by what Adam can do with the gradient noise, derived step by step; `assert_adam_moments_close` does the
+same for Adam's moments.
+
 Bit-exact comparisons (`torch.equal`, `==` on floats) are for copies (weights sent to the engine, checkpoints,
 JSON round trips) and for runs that execute the same kernels on the same shapes by construction; each says so.
 """
@@ -38,8 +43,8 @@ and the forward's run other shapes). Tolerance: 1.1e-3 at -10, 1e-4 near 0; a st
 moves a logprob by 1e-2 or more."""
 
 GRADIENT_OF_LARGEST = 1e-4
-"""Gradients and SGD updates (lr 1) of two equivalent computations agree to this fraction of the tensor's largest
-entry: the entries are sums of many terms with mixed signs (cancellation), so their rounding error follows the
+"""Gradients and SGD updates (lr 1) of two equivalent computations agree to this fraction of the largest entry (the
+tests take the model's largest: a tensor whose true gradient is 0 has no largest entry of its own to speak of): the entries are sums of many terms with mixed signs (cancellation), so their rounding error follows the
 size of the terms, which the largest entry bounds, not the size of the result. Measured: up to 8.5e-6 of the
 largest entry (shared prompt KV cache, 2 decoder layers)."""
 
