@@ -109,8 +109,11 @@ class AdamRecord:
         last = self.history[-1] if self.history else AdamGradients({}, 0.0, 0)
         floor, largest = {}, last.largest
         for name, p in self._named.items():
-            state = optimizer.state[p]
-            rms = (state["exp_avg_sq"].detach().double() / (1 - self.beta2 ** int(state["step"]))).sqrt().cpu()
+            state = optimizer.state.get(p) or {}
+            if "exp_avg_sq" in state:
+                rms = (state["exp_avg_sq"].detach().double() / (1 - self.beta2 ** int(state["step"]))).sqrt().cpu()
+            else:  # no gradient yet (Adam skips a parameter whose .grad is None): nothing to divide by
+                rms = torch.zeros(p.shape, dtype=torch.float64)
             floor[name] = torch.minimum(last.floor[name], rms) if name in last.floor else rms
             if p.grad is not None:
                 largest = max(largest, float(p.grad.detach().abs().max()))
