@@ -74,9 +74,9 @@ NUMERICS_UNIT := tests/unit/training/test_trainer_logprobs.py tests/unit/trainin
 	tests/unit/models/test_extra_logprobs.py tests/unit/serving/test_policy_server.py tests/unit/serving/test_policy_server_completions.py \
 	tests/unit/serving/test_structured_output.py tests/unit/grpo/test_grpo_pieces.py
 # the trainer ranks against one process (weights, metrics, logprobs; resume across worker counts, async, LoRA,
-# bf16); the SIGTERM test compares no float
+# bf16); the killed-rank CLI test compares no float
 NUMERICS_RANKS := tests/functional/test_trainer_workers.py \
-	--deselect tests/functional/test_trainer_workers.py::test_sigterm_checkpoints_and_leaves_no_trainer_rank_behind
+	--deselect tests/functional/test_trainer_workers.py::test_a_killed_rank_is_one_error_line_and_its_resume_command_continues_until_sigterm
 NUMERICS_TESTS := $(NUMERICS_UNIT) $(NUMERICS_RANKS)
 numerics: setup
 	@echo "numerics check: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
