@@ -66,7 +66,7 @@ unit: setup
 # actors, which inherit the environment (test_trainer_workers.py asks a rank which kernels it runs). Which
 # files and why the others are left out: docs/testing.md, "The numerics check". If that fails, the same tests run
 # under ATEN_CPU_CAPABILITY=default with 2 torch threads, to say whether the failure is specific to those kernels.
-# About 2.5 min on 2 idle cores (the trainer-rank file 2 min of it; 15 s before it was added), more when busy.
+# 2 min 10 s to 2 min 40 s on 2 shared cores (the trainer-rank file most of it; 15 s before it was added).
 NUMERICS_UNIT := tests/unit/training/test_trainer_logprobs.py tests/unit/training/test_grpo_trainer.py tests/unit/objectives/test_loss.py \
 	tests/unit/objectives/test_kl_gradient.py tests/unit/objectives/test_advantages.py tests/unit/training/test_grpo_checkpoint.py \
 	tests/unit/models/test_hf_backend_weights.py tests/unit/models/test_hf_backend_faults.py tests/unit/models/test_hf_backend_continuous.py \
