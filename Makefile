@@ -17,7 +17,7 @@ help:
 	@echo "make grpo-demo - set up .venv and run a short GRPO on SmolLM2 (shipped arithmetic), reward per step"
 	@echo "make test   - set up .venv, run ruff, the whole test suite, the numerics check and the docs build"
 	@echo "make docs   - build the documentation site (mkdocs --strict: broken links fail) into site/"
-	@echo "make numerics - the float-comparing unit tests again under other CPU kernels (15-50 s)"
+	@echo "make numerics - the tests comparing floats of two code paths again under other CPU kernels (2.5-5 min)"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,15 +60,24 @@ unit: setup
 
 # The numerics check. float32 results differ in their last bits from one processor to another (the matmul and
 # vector kernels sum in another order), so a float comparison whose tolerance holds only on this machine fails on
-# the next one (tests/tolerances.py). The unit tests that compare logprobs, losses, advantages, gradients and
-# checkpoints run again, one torch thread, under other kernels than this machine's own: ATen's AVX2 kernels
-# (ATEN_CPU_CAPABILITY) and MKL's generic GEMM code path (MKL_CBWR=COMPATIBLE; ignored where torch has no MKL).
-# If that fails, the same files run under ATEN_CPU_CAPABILITY=default with 2 torch threads, to say whether the
-# failure is specific to those kernels. 15-20 s on 2 cores, about 50 s when they are busy (load average 8).
-NUMERICS_TESTS := tests/unit/training/test_trainer_logprobs.py tests/unit/training/test_grpo_trainer.py tests/unit/objectives/test_loss.py \
+# the next one (tests/tolerances.py). Every test file that compares floats computed by two code paths runs again,
+# one torch thread, under other kernels than this machine's own: ATen's AVX2 kernels (ATEN_CPU_CAPABILITY) and
+# MKL's generic GEMM code path (MKL_CBWR=COMPATIBLE; ignored where torch has no MKL). The trainer ranks are Ray
+# actors, which inherit the environment (test_trainer_workers.py asks a rank which kernels it runs). Which
+# files and why the others are left out: docs/testing.md, "The numerics check". If that fails, the same tests run
+# under ATEN_CPU_CAPABILITY=default with 2 torch threads, to say whether the failure is specific to those kernels.
+# 2 min 10 s to 2 min 40 s on 2 shared cores (the trainer-rank file most of it; 15 s before it was added).
+NUMERICS_UNIT := tests/unit/training/test_trainer_logprobs.py tests/unit/training/test_grpo_trainer.py tests/unit/objectives/test_loss.py \
 	tests/unit/objectives/test_kl_gradient.py tests/unit/objectives/test_advantages.py tests/unit/training/test_grpo_checkpoint.py \
 	tests/unit/models/test_hf_backend_weights.py tests/unit/models/test_hf_backend_faults.py tests/unit/models/test_hf_backend_continuous.py \
-	tests/unit/models/test_generation_contract.py tests/unit/training/test_trainer_memory.py
+	tests/unit/models/test_generation_contract.py tests/unit/training/test_trainer_memory.py tests/unit/training/test_fsdp_rank_lora.py \
+	tests/unit/models/test_extra_logprobs.py tests/unit/serving/test_policy_server.py tests/unit/serving/test_policy_server_completions.py \
+	tests/unit/serving/test_structured_output.py tests/unit/grpo/test_grpo_pieces.py
+# the trainer ranks against one process (weights, metrics, logprobs; resume across worker counts, async, LoRA,
+# bf16); the killed-rank CLI test compares no float
+NUMERICS_RANKS := tests/functional/test_trainer_workers.py \
+	--deselect tests/functional/test_trainer_workers.py::test_a_killed_rank_is_one_error_line_and_its_resume_command_continues_until_sigterm
+NUMERICS_TESTS := $(NUMERICS_UNIT) $(NUMERICS_RANKS)
 numerics: setup
 	@echo "numerics check: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
 	@if ( export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1; \

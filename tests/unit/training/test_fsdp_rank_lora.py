@@ -10,6 +10,7 @@ import socket
 import pytest
 import torch
 from safetensors.torch import load_file
+from tolerances import AdamRecord, assert_adam_moments_close, assert_trained_weights_close
 
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors
@@ -44,6 +45,9 @@ def test_a_lora_rank_with_a_kl_term_trains_the_lm_head_adapters_as_one_process_d
     model, _ = load_model_and_tokenizer(path)
     torch.manual_seed(SEED)
     local = PolicyTrainer(with_lora(model, lora), optimizer=optimizer, loss=loss, temperature=1.0, pad_token_id=0)
+    adapters = {k: p for k, p in local.model.named_parameters() if p.requires_grad}
+    initial = {k: p.detach().clone() for k, p in adapters.items()}
+    record = AdamRecord(local.optimizer, adapters)  # the reference path: the in-process trainer
     rank = TrainerRank(0, 1, torch_threads=None)  # leaves this process's thread count alone
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -62,9 +66,26 @@ def test_a_lora_rank_with_a_kl_term_trains_the_lm_head_adapters_as_one_process_d
             assert norm == pytest.approx(expected["grad_norm"], rel=1e-4)
         names = [name for name, *_ in rank.tensor_sizes()]
         got = rank.gather(names)
+        rank_adapters = {k: _full(p) for k, p in rank.model.named_parameters() if p.requires_grad}
+        rank_state = rank.optimizer_state()["state"]
     finally:
         rank.shutdown()
-    want, initial = local.state_dict(), load_file(path / "model.safetensors")
+    # the adapters themselves, by Adam's rule for two paths (tests/tolerances.py): B starts at 0, so A's
+    # gradient is 0 at step 1 and A is held to the noise box alone; B's real gradients are held to their rounding
+    assert rank_adapters.keys() == adapters.keys() and any(".lm_head." in k for k in adapters)
+    trained = {k: p.detach() for k, p in adapters.items()}
+    power = assert_trained_weights_close(trained, rank_adapters, initial=initial, record=record.at(2), lr=1e-2)
+    assert power > 0, power  # some elements are held to 1% of a step (3.8% of them here: A is box-only)
+    local_state = {name: local.optimizer.state[p] for name, p in adapters.items()}
+    assert_adam_moments_close(local_state, rank_state, noise=record.at(2).noise, steps=2)
+    want, base = local.state_dict(), load_file(path / "model.safetensors")
     for name in ("lm_head.weight", "model.layers.0.self_attn.q_proj.weight"):
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
-        assert float((got[name] - initial[name]).abs().max()) > 1e-4, name  # its adapters trained
+        assert float((got[name] - base[name]).abs().max()) > 1e-4, name  # its adapters trained
+        assert float((want[name] - base[name]).abs().max()) > 1e-4, name
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """A rank's parameter, whole (an FSDP2 DTensor at world size 1 holds it all), detached."""
+    from torch.distributed.tensor import DTensor
+
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
