@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from nemo_rl_ext.models.generation.grammar import GrammarError
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
 from nemo_rl_ext.serving.api_errors import ApiError
+from nemo_rl_ext.serving.response_format import schema_error
 
 
 async def generate_all(
@@ -23,6 +25,8 @@ async def generate_all(
         outputs = list(await asyncio.wait_for(asyncio.gather(*tasks), timeout_s))
     except TimeoutError:
         raise ApiError(f"generation did not finish within request_timeout_s={timeout_s}", status_code=504) from None
+    except GrammarError as exc:  # a schema the grammar failed on mid-generation: that request alone ends
+        raise schema_error(exc) from exc
     except ValueError as exc:  # the backend's "bad input" (e.g. ids outside the vocabulary)
         raise ApiError(f"the backend refused the request: {exc}", param=prompt_param) from exc
     finally:

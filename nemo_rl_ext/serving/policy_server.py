@@ -69,6 +69,7 @@ from nemo_rl_ext.serving.request_guards import (
     read_body,
 )
 from nemo_rl_ext.serving.server_metrics import CONTENT_TYPE, ServerMetrics
+from nemo_rl_ext.serving.streaming import SseResponse
 from nemo_rl_ext.serving.threaded_server import ThreadedServer, bind_socket, url_host
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ async def _answer(
         body = await asyncio.to_thread(parse_json_object, raw)
         result = await cancel_on_disconnect(request, handler(body, received_at))
         result = result if isinstance(result, Response) else JSONResponse(result)
-        metrics.answered(route, 200)
+        if not isinstance(result, SseResponse):  # a stream counts itself when it is over (200 or 499)
+            metrics.answered(route, 200)
         return result
     except (ClientDisconnected, ClientDisconnect):  # while generating, or while the body streamed in
         metrics.cancel(route, "client_disconnect", time.monotonic() - received_at)

@@ -56,5 +56,10 @@ class ResponseFormat(BaseModel):
         try:
             grammar_of(spec)
         except ValueError as exc:
-            raise ApiError(f"{schema_param}: {exc}", param=schema_param) from None
+            raise schema_error(exc, schema_param) from None
         return spec
+
+
+def schema_error(exc: Exception, param: str = SCHEMA_PARAM) -> ApiError:
+    """The 400 for a schema the grammar cannot serve (found up front, or mid-generation), naming its field."""
+    return ApiError(f"{param}: {exc}", param=param)

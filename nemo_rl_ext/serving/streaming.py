@@ -28,6 +28,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl_ext.models.generation.grammar import GrammarError
 from nemo_rl_ext.models.generation.interfaces import (
     GenerationConfig,
     GenerationInterface,
@@ -36,6 +37,7 @@ from nemo_rl_ext.models.generation.interfaces import (
     TokenDelta,
 )
 from nemo_rl_ext.serving.api_errors import ApiError
+from nemo_rl_ext.serving.response_format import schema_error
 
 logger = logging.getLogger(__name__)
 
@@ -178,11 +180,13 @@ class TextStream:
 
 class SseResponse(StreamingResponse):
     """A `text/event-stream` response whose event generator is always closed when the response ends, so a
-    client that goes away cancels the generations behind it (whichever way the server notices)."""
+    client that goes away cancels the generations behind it (whichever way the server notices); then
+    `on_close()`, if given, runs (the stream's count in the metrics: it is known only now)."""
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
         self._events = events
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -191,6 +195,8 @@ class SseResponse(StreamingResponse):
             aclose = getattr(self._events, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self._on_close is not None:
+                self._on_close()
 
 
 class StreamedCompletion:
@@ -215,10 +221,22 @@ class StreamedCompletion:
         self._answer = answer
         self._id, self._created = f"{self.ID_PREFIX}-{uuid.uuid4().hex}", int(time.time())
         self._include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        self._ended = False
+        """The stream ran to its end ([DONE], after the answer or an error event)."""
 
     def response(self) -> SseResponse:
         """The response that streams this completion."""
-        return SseResponse(self.events())
+        return SseResponse(self.events(), on_close=self._count)
+
+    def _count(self) -> None:
+        """Count the stream once it is over: 200 when it ran to its end, else 499 and a cancellation (the client
+        went away: mid-stream, or before the first event, when the event generator never even started)."""
+        metrics = self._service.metrics
+        if self._ended:
+            metrics.answered(self.ROUTE, 200)
+        else:
+            metrics.cancel(self.ROUTE, "client_disconnect", time.monotonic() - self._received_at)
+            metrics.answered(self.ROUTE, 499)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         chunk = {"id": self._id, "object": self.OBJECT, "created": self._created,
@@ -246,7 +264,7 @@ class StreamedCompletion:
     async def events(self) -> AsyncIterator[str]:
         """Every event of the stream; closing it early cancels the generations."""
         outputs: list[GenerationOutput | None] = [None] * len(self._jobs)
-        started, ended = time.monotonic(), False
+        started = time.monotonic()
         self._service.metrics.in_progress.inc()  # the route counted it until it returned this response
         try:
             for chunk in self._opening():
@@ -254,22 +272,20 @@ class StreamedCompletion:
             async with contextlib.aclosing(self._chunks(outputs)) as chunks:
                 async for chunk in chunks:
                     yield chunk
-            ended = True
         except ApiError as err:
-            ended = True
+            self._ended = True  # the HTTP answer (200) is complete once the error event is out
             yield sse(err.body())
             yield SSE_DONE
             return
         finally:
             self._service.metrics.in_progress.dec()
-            if not ended:  # the client went away (or the server is stopping): the generations were cancelled
-                self._service.metrics.cancel(self.ROUTE, "client_disconnect", time.monotonic() - self._received_at)
         prompt_tokens = self._prompt_tokens()
         done = [o for o in outputs if o is not None]
         if self._include_usage:
             yield self._chunk([], usage=usage(prompt_tokens, sum(len(o.output_ids) for o in done)))
-        yield SSE_DONE
+        self._ended = True  # every generation has finished: a client gone before [DONE] missed nothing
         self._service.metrics.completion(self._received_at, started, done, prompt_tokens)
+        yield SSE_DONE
 
     async def _chunks(self, outputs: list[GenerationOutput | None]) -> AsyncIterator[str]:
         """The chunks of every choice's deltas and ends; a failed generation is an `ApiError`."""
@@ -287,6 +303,8 @@ class StreamedCompletion:
         except TimeoutError:
             self._service.metrics.cancel(self.ROUTE, "timeout", time.monotonic() - self._received_at)
             raise ApiError(f"generation did not finish within request_timeout_s={timeout_s}", status_code=504) from None
+        except GrammarError as exc:  # a schema the grammar failed on mid-generation: this stream alone ends
+            raise schema_error(exc) from exc
         except ValueError as exc:  # the backend's "bad input" (e.g. ids outside the vocabulary)
             raise ApiError(f"the backend refused the request: {exc}", param=self.REFUSED_PARAM) from exc
         except Exception as exc:

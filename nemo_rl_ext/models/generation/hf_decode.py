@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from nemo_rl_ext.models.generation.extra_logprobs import rows_top_logprobs, score_prompts
-from nemo_rl_ext.models.generation.grammar import Grammars
+from nemo_rl_ext.models.generation.grammar import GrammarError, Grammars
 from nemo_rl_ext.models.generation.hf_batch import KvBatch, Request, Row
 from nemo_rl_ext.models.generation.interfaces import FinishReason, GenerationOutput
 from nemo_rl_ext.models.generation.sampling import select_tokens
@@ -185,11 +185,14 @@ class HfDecodeSteps:
     def _fail(self, row: Row, stage: str, exc: Exception) -> None:
         """Mark one row failed (it leaves the batch; its caller gets the error) and log why."""
         cfg = row.request.config
-        row.error = RuntimeError(
-            f"generation failed while {stage} (temperature={cfg.temperature}, top_p={cfg.top_p}, "
-            f"top_k={cfg.top_k}, seed={cfg.seed}): {type(exc).__name__}: {exc}"
-        )
-        row.error.__cause__ = exc
+        if isinstance(exc, GrammarError):  # the request's schema, not the engine: its caller says so (a 400)
+            row.error = exc
+        else:
+            row.error = RuntimeError(
+                f"generation failed while {stage} (temperature={cfg.temperature}, top_p={cfg.top_p}, "
+                f"top_k={cfg.top_k}, seed={cfg.seed}): {type(exc).__name__}: {exc}"
+            )
+            row.error.__cause__ = exc
         self.num_row_failures += 1
         logger.warning("one request of a batch failed alone: %s", row.error)
 

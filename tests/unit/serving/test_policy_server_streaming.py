@@ -189,6 +189,38 @@ def test_a_stream_abandoned_after_three_chunks_leaves_the_batch(tiny_model_and_t
         backend.shutdown()
 
 
+def requests_count(server: PolicyServer, status: int) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    match = re.search(rf'requests_total\{{route="/v1/chat/completions",status="{status}"\}} (\S+)', text)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_twenty_quick_disconnects_are_twenty_cancelled_499s(tiny_model_and_tokenizer) -> None:
+    """A stream the client leaves is counted when it is over: status 499 and one cancellation, also when the
+    client left before the first event (the event generator never started). Before: every stream was counted
+    200 when the route returned it, and 20 quick disconnects once counted 19 cancellations."""
+    model, tokenizer = tiny_model_and_tokenizer
+    backend = HfGeneration(model, tokenizer, max_model_len=4096)
+    backend._eos_ids = frozenset({-1})  # no EOS: only the budget or a cancellation ends a generation
+    body = {"model": "policy", "messages": QUESTION, "max_tokens": 2000, "temperature": 1.0, "stream": True}
+    try:
+        with PolicyServer(backend, tokenizer) as server, httpx.Client(timeout=30) as http:
+            for seed in range(20):
+                with http.stream("POST", server.url + "/v1/chat/completions", json={**body, "seed": seed}) as r:
+                    assert r.status_code == 200  # left as soon as the headers came
+            wait_until(lambda: requests_count(server, 499) == 20, 60, "20 streams counted 499")
+            wait_until(lambda: cancelled_count(server) == 20, 30, "20 cancellations counted")
+            assert requests_count(server, 200) == 0
+            with http.stream("POST", server.url + "/v1/chat/completions",
+                             json={**body, "max_tokens": 3, "seed": 99}) as whole:
+                lines = [line for line in whole.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            wait_until(lambda: requests_count(server, 200) == 1, 30, "the stream read to its end counted 200")
+            assert requests_count(server, 499) == 20 and cancelled_count(server) == 20
+    finally:
+        backend.shutdown()
+
+
 # ---- bad stream_options: a 400 naming the field, the requests beside it unaffected ---------------------
 
 
