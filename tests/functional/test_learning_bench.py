@@ -63,3 +63,18 @@ def test_the_learning_bench_shows_a_gain_and_a_null_control(tmp_path: Path) -> N
     assert set(results["timings_s"]) == {"eval_before_greedy", "grpo_run", "export_run", "eval_after_greedy",
                                          "grpo_control", "export_control", "eval_control_greedy"}
     assert "held-out greedy pass@1" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_phase_names_its_log_and_the_cause(tmp_path: Path) -> None:
+    # a model folder that does not exist: run_eval.py refuses it (exit 2), and the bench says which phase, where
+    # its log is, and the phase's own message, then stops (exit 2: the user's error)
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(REPO / "bench" / "learning.py"), "--model", str(tmp_path / "no_model"),
+           "--train-size", "20", "--heldout-size", "5", "--eval-size", "5", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=one_thread_env(), capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"phase eval_before_greedy failed with exit status 2; its log: {out}/logs/eval_before_greedy.log" \
+        in proc.stderr
+    assert "no_model" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (out / "run").exists()  # nothing after the failed phase ran
