@@ -245,6 +245,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict, list[dict], Path, Pat
 
 def run_bench(args: argparse.Namespace) -> dict:
     """Every phase, then the comparison; returns results.json's content."""
+    machine = machine_line(f"OMP_NUM_THREADS={args.threads}")  # before the phases: the load they start in
     out, recipe, evaluated, train_file, eval_file = prepare(args)
     runner = Runner(out, args.threads, args.phase_timeout)
     cfg = grpo_config(recipe, args, train_file, out / "run", control=False)
@@ -266,7 +267,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "control_steps": args.control_steps, "eval_size": len(evaluated), "heldout_size": args.heldout_size,
         "train_size": args.train_size, "samples": args.samples, "seed": args.seed, "resamples": args.resamples,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_line(f"OMP_NUM_THREADS={args.threads}"),
+        "machine": machine,
         "run": run_cmp, "control": control_cmp, "reward_curve": curves, "timings_s": runner.timings,
         "export": {"run": str(export), "run_eval_read": eval_read(out / "evals" / "after_greedy"),
                    "control": str(control_export), "control_eval_read": eval_read(out / "evals" / "control_greedy")},

@@ -4,8 +4,9 @@ eval after on the export, and the lr-0 control through the same phases, each a s
 The task is the one a random tiny model learns in seconds (tests/functional/test_grpo.py's): answer "yes"
 (`--task say_yes`: training and held-out prompts name disjoint words), trained with the full_ft recipe at the
 lr that test measured. Greedy held-out only (`--samples 0`): the sampled eval is the same CLI with another
-temperature, and each eval is a process start (~5 s) more. Measured on 2 loaded cores (load ~3): about 50 s,
-7 subprocesses, of which GRPO itself is ~7 s; held-out greedy pass@1 0.000 -> 1.000, control +0.000.
+temperature, and each eval is a process start (~5 s) more. Measured on 2 shared cores: 60 s at load ~3, 143 s
+at load ~8 (7 subprocesses; GRPO itself is ~7 s of it, the rest process starts); held-out greedy pass@1
+0.000 -> 1.000, control +0.000.
 """
 
 from __future__ import annotations
