@@ -134,7 +134,11 @@ class SchedulerSettings(StrictModel):
 class OptimizerSettings(StrictModel):
     """AdamW, gradient clipping and micro-batching of the policy update."""
 
-    lr: float = Field(default=1e-6, gt=0.0, description="Learning rate (the peak, with `scheduler`).")
+    lr: float = Field(
+        default=1e-6, ge=0.0,
+        description="Learning rate (the peak, with `scheduler`). 0: no update at all, the whole loop still runs (a "
+        "control run, e.g. bench/learning.py's: any gain it shows is the pipeline's noise, not learning).",
+    )
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
     eps: float = Field(default=1e-8, gt=0.0, description="AdamW epsilon.")

@@ -24,7 +24,7 @@ def older_spelling() -> pytest.WarningsRecorder:
 
 
 def schema_of(path: Path) -> type[EvalConfig] | type[GRPOConfig]:
-    return GRPOConfig if path.name.startswith("grpo") else EvalConfig
+    return GRPOConfig if path.name.startswith("grpo") or path.parent.name == "recipes" else EvalConfig
 
 
 def shipped_configs() -> list[Path]:

@@ -72,7 +72,7 @@ def test_config_reports_field_errors_and_cross_field_rules_together():
         "rollouts.num_generations_per_prompt: Value error, num_generations_per_prompt values must be integers "
         ">= 1; bad entries: {'a': 0, 'b': 'x'}",
         "loss: Value error, invalid ClippedPGLossConfig: clip_low must be in [0, 1), got 1.5",
-        "optimizer.lr: Input should be greater than 0 (got -1)",
+        "optimizer.lr: Input should be greater than or equal to 0 (got -1)",
         "rollouts.env.typo: Extra inputs are not permitted",
         "validation.ks.0: Input should be greater than or equal to 1 (got 0)",
         "policy.generation.temperature: must be > 0: GRPO compares sampled completions (got 0.0)",

@@ -231,3 +231,17 @@ def test_the_optimizer_is_fused_adamw_with_the_same_update(tiny_model_and_tokeni
                                          record=record.at(1), lr=1e-2)
     assert power > 0
     assert any(not torch.equal(p, record.initial[k]) for k, p in named.items())
+
+
+def test_lr_zero_is_a_control_that_changes_no_weight(tiny_model_and_tokenizer):
+    """optimizer.lr: 0 (bench/learning.py's control): the step computes the loss and gradients as any step does,
+    but AdamW moves no weight (its step and its decoupled weight decay are both scaled by lr = 0)."""
+    model, tokenizer = tiny_model_and_tokenizer
+    items = sample(model, tokenizer, 1.0, n=4)
+    trainer = make_trainer(copy.deepcopy(model), micro_batch_size=2, lr=0.0, weight_decay=0.1)
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    for _ in range(2):
+        metrics = trainer.train_step(items, torch.tensor([1.0, -1.0, 1.0, -1.0]))
+        assert metrics["optimizer_steps"] == 1.0 and metrics["grad_norm"] > 0.0  # a real step was taken
+    # bit-exact: p - 0 * update is p in IEEE arithmetic (and p * (1 - 0 * wd) too)
+    assert all(torch.equal(before[k], v) for k, v in trainer.state_dict().items())

@@ -1,0 +1,319 @@
+"""Does it learn? The whole loop as a user runs it, measured on problems the model has never seen.
+
+    python bench/learning.py                         # the default recipe (lora) on generated arithmetic
+    python bench/learning.py --recipe full_ft        # any config of examples/configs/recipes/
+    python bench/learning.py --eval-size 500         # the whole held-out split (default: a seeded 200 of it)
+
+1. a seeded task generator writes training and held-out problems (no problem in both) into OUT/data/;
+2. eval before: `examples/run_eval.py` on the held-out problems, greedy (T 0, 1 answer) and sampled (T 1,
+   `--samples` answers);
+3. GRPO: `examples/run_grpo.py` with the recipe (examples/configs/recipes/RECIPE.yaml) and the bench's data;
+4. `run_grpo.py export` of the run's last checkpoint, then `run_eval.py` again on the exported folder;
+5. the control: the same GRPO -> export -> eval with `optimizer.lr: 0` (no update; `--control-steps` steps);
+6. per held-out problem, strict (the whole answer is the expected one) and lenient (the grader's reading)
+   correctness; the paired difference after - before with a 95% paired-bootstrap interval, overall and per
+   operator, for the run and the control.
+
+Every phase is a subprocess of the project's own CLIs, with the config files the bench writes into
+OUT/configs/ (the exact files that ran). OUT holds results.md, results.json, reward_curve.png, heldout.png,
+timings.json, configs/, logs/ (each phase's output), data/ and the runs' folders. Exit status: 0 done, 2 a
+user error (options, recipe, or a phase that exited 2), 3 a phase failed (its log named) or an eval left
+error samples (infrastructure failures, never scored as answers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import machine_line  # noqa: E402
+from learning_report import compare, markdown_table, plot_heldout, plot_rewards, read_rewards  # noqa: E402
+from learning_stats import ErrorSamplesLeft, read_scores  # noqa: E402
+from learning_task import TaskSpec, make_task, parse_ranges, write_jsonl  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "examples" / "configs" / "recipes"
+SYSTEM_PROMPT = "Answer the arithmetic question with just the final number."
+
+TASK_ENVS = {
+    "arithmetic": {"train": {"name": "math", "system_prompt": SYSTEM_PROMPT},
+                   "eval": {"name": "math", "system_prompt": SYSTEM_PROMPT}, "stop_strings": None},
+    "say_yes": {"train": {"name": "string_match", "kwargs": {"mode": "similarity"}},
+                "eval": {"name": "string_match", "kwargs": {"mode": "exact"}}, "stop_strings": ["yes"]},
+}
+"""Per task: the training environment (its reward), the held-out grader (the lenient reading) and stop strings."""
+
+
+class PhaseError(Exception):
+    """A phase's subprocess failed: its exit status and log."""
+
+    def __init__(self, phase: str, rc: int, log: Path) -> None:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.is_file() else ""
+        super().__init__(f"phase {phase} failed with exit status {rc}; its log: {log}\n{tail}")
+        self.rc = rc
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="lora", help="a recipe name (examples/configs/recipes/NAME.yaml) or a file")
+    p.add_argument("--task", default="arithmetic", choices=sorted(TASK_ENVS))
+    p.add_argument("--model", help="policy.model_name for every phase (default: the recipe's)")
+    p.add_argument("--out", help="output folder (default results/learning/RECIPE); must not exist or be empty")
+    p.add_argument("--train-size", type=int, default=2000)
+    p.add_argument("--heldout-size", type=int, default=500)
+    p.add_argument("--eval-size", type=int, default=200,
+                   help="held-out problems evaluated: a seeded subset of the held-out split (default 200 of 500)")
+    p.add_argument("--ops", nargs="+", default=["+", "-", "*"], help="arithmetic operators")
+    p.add_argument("--range", nargs="*", default=[], dest="ranges", metavar="OP:LOW:HIGH",
+                   help="operand range of an operator (defaults +:10:99 -:10:99 *:1:9)")
+    p.add_argument("--samples", type=int, default=4, help="answers per problem of the sampled (T 1) eval; 0: none")
+    p.add_argument("--steps", type=int, help="grpo.max_num_steps (default: the recipe's)")
+    p.add_argument("--control-steps", type=int, default=3,
+                   help="steps of the lr-0 control (its weights never change, so 3 steps give the same model as "
+                   "30; pass the run's count for an identical schedule)")
+    p.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE",
+                   help="overrides of the GRPO config (e.g. optimizer.lr=3e-3), the control's too")
+    p.add_argument("--seed", type=int, default=0, help="seed of the task generator and the bootstrap")
+    p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every phase (default 1)")
+    p.add_argument("--phase-timeout", type=float, default=3600.0, help="seconds one phase may take")
+    return p.parse_args(argv)
+
+
+def set_key(cfg: dict, dotted: str, value: Any) -> None:
+    """Set cfg["a"]["b"] = value for "a.b", creating sections."""
+    *path, last = dotted.split(".")
+    for key in path:
+        cfg = cfg.setdefault(key, {})
+    cfg[last] = value
+
+
+def load_recipe(recipe: str) -> tuple[Path, dict]:
+    path = Path(recipe) if recipe.endswith((".yaml", ".yml")) else RECIPES / f"{recipe}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+        raise ValueError(f"recipe {recipe!r}: no file {path}; the recipes are {names}")
+    return path, yaml.safe_load(path.read_text())
+
+
+def gym_rows(rows: list[dict]) -> list[dict]:
+    """The training rows in NeMo Gym's format (a developer message with the system prompt, the question, and
+    the expected answer that Gym's equivalence_rule server compares), alternating the two agents."""
+    return [{"responses_create_params": {"input": [{"role": "developer", "content": SYSTEM_PROMPT},
+                                                   {"role": "user", "content": r["question"]}]},
+             "agent_ref": {"name": ("agent_alpha", "agent_beta")[i % 2]}, "id": r["id"],
+             "question": r["question"], "expected_answer": r["answer"]} for i, r in enumerate(rows)]
+
+
+def grpo_config(recipe: dict, args: argparse.Namespace, train: Path, out: Path, *, control: bool) -> dict:
+    """The recipe with the bench's data, output folder, model, steps and environment (and lr 0 for the control)."""
+    cfg = json.loads(json.dumps(recipe))
+    set_key(cfg, "data.train_path", str(train))
+    set_key(cfg, "output_dir", str(out))
+    if args.model:
+        set_key(cfg, "policy.model_name", args.model)
+    if cfg.get("rollouts", {}).get("mode", "native") == "native":
+        set_key(cfg, "rollouts.env", TASK_ENVS[args.task]["train"])
+    if TASK_ENVS[args.task]["stop_strings"]:
+        set_key(cfg, "policy.generation.stop_strings", TASK_ENVS[args.task]["stop_strings"])
+    if args.steps:
+        set_key(cfg, "grpo.max_num_steps", args.steps)
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: write KEY=VALUE")
+        set_key(cfg, key, yaml.safe_load(value))
+    if control:
+        set_key(cfg, "optimizer.lr", 0.0)
+        set_key(cfg, "grpo.max_num_steps", args.control_steps)
+    return cfg
+
+
+def eval_config(grpo_cfg: dict, args: argparse.Namespace, data: Path, model: str, save: Path, *,
+                sampled: bool) -> dict:
+    """A held-out eval of `model`: greedy (T 0, one answer) or sampled (T 1, --samples answers), graded by the
+    task's grader, with the training run's token limit and prompt."""
+    policy = grpo_cfg.get("policy", {})
+    gen = policy.get("generation", {})
+    n = args.samples if sampled else 1
+    generation = {"max_new_tokens": gen.get("max_new_tokens", 16), "temperature": 1.0 if sampled else 0.0,
+                  "seed": 0}
+    if gen.get("stop_strings"):
+        generation["stop_strings"] = gen["stop_strings"]
+    return {
+        "eval": {"dataset_path": str(data), "ks": sorted({1, n}), "reward_threshold": 1.0, "save_path": str(save)},
+        "rollouts": {"mode": "native", "num_generations_per_prompt": n, "max_rollout_turns": 1,
+                     "max_seq_len": grpo_cfg.get("rollouts", {}).get("max_seq_len", 512),
+                     "env": TASK_ENVS[args.task]["eval"]},
+        "policy": {"model_name": model, "backend": "hf", "device": "cpu", "dtype": policy.get("dtype", "float32"),
+                   "max_model_len": policy.get("max_model_len", 512), "generation": generation},
+    }
+
+
+class Runner:
+    """Runs the phases as subprocesses of the project's CLIs, logging each and timing it."""
+
+    def __init__(self, out: Path, threads: int, timeout: float) -> None:
+        self.out, self.timeout = out, timeout
+        self.timings: dict[str, float] = {}
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        (out / "configs").mkdir(parents=True, exist_ok=True)
+
+    def config(self, name: str, cfg: dict) -> Path:
+        path = self.out / "configs" / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return path
+
+    def run(self, phase: str, script: str, *argv: str) -> None:
+        log = self.out / "logs" / f"{phase}.log"
+        cmd = [sys.executable, str(REPO / "examples" / script), *argv]
+        print(f"[{time.strftime('%H:%M:%S')}] {phase}: {' '.join(cmd[1:])}", flush=True)
+        start = time.perf_counter()
+        with log.open("w") as fh:
+            try:
+                rc = subprocess.run(cmd, cwd=REPO, env=self.env, stdout=fh, stderr=subprocess.STDOUT,
+                                    timeout=self.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        self.timings[phase] = round(time.perf_counter() - start, 1)
+        print(f"    {phase}: {self.timings[phase]:.1f} s (exit {rc})", flush=True)
+        if rc != 0:
+            raise PhaseError(phase, rc, log)
+
+
+def evaluate(runner: Runner, grpo_cfg: dict, args: argparse.Namespace, data: Path, model: str,
+             tag: str, expected: list[str]) -> dict:
+    """The greedy (and sampled) held-out evals of `model`: per-prompt scores per mode."""
+    scores = {}
+    for mode in ("greedy", "sampled") if args.samples > 0 else ("greedy",):
+        save = runner.out / "evals" / f"{tag}_{mode}"
+        cfg = runner.config(f"eval_{tag}_{mode}", eval_config(grpo_cfg, args, data, model, save,
+                                                              sampled=mode == "sampled"))
+        runner.run(f"eval_{tag}_{mode}", "run_eval.py", "--config", str(cfg), "--no-progress")
+        scores[mode] = read_scores(save / "completions.jsonl", expected)
+    return scores
+
+
+def train_and_export(runner: Runner, cfg: dict, tag: str) -> Path:
+    """GRPO with `cfg`, then `run_grpo.py export` of its last checkpoint into <output_dir>/export."""
+    path = runner.config(f"grpo_{tag}", cfg)
+    runner.run(f"grpo_{tag}", "run_grpo.py", "--config", str(path))
+    export = Path(cfg["output_dir"]) / "export"
+    runner.run(f"export_{tag}", "run_grpo.py", "export", cfg["output_dir"], "--out", str(export))
+    return export
+
+
+def eval_read(save: Path) -> str:
+    """The model folder an eval actually loaded, from the config.yaml it wrote."""
+    return str(yaml.safe_load((save / "config.yaml").read_text())["policy"]["model_name"])
+
+
+def prepare(args: argparse.Namespace) -> tuple[Path, dict, list[dict], Path, Path]:
+    """Check the options, write the data: (output folder, recipe, held-out rows evaluated, train file, eval file)."""
+    _, recipe = load_recipe(args.recipe)
+    name = Path(args.recipe).stem
+    out = Path(args.out or REPO / "results" / "learning" / name).resolve()
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out} is not empty: pass a new folder (the phases' folders would resume)")
+    if not 1 <= args.eval_size <= args.heldout_size:
+        raise ValueError(f"--eval-size must be in [1, --heldout-size={args.heldout_size}], got {args.eval_size}")
+    spec = TaskSpec(name=args.task, train_size=args.train_size, heldout_size=args.heldout_size, seed=args.seed,
+                    ops=tuple(args.ops), ranges=parse_ranges(args.ranges))
+    train, heldout = make_task(spec)
+    write_jsonl(out / "data" / "heldout.jsonl", heldout)
+    evaluated = heldout[:args.eval_size]  # the held-out rows are in seeded random order: a seeded subset
+    eval_file = write_jsonl(out / "data" / "heldout_eval.jsonl", evaluated)
+    gym = recipe.get("rollouts", {}).get("mode") == "nemo_gym"
+    train_file = write_jsonl(out / "data" / ("train_gym.jsonl" if gym else "train.jsonl"),
+                             gym_rows(train) if gym else train)
+    (out / "data" / "task.json").write_text(json.dumps({**spec.__dict__, "train_rows": len(train),
+                                                        "heldout_rows": len(heldout)}, indent=1))
+    return out, recipe, evaluated, train_file, eval_file
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    """Every phase, then the comparison; returns results.json's content."""
+    machine = machine_line(f"OMP_NUM_THREADS={args.threads}")  # before the phases: the load they start in
+    out, recipe, evaluated, train_file, eval_file = prepare(args)
+    runner = Runner(out, args.threads, args.phase_timeout)
+    cfg = grpo_config(recipe, args, train_file, out / "run", control=False)
+    control_cfg = grpo_config(recipe, args, train_file, out / "control", control=True)
+    expected = [r["answer"] for r in evaluated]
+    ops = [r["op"] for r in evaluated]
+    base = cfg["policy"]["model_name"]
+    before = evaluate(runner, cfg, args, eval_file, base, "before", expected)
+    export = train_and_export(runner, cfg, "run")
+    after = evaluate(runner, cfg, args, eval_file, str(export), "after", expected)
+    control_export = train_and_export(runner, control_cfg, "control")
+    control_after = evaluate(runner, control_cfg, args, eval_file, str(control_export), "control", expected)
+    run_cmp = compare(before, after, ops, seed=args.seed, resamples=args.resamples)
+    control_cmp = compare(before, control_after, ops, seed=args.seed, resamples=args.resamples)
+    curves = {"GRPO": read_rewards(out / "run" / "metrics.jsonl"),
+              "lr-0 control": read_rewards(out / "control" / "metrics.jsonl")}
+    results = {
+        "recipe": args.recipe, "task": args.task, "model": base, "steps": cfg["grpo"].get("max_num_steps"),
+        "control_steps": args.control_steps, "eval_size": len(evaluated), "heldout_size": args.heldout_size,
+        "train_size": args.train_size, "samples": args.samples, "seed": args.seed, "resamples": args.resamples,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine,
+        "run": run_cmp, "control": control_cmp, "reward_curve": curves, "timings_s": runner.timings,
+        "export": {"run": str(export), "run_eval_read": eval_read(out / "evals" / "after_greedy"),
+                   "control": str(control_export), "control_eval_read": eval_read(out / "evals" / "control_greedy")},
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "timings.json").write_text(json.dumps(runner.timings, indent=1))
+    plot_rewards(curves, out / "reward_curve.png")
+    plot_heldout(run_cmp, control_cmp, out / "heldout.png")
+    (out / "results.md").write_text(results_markdown(results))
+    return results
+
+
+def results_markdown(results: dict) -> str:
+    """results.md: what ran, the table, the timings."""
+    timings = ", ".join(f"{k} {v:.0f} s" for k, v in results["timings_s"].items())
+    return (f"# Does it learn? recipe `{results['recipe']}`, task `{results['task']}`\n\n"
+            f"{results['date']}; {results['machine']}\n\n"
+            f"Model `{results['model']}`, {results['steps']} GRPO steps (control: lr 0, {results['control_steps']} "
+            f"steps); {results['eval_size']} of {results['heldout_size']} held-out problems "
+            f"({results['train_size']} training problems, none in both); sampled eval: {results['samples']} "
+            f"answers at T 1. Intervals: 95% paired bootstrap over problems ({results['resamples']} resamples, "
+            f"seed {results['seed']}).\n\n{markdown_table(results['run'], results['control'])}\n\n"
+            f"Wall-clock per phase: {timings}.\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        results = run_bench(args)
+    except ErrorSamplesLeft as err:  # an infrastructure failure in an eval, never scored as the model's answer
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except PhaseError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2 if err.rc == 2 else 3
+    print("\n" + results_markdown(results))
+    g = results["run"]["greedy"]["lenient"]["overall"]
+    c = results["control"]["greedy"]["lenient"]["overall"]
+    print(f"held-out greedy pass@1: {g['before']:.3f} -> {g['after']:.3f}, gain {g['diff']:+.3f} "
+          f"[{g['low']:+.3f}, {g['high']:+.3f}]; lr-0 control gain {c['diff']:+.3f} [{c['low']:+.3f}, "
+          f"{c['high']:+.3f}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
