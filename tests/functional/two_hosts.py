@@ -149,7 +149,9 @@ class TwoHosts:
 
     def command(self, host: Host, argv: list[str]) -> list[str]:
         """`argv` run in `host`'s namespace with the nodes' environment."""
-        return ["ip", "netns", "exec", host.ns, "env", *[f"{k}={v}" for k, v in self._env.items()], *argv]
+        # env -i: exactly these variables, not this process's too (init_ray sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in
+        # os.environ for the local Ray of the other tests in this pytest process; a worker node would refuse to join)
+        return ["ip", "netns", "exec", host.ns, "env", "-i", *[f"{k}={v}" for k, v in self._env.items()], *argv]
 
     def run_in(self, host: Host, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout)
