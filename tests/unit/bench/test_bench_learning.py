@@ -229,3 +229,11 @@ def test_cuda_without_a_cuda_device_is_a_user_error(tmp_path, capsys):
     assert learning.main(["--device", "cuda", "--out", str(tmp_path / "o")]) == 2
     assert "--device cuda but torch sees no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before any phase or file
+
+
+def test_no_plots_without_matplotlib(monkeypatch, tmp_path, capsys):
+    # the lent GPU image has no matplotlib: the bench writes its tables and says there are no plots
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert learning.write_plots({}, {}, {}, tmp_path) == []
+    assert "matplotlib is not installed: no plots" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
