@@ -3,6 +3,7 @@
     python bench/learning.py                         # the default recipe (lora) on generated arithmetic
     python bench/learning.py --recipe full_ft        # any config of examples/configs/recipes/
     python bench/learning.py --eval-size 500         # the whole held-out split (default: a seeded 200 of it)
+    python bench/learning.py --device cuda --prompts-per-step 16 --generations 16   # every phase on the GPU
 
 1. a seeded task generator writes training and held-out problems (no problem in both) into OUT/data/;
 2. eval before: `examples/run_eval.py` on the held-out problems, greedy (T 0, 1 answer) and sampled (T 1,
@@ -79,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="operand range of an operator (defaults +:10:99 -:10:99 *:1:9)")
     p.add_argument("--samples", type=int, default=4, help="answers per problem of the sampled (T 1) eval; 0: none")
     p.add_argument("--steps", type=int, help="grpo.max_num_steps (default: the recipe's)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="policy.device of every phase (GRPO, its engine, the evals); default cpu")
+    p.add_argument("--prompts-per-step", type=int, help="grpo.num_prompts_per_step (default: the recipe's)")
+    p.add_argument("--generations", type=int,
+                   help="rollouts.num_generations_per_prompt, the group size (default: the recipe's)")
     p.add_argument("--control-steps", type=int, default=3,
                    help="steps of the lr-0 control (its weights never change, so 3 steps give the same model as "
                    "30; pass the run's count for an identical schedule)")
@@ -127,8 +133,13 @@ def grpo_config(recipe: dict, args: argparse.Namespace, train: Path, out: Path, 
         set_key(cfg, "rollouts.env", TASK_ENVS[args.task]["train"])
     if TASK_ENVS[args.task]["stop_strings"]:
         set_key(cfg, "policy.generation.stop_strings", TASK_ENVS[args.task]["stop_strings"])
+    set_key(cfg, "policy.device", args.device)
     if args.steps:
         set_key(cfg, "grpo.max_num_steps", args.steps)
+    if args.prompts_per_step:
+        set_key(cfg, "grpo.num_prompts_per_step", args.prompts_per_step)
+    if args.generations:
+        set_key(cfg, "rollouts.num_generations_per_prompt", args.generations)
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep:
@@ -156,7 +167,7 @@ def eval_config(grpo_cfg: dict, args: argparse.Namespace, data: Path, model: str
         "rollouts": {"mode": "native", "num_generations_per_prompt": n, "max_rollout_turns": 1,
                      "max_seq_len": grpo_cfg.get("rollouts", {}).get("max_seq_len", 512),
                      "env": TASK_ENVS[args.task]["eval"]},
-        "policy": {"model_name": model, "backend": "hf", "device": "cpu", "dtype": policy.get("dtype", "float32"),
+        "policy": {"model_name": model, "backend": "hf", "device": args.device, "dtype": policy.get("dtype", "float32"),
                    "max_model_len": policy.get("max_model_len", 512), "generation": generation},
     }
 
@@ -220,6 +231,29 @@ def eval_read(save: Path) -> str:
     return str(yaml.safe_load((save / "config.yaml").read_text())["policy"]["model_name"])
 
 
+def device_info(device: str) -> dict[str, str]:
+    """The device the phases run on, and on CUDA the GPU's name (a ValueError when torch sees no CUDA device)."""
+    if device != "cuda":
+        return {"device": device}
+    import torch  # only here: on the CPU the bench process itself needs no torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device (--device cpu runs on the CPU)")
+    return {"device": "cuda", "gpu": torch.cuda.get_device_name(0), "cuda": str(torch.version.cuda)}
+
+
+def write_plots(curves: dict, run_cmp: dict, control_cmp: dict, out: Path) -> list[str]:
+    """reward_curve.png and heldout.png; none without matplotlib (not on the lent GPU image): the names written."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("    matplotlib is not installed: no plots (results.md and results.json have the numbers)")
+        return []
+    plot_rewards(curves, out / "reward_curve.png")
+    plot_heldout(run_cmp, control_cmp, out / "heldout.png")
+    return ["reward_curve.png", "heldout.png"]
+
+
 def prepare(args: argparse.Namespace) -> tuple[Path, dict, list[dict], Path, Path]:
     """Check the options, write the data: (output folder, recipe, held-out rows evaluated, train file, eval file)."""
     _, recipe = load_recipe(args.recipe)
@@ -246,6 +280,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict, list[dict], Path, Pat
 def run_bench(args: argparse.Namespace) -> dict:
     """Every phase, then the comparison; returns results.json's content."""
     machine = machine_line(f"OMP_NUM_THREADS={args.threads}")  # before the phases: the load they start in
+    device = device_info(args.device)
     out, recipe, evaluated, train_file, eval_file = prepare(args)
     runner = Runner(out, args.threads, args.phase_timeout)
     cfg = grpo_config(recipe, args, train_file, out / "run", control=False)
@@ -267,15 +302,15 @@ def run_bench(args: argparse.Namespace) -> dict:
         "control_steps": args.control_steps, "eval_size": len(evaluated), "heldout_size": args.heldout_size,
         "train_size": args.train_size, "samples": args.samples, "seed": args.seed, "resamples": args.resamples,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine,
+        "machine": machine, **device, "prompts_per_step": cfg["grpo"].get("num_prompts_per_step"),
+        "generations": cfg.get("rollouts", {}).get("num_generations_per_prompt"),
         "run": run_cmp, "control": control_cmp, "reward_curve": curves, "timings_s": runner.timings,
         "export": {"run": str(export), "run_eval_read": eval_read(out / "evals" / "after_greedy"),
                    "control": str(control_export), "control_eval_read": eval_read(out / "evals" / "control_greedy")},
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "timings.json").write_text(json.dumps(runner.timings, indent=1))
-    plot_rewards(curves, out / "reward_curve.png")
-    plot_heldout(run_cmp, control_cmp, out / "heldout.png")
+    results["plots"] = write_plots(curves, run_cmp, control_cmp, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(results_markdown(results))
     return results
 
@@ -285,12 +320,21 @@ def results_markdown(results: dict) -> str:
     timings = ", ".join(f"{k} {v:.0f} s" for k, v in results["timings_s"].items())
     return (f"# Does it learn? recipe `{results['recipe']}`, task `{results['task']}`\n\n"
             f"{results['date']}; {results['machine']}\n\n"
-            f"Model `{results['model']}`, {results['steps']} GRPO steps (control: lr 0, {results['control_steps']} "
+            f"Device: {device_line(results)}\n\n"
+            f"Model `{results['model']}`, {results['steps']} GRPO steps of {results.get('prompts_per_step')} prompts x "
+            f"{results.get('generations')} samples (control: lr 0, {results['control_steps']} "
             f"steps); {results['eval_size']} of {results['heldout_size']} held-out problems "
             f"({results['train_size']} training problems, none in both); sampled eval: {results['samples']} "
             f"answers at T 1. Intervals: 95% paired bootstrap over problems ({results['resamples']} resamples, "
             f"seed {results['seed']}).\n\n{markdown_table(results['run'], results['control'])}\n\n"
             f"Wall-clock per phase: {timings}.\n")
+
+
+def device_line(results: dict) -> str:
+    """"cpu", or "cuda (NVIDIA H100 80GB HBM3, CUDA 12.8)": which device produced these numbers."""
+    if results.get("gpu"):
+        return f"{results['device']} ({results['gpu']}, CUDA {results.get('cuda')})"
+    return str(results.get("device", "cpu"))
 
 
 def main(argv: list[str] | None = None) -> int:

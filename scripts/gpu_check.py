@@ -10,8 +10,12 @@ file ($OUT/gpu_report.md when $OUT is set, else ./gpu_report.md):
   requests joins the running batch) and its logprobs equal a transformers forward pass over the same tokens.
 - grpo: two GRPO steps (rollouts, update, refit) on the device in fp32; then the same with
   `trainer.mixed_precision: bf16`, `trainer.activation_checkpointing: true`, `trainer.lora`, and FSDP2 at world
-  size 1 (NCCL on CUDA, gloo on the CPU; on CUDA once more with `trainer.cpu_offload`). A setting whose feature is not built yet is refused by the config
-  (`training/config.UNBUILT`): that check says NOT BUILT, and runs unchanged once the feature lands.
+  size 1 (NCCL on CUDA, gloo on the CPU; on CUDA once more with `trainer.cpu_offload`). A setting whose feature is
+  not built yet is refused by the config (`training/config.UNBUILT`): that check says NOT BUILT, and runs unchanged
+  once the feature lands.
+- learning bench: `bench/learning.py --device DEVICE` (eval before -> GRPO -> export -> eval after, an lr-0
+  control) on CUDA with SmolLM2 when its package is installed, else (and always on the CPU) on the tiny model's
+  say_yes task, with a larger batch on CUDA; its results table goes into the report (scripts/gpu_check_learning.py).
 
 `--device cpu` runs the same logic on the CPU (tests/functional/test_gpu_check.py). Exit status: 0 when no check
 failed, 1 otherwise. Nothing here imports Ray (the report says so).
@@ -38,6 +42,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the repository's nemo_rl_ext, installed or not
+sys.path.insert(0, str(REPO / "scripts"))  # gpu_check_learning, however this file is run
 ABSENT_ON_THE_IMAGE = ("ray", "vllm")
 """Not on the lent GPU image: blocked here too (`import ray` raises ImportError), so that a code path reaching for
 them fails its check on any machine, the CPU test's included, never only on the GPU."""
@@ -47,6 +52,7 @@ NEEDED_MODULES = ("nemo_rl_ext.models.tiny", "nemo_rl_ext.models.generation.hf_b
 """What the checks import: a missing package (a wheel not carried) is one FAIL naming it, before any check runs."""
 
 import torch  # noqa: E402
+from gpu_check_learning import check_learning  # noqa: E402
 
 ENGINE_RTOL, ENGINE_ATOL = 1e-4, 1e-4
 """Engine logprobs (KV-cache decode, rows padded in a batch) against one fp32 forward pass over the whole sequence:
@@ -55,6 +61,8 @@ RATIO_TOL = {"fp32": 1e-3, "bf16": 5e-2}
 """How far the trainer's and the engine's probabilities of the sampled tokens may disagree after a refit
 (|train/importance_ratio/mean - 1|): float rounding in fp32; bf16 compute (8 mantissa bits, ~4e-3 relative per
 logit) against the fp32 engine in bf16."""
+LEARNING_BENCH_MAX_S = 300.0
+"""The most the learning bench (the last check) may take, however long the deadline."""
 WORDS = ("apple", "river", "blue", "seven", "cat", "hello", "tree", "water")
 
 
@@ -70,6 +78,8 @@ class Result:
     """What was measured (seconds, counts, differences, memory)."""
     detail: str = ""
     """Why it failed or is not built (an error's traceback, a refused setting's message)."""
+    section: str = ""
+    """Markdown the report carries after the table (the learning bench's results table)."""
 
 
 def run_check(name: str, fn: Callable[[Result], None]) -> Result:
@@ -363,10 +373,20 @@ def write_report(path: Path, env: dict[str, str], results: list[Result], total_s
         figures = ", ".join(f"{k}={v}" for k, v in r.figures.items())
         lines.append(f"| {r.name} | {r.status} | {figures} |")
     for r in results:
+        if r.section:
+            lines += ["", f"## {r.name}", "", r.section.rstrip()]
+    for r in results:
         if r.detail:
             lines += ["", f"## {r.name}: {r.status}", "", "```", r.detail.rstrip(), "```"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
+
+
+def bench_seconds(start: float) -> float:
+    """The learning bench's time: what is left before gpu_check.sh's deadline (GPU_CHECK_DEADLINE_S, less a margin
+    for the report), at most LEARNING_BENCH_MAX_S."""
+    deadline = float(os.environ.get("GPU_CHECK_DEADLINE_S", "inf"))
+    return min(LEARNING_BENCH_MAX_S, deadline - (time.perf_counter() - start) - 20.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                                   {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}, r)),
             ("trainer.workers: FSDP2 rank at world size 1 (and trainer.cpu_offload on CUDA)",
              lambda r: check_fsdp(dev, model_dir, work, r)),
+            ("learning bench: bench/learning.py --device " + dev.split(":")[0],
+             lambda r: check_learning(dev, model_dir, work, r, bench_seconds(start))),
         ]
         env, results = environment(args.device), [imports]
         for number, (name, fn) in enumerate(checks):

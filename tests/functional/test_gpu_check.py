@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh (the device checks of issue 26) on the CPU: `--device cpu` runs the logic the lent GPU
 machine runs, and the report says PASS for the engine and the fp32 GRPO steps, and PASS or NOT BUILT for each
-trainer setting, NOT BUILT exactly while the config still refuses it (`trainer_config.UNBUILT`)."""
+trainer setting, NOT BUILT exactly while the config still refuses it (`trainer_config.UNBUILT`), and PASS for
+the learning bench (`bench/learning.py --device cpu` on the tiny model's say_yes task, its table in the report)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,14 @@ def _rows(report: str) -> dict[str, tuple[str, str]]:
     return {name: (status, figures) for name, status, figures in rows}
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_gpu_check_runs_on_the_cpu_and_reports_every_check(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu"], cwd=tmp_path,
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=140)
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=290)
     report = (tmp_path / "gpu_report.md").read_text()  # $OUT/gpu_report.md
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + report
     rows = _rows(report)
-    assert len(rows) == 7, rows
+    assert len(rows) == 8, rows
     assert "- blocked (absent on the GPU image): ray, vllm" in report
     assert "INCOMPLETE" not in report  # rewritten after each check, final once all ran
     assert f"- nemo_rl_ext: {REPO / 'nemo_rl_ext'}" in report  # this checkout's code, not an installed copy
@@ -57,6 +58,24 @@ def test_gpu_check_runs_on_the_cpu_and_reports_every_check(tmp_path: Path) -> No
             assert f"{row_start}: " in report and "is not built yet" in report  # the config's own message
     (fsdp,) = [v for k, v in rows.items() if k.startswith("trainer.workers")]
     assert "backend=gloo" in fsdp[1] and "shards_on=cpu" in fsdp[1], fsdp  # shards and AdamW state, after the step
+    _assert_learning_section(report, rows)
+
+
+def _assert_learning_section(report: str, rows: dict[str, tuple[str, str]]) -> None:
+    """The learning bench's row (the tiny say_yes task learned on the CPU, the control null) and its results table,
+    which says which device produced it."""
+    status, figures = rows["learning bench: bench/learning.py --device cpu"]
+    assert status == "PASS", report
+    assert "device=cpu" in figures and "tiny random model on say_yes" in figures, figures
+    assert "4 prompts x 16 samples a step" in figures, figures
+    gain = re.search(r"gain=([+-][0-9.]+) \[([+-][0-9.]+), ([+-][0-9.]+)\]", figures)
+    assert gain and float(gain.group(2)) > 0.0, figures  # the gain's interval excludes 0
+    section = report.split("## learning bench: bench/learning.py --device cpu", 1)[1]
+    assert "\nDevice: cpu\n" in section, section
+    assert "| held-out metric | n | before | after | gain [95% CI] |" in section
+    table = re.search(r"^\| greedy pass@1, lenient \| all \| ([0-9.]+) \| ([0-9.]+) \| ([^|]+) \|", section,
+                      flags=re.MULTILINE)
+    assert table and table.group(3).strip() in figures, (table, figures)  # the row's gain is the table's
 
 
 @pytest.mark.timeout(60)

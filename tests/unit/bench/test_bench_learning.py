@@ -193,3 +193,47 @@ def test_parse_args_defaults():
     assert isinstance(args, argparse.Namespace)
     assert (args.recipe, args.task, args.heldout_size, args.train_size, args.samples) == \
         ("lora", "arithmetic", 500, 2000, 4)
+
+
+def test_device_and_batch_reach_every_phase_config(tmp_path):
+    args = learning.parse_args(["--device", "cuda", "--prompts-per-step", "16", "--generations", "32"])
+    _, recipe = learning.load_recipe("lora")
+    for control in (False, True):
+        grpo = GRPOConfig.model_validate(learning.grpo_config(recipe, args, tmp_path / "t.jsonl", tmp_path / "r",
+                                                              control=control))
+        assert grpo.policy.device == "cuda"
+        assert (grpo.grpo.num_prompts_per_step, grpo.rollouts.num_generations_per_prompt) == (16, 32)
+    cfg = learning.grpo_config(recipe, args, tmp_path / "t.jsonl", tmp_path / "r", control=False)
+    for sampled in (False, True):
+        ev = EvalConfig.model_validate(learning.eval_config(cfg, args, tmp_path / "h.jsonl", "smollm2",
+                                                            tmp_path / "e", sampled=sampled))
+        assert ev.policy.device == "cuda"
+    default = learning.parse_args([])
+    assert default.device == "cpu"
+    assert learning.grpo_config(recipe, default, tmp_path / "t.jsonl", tmp_path / "r",
+                                control=False)["policy"]["device"] == "cpu"
+
+
+def test_the_results_say_which_device_produced_them():
+    assert learning.device_line({"device": "cpu"}) == "cpu"
+    assert learning.device_line({"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3", "cuda": "12.8"}) == \
+        "cuda (NVIDIA H100 80GB HBM3, CUDA 12.8)"
+    assert learning.device_info("cpu") == {"device": "cpu"}
+
+
+def test_cuda_without_a_cuda_device_is_a_user_error(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert learning.main(["--device", "cuda", "--out", str(tmp_path / "o")]) == 2
+    assert "--device cuda but torch sees no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before any phase or file
+
+
+def test_no_plots_without_matplotlib(monkeypatch, tmp_path, capsys):
+    # the lent GPU image has no matplotlib: the bench writes its tables and says there are no plots
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert learning.write_plots({}, {}, {}, tmp_path) == []
+    assert "matplotlib is not installed: no plots" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
