@@ -16,6 +16,7 @@ import pytest
 SLOW_FILES_FIRST = (
     "test_eval_ray_shards.py",
     "test_trainer_workers.py",
+    "test_two_hosts.py",
     "test_stop_signals.py",
     "test_eval_shard_jobs.py",
     "test_eval.py",
@@ -28,6 +29,8 @@ SLOW_FILES_FIRST = (
     "test_grading_faults.py",
     "test_cluster_wiring.py",
     "test_cluster_environments.py",
+    "test_learning_bench.py",
+    "test_gpu_check.py",
 )
 
 
