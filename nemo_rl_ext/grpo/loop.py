@@ -243,7 +243,9 @@ class GRPO:
         return metrics
 
     def _train_records(self, records: Sequence[PromptGroupRecord], metrics: dict[str, float]) -> None:
-        """Advantages and one policy update on `records` (none: no optimizer step); adds to `metrics`."""
+        """Advantages and one policy update on `records` (none: no optimizer step); adds to `metrics`, `train/lr`
+        (the step's scheduled lr) always, so that the lr curve has every step."""
+        lr = scheduled_lr(self.cfg.optimizer, self.step + 1, self.schedule_steps)
         if records:
             batch = build_training_batch(
                 records,
@@ -254,11 +256,11 @@ class GRPO:
             )
             batch = weight_by_loss_multiplier(batch, records)
             metrics.update(training_batch_metrics(batch, records))
-            self.trainer.set_lr(scheduled_lr(self.cfg.optimizer, self.step + 1, self.schedule_steps))
+            self.trainer.set_lr(lr)
             train_metrics = self.trainer.train_step(batch.items, batch.advantages)
             metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         else:  # dynamic sampling found no group with reward variance: nothing to learn from
-            metrics["train/optimizer_steps"] = 0.0
+            metrics.update({"train/optimizer_steps": 0.0, "train/lr": lr})
 
     def _cluster_metrics(self, metrics: dict[str, float]) -> None:
         metrics.update(self.generation.metrics())  # a Ray pool: per-replica counters (cluster/...)

@@ -264,7 +264,10 @@ def test_dynamic_sampling_rolls_out_more_and_skips_steps_without_signal(config_f
     metrics = run(
         config_file, f"output_dir={tmp_path}", "grpo.max_num_steps=2", "rollouts.env.kwargs.mode=exact",
         "grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_gen_batches=2",
+        "optimizer.scheduler.warmup_steps=2",
     )
+    # a step without an update still has its scheduled lr in its metrics (lr 3e-3 x s/2): the curve has every step
+    assert [m["train/lr"] for m in metrics] == [1.5e-3, 3e-3]
     for m in metrics:
         assert m["rollout/num_prompts"] == 8.0  # two batches of 4 prompts
         assert m["dynamic_sampling/gen_batches"] == 2.0
