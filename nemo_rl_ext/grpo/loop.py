@@ -189,8 +189,9 @@ class GRPO:
         self.step = checkpoint.step
         self.schedule_steps = int(checkpoint.extra.get("schedule_steps", self.schedule_steps))
         if self.cfg.optimizer.scheduler.type != "constant" and self.cfg.grpo.max_num_steps > self.schedule_steps:
-            logger.info("optimizer.scheduler: the run's schedule ends at step %d (its horizon when it started); "
-                        "steps after it train at min_lr", self.schedule_steps)
+            logger.warning("optimizer.scheduler: the run's schedule ends at step %d (its horizon when it started); "
+                           "steps %d to %d (grpo.max_num_steps) train at min_lr", self.schedule_steps,
+                           self.schedule_steps + 1, self.cfg.grpo.max_num_steps)
         checkpoint.restore_rng()
         logger.info("resumed from %s at step %d", checkpoint.path, self.step)
 
