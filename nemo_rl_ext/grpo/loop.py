@@ -189,8 +189,9 @@ class GRPO:
         self.step = checkpoint.step
         self.schedule_steps = int(checkpoint.extra.get("schedule_steps", self.schedule_steps))
         if self.cfg.optimizer.scheduler.type != "constant" and self.cfg.grpo.max_num_steps > self.schedule_steps:
-            logger.info("optimizer.scheduler: the run's schedule ends at step %d (its horizon when it started); "
-                        "steps after it train at min_lr", self.schedule_steps)
+            logger.warning("optimizer.scheduler: the run's schedule ends at step %d (its horizon when it started); "
+                           "steps %d to %d (grpo.max_num_steps) train at min_lr", self.schedule_steps,
+                           self.schedule_steps + 1, self.cfg.grpo.max_num_steps)
         checkpoint.restore_rng()
         logger.info("resumed from %s at step %d", checkpoint.path, self.step)
 
@@ -243,7 +244,9 @@ class GRPO:
         return metrics
 
     def _train_records(self, records: Sequence[PromptGroupRecord], metrics: dict[str, float]) -> None:
-        """Advantages and one policy update on `records` (none: no optimizer step); adds to `metrics`."""
+        """Advantages and one policy update on `records` (none: no optimizer step); adds to `metrics`, `train/lr`
+        (the step's scheduled lr) always, so that the lr curve has every step."""
+        lr = scheduled_lr(self.cfg.optimizer, self.step + 1, self.schedule_steps)
         if records:
             batch = build_training_batch(
                 records,
@@ -254,11 +257,11 @@ class GRPO:
             )
             batch = weight_by_loss_multiplier(batch, records)
             metrics.update(training_batch_metrics(batch, records))
-            self.trainer.set_lr(scheduled_lr(self.cfg.optimizer, self.step + 1, self.schedule_steps))
+            self.trainer.set_lr(lr)
             train_metrics = self.trainer.train_step(batch.items, batch.advantages)
             metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         else:  # dynamic sampling found no group with reward variance: nothing to learn from
-            metrics["train/optimizer_steps"] = 0.0
+            metrics.update({"train/optimizer_steps": 0.0, "train/lr": lr})
 
     def _cluster_metrics(self, metrics: dict[str, float]) -> None:
         metrics.update(self.generation.metrics())  # a Ray pool: per-replica counters (cluster/...)

@@ -264,7 +264,10 @@ def test_dynamic_sampling_rolls_out_more_and_skips_steps_without_signal(config_f
     metrics = run(
         config_file, f"output_dir={tmp_path}", "grpo.max_num_steps=2", "rollouts.env.kwargs.mode=exact",
         "grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_gen_batches=2",
+        "optimizer.scheduler.warmup_steps=2",
     )
+    # a step without an update still has its scheduled lr in its metrics (lr 3e-3 x s/2): the curve has every step
+    assert [m["train/lr"] for m in metrics] == [1.5e-3, 3e-3]
     for m in metrics:
         assert m["rollout/num_prompts"] == 8.0  # two batches of 4 prompts
         assert m["dynamic_sampling/gen_batches"] == 2.0
@@ -300,10 +303,11 @@ def test_prompts_too_long_are_in_the_step_metrics_and_warned_about_once(
 
 
 @pytest.mark.timeout(150)
-def test_lr_schedule_per_step_and_across_a_resume(config_file: Path, tmp_path: Path) -> None:
+def test_lr_schedule_per_step_and_across_a_resume(config_file: Path, tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     """`optimizer.scheduler`: train/lr follows the formula at each step, a run stopped after step 2 and resumed
     continues the schedule exactly (the same lr, and the same step 3 as the uninterrupted run), and a resumed
-    run that trains past the horizon it started with stays at min_lr."""
+    run that trains past the horizon it started with stays at min_lr, and says so once."""
     cosine = ("optimizer.scheduler.type=cosine", "optimizer.scheduler.warmup_steps=1",
               "optimizer.scheduler.min_lr=3.0e-4", "optimizer.scheduler.total_steps=4", "policy.hf.scheduler=static",
               "grpo.save_period=2")
@@ -322,6 +326,10 @@ def test_lr_schedule_per_step_and_across_a_resume(config_file: Path, tmp_path: P
     linear = ("optimizer.scheduler.type=linear", "optimizer.scheduler.min_lr=3.0e-4", "grpo.save_period=1")
     short = tmp_path / "c"
     first = run(config_file, f"output_dir={short}", "grpo.max_num_steps=2", *linear)
-    longer = run(config_file, f"output_dir={short}", "resume=true", "grpo.max_num_steps=4", *linear)
+    with caplog.at_level(logging.WARNING, logger="nemo_rl_ext.grpo.loop"):
+        longer = run(config_file, f"output_dir={short}", "resume=true", "grpo.max_num_steps=4", *linear)
+    said = [r.getMessage() for r in caplog.records if "optimizer.scheduler" in r.getMessage()]
+    assert said == ["optimizer.scheduler: the run's schedule ends at step 2 (its horizon when it started); steps 3 "
+                    "to 4 (grpo.max_num_steps) train at min_lr"], said
     assert [m["train/lr"] for m in first] == [3e-3, 3e-4]
     assert [m["train/lr"] for m in longer] == [3e-3, 3e-4, 3e-4, 3e-4]  # a horizon of 4 would give 1.2e-3 at 3

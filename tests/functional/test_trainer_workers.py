@@ -223,20 +223,49 @@ def unfinish(source: Path, out: Path) -> Path:
     return out
 
 
+def _record_rank_lrs(trainer: DistributedTrainer, into: list) -> None:
+    """After each `train_step`, append every rank's optimizer lrs (one per parameter group), asked of the ranks."""
+    import ray
+
+    train_step = trainer.train_step
+
+    def group_lrs(rank) -> list[float]:  # runs inside a rank
+        return [group["lr"] for group in rank.optimizer.param_groups]
+
+    def recorded(items, advantages):
+        metrics = train_step(items, advantages)
+        into.append(ray.get([r.__ray_call__.remote(group_lrs) for r in trainer._ranks]))
+        return metrics
+
+    trainer.train_step = recorded
+
+
 @pytest.mark.timeout(300)
 def test_async_grpo_on_two_ranks_trains_as_one_process_does(config_file: Path, tmp_path: Path) -> None:
     """`grpo.async` (max_lag 1): the trainer thread drives the ranks; the steps match one worker's. The 2 ranks are
     replicated (`sharding: none`, all-reduced gradients), which the driver does not see: this run also checks that
-    replicated ranks compute one process's update (suite time)."""
-    history = {}
+    replicated ranks compute one process's update (suite time). Both train on an `optimizer.scheduler` (warm-up,
+    linear decay): every rank's optimizer holds each step's scheduled lr, in every parameter group."""
+    # lr 3e-3, W = 2, T = 3: step 1 at 3e-3 x 1/2, step 2 at lr, step 3 (the horizon) at min_lr
+    schedule = ["optimizer.scheduler.type=linear", "optimizer.scheduler.warmup_steps=2",
+                "optimizer.scheduler.min_lr=3.0e-4"]
+    expected_lr = [1.5e-3, 3e-3, 3e-4]
+    history, rank_lrs = {}, []
     for workers in (1, 2):
         replicated = ["trainer.sharding=none"] if workers == 2 else []
         cfg = load_config(config_file, [f"output_dir={tmp_path / str(workers)}", f"trainer.workers={workers}",
                                         "grpo.async.enabled=true", "grpo.async.max_lag=1", "grpo.save_period=0",
-                                        *replicated], GRPOConfig)
+                                        *replicated, *schedule], GRPOConfig)
         with GRPO(cfg) as grpo:
+            if workers == 2:
+                _record_rank_lrs(grpo.trainer, rank_lrs)
             history[workers] = grpo.run()
     assert [m["step"] for m in history[2]] == [1, 2, 3]
+    for workers in (1, 2):
+        assert [m["train/lr"] for m in history[workers]] == pytest.approx(expected_lr, rel=1e-12), workers
+    # each rank's optimizer, each group: the very float the driver computed (rank 0's is the logged train/lr)
+    assert len(rank_lrs) == 3 and all(len(ranks) == 2 and all(ranks) for ranks in rank_lrs), rank_lrs
+    assert [{lr for groups in ranks for lr in groups} for ranks in rank_lrs] == [{m["train/lr"]} for m in history[2]]
     for a, b in zip(history[1], history[2], strict=True):
         assert b["train/optimizer_steps"] == 2 and b["refit/gathered_bytes"] > 0
         assert a["rollout/reward/mean"] == b["rollout/reward/mean"]

@@ -90,3 +90,18 @@ def test_several_bad_schedule_keys_are_reported_together() -> None:
     assert "3 problem(s)" in text, text
     for key in ("optimizer.scheduler.warmup_ratio", "optimizer.scheduler.min_lr", "grpo.max_num_steps"):
         assert key in text, text
+
+
+def test_a_checkpoint_saved_before_schedules_existed_resumes_at_its_constant_lr_only() -> None:
+    """Its saved config has no `optimizer.scheduler` and its state no `schedule_steps`: it trained at a constant lr,
+    so it resumes under today's default (constant) and a resume that adds a schedule is refused naming the key
+    (the schedule is not in RESUME_MAY_CHANGE: it changes what a step computes)."""
+    from nemo_rl_ext.grpo.build import check_saved_config
+    from nemo_rl_ext.training.checkpoint import Checkpoint
+
+    old = load_config(SHIPPED, [], GRPOConfig).model_dump(mode="json")
+    del old["optimizer"]["scheduler"]  # as a checkpoint of then saved it
+    checkpoint = Checkpoint(path=Path("run/checkpoints/step_2"), step=2, data_state={}, extra={"config": old})
+    check_saved_config(load_config(SHIPPED, [], GRPOConfig), checkpoint)  # no schedule: resumes
+    with pytest.raises(ConfigError, match=r"optimizer\.scheduler\.type: 'constant' -> 'cosine'"):
+        check_saved_config(load_config(SHIPPED, ["optimizer.scheduler.type=cosine"], GRPOConfig), checkpoint)
