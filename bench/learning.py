@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rollouts.num_generations_per_prompt, the group size (default: the recipe's)")
     p.add_argument("--control-steps", type=int, default=3,
                    help="steps of the lr-0 control (its weights never change, so 3 steps give the same model as "
-                   "30; pass the run's count for an identical schedule)")
+                   "30; pass the run's count for an identical schedule); 0: no control (make grpo-demo)")
     p.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE",
                    help="overrides of the GRPO config (e.g. optimizer.lr=3e-3), the control's too")
     p.add_argument("--seed", type=int, default=0, help="seed of the task generator and the bootstrap")
@@ -263,6 +263,8 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict, list[dict], Path, Pat
         raise ValueError(f"--out {out} is not empty: pass a new folder (the phases' folders would resume)")
     if not 1 <= args.eval_size <= args.heldout_size:
         raise ValueError(f"--eval-size must be in [1, --heldout-size={args.heldout_size}], got {args.eval_size}")
+    if args.control_steps < 0:
+        raise ValueError(f"--control-steps must be >= 0 (0: no control), got {args.control_steps}")
     spec = TaskSpec(name=args.task, train_size=args.train_size, heldout_size=args.heldout_size, seed=args.seed,
                     ops=tuple(args.ops), ranges=parse_ranges(args.ranges))
     train, heldout = make_task(spec)
@@ -284,19 +286,23 @@ def run_bench(args: argparse.Namespace) -> dict:
     out, recipe, evaluated, train_file, eval_file = prepare(args)
     runner = Runner(out, args.threads, args.phase_timeout)
     cfg = grpo_config(recipe, args, train_file, out / "run", control=False)
-    control_cfg = grpo_config(recipe, args, train_file, out / "control", control=True)
     expected = [r["answer"] for r in evaluated]
     ops = [r["op"] for r in evaluated]
     base = cfg["policy"]["model_name"]
     before = evaluate(runner, cfg, args, eval_file, base, "before", expected)
     export = train_and_export(runner, cfg, "run")
     after = evaluate(runner, cfg, args, eval_file, str(export), "after", expected)
-    control_export = train_and_export(runner, control_cfg, "control")
-    control_after = evaluate(runner, control_cfg, args, eval_file, str(control_export), "control", expected)
     run_cmp = compare(before, after, ops, seed=args.seed, resamples=args.resamples)
-    control_cmp = compare(before, control_after, ops, seed=args.seed, resamples=args.resamples)
-    curves = {"GRPO": read_rewards(out / "run" / "metrics.jsonl"),
-              "lr-0 control": read_rewards(out / "control" / "metrics.jsonl")}
+    curves = {"GRPO": read_rewards(out / "run" / "metrics.jsonl")}
+    exports = {"run": str(export), "run_eval_read": eval_read(out / "evals" / "after_greedy")}
+    control_cmp = None
+    if args.control_steps > 0:
+        control_cfg = grpo_config(recipe, args, train_file, out / "control", control=True)
+        control_export = train_and_export(runner, control_cfg, "control")
+        control_after = evaluate(runner, control_cfg, args, eval_file, str(control_export), "control", expected)
+        control_cmp = compare(before, control_after, ops, seed=args.seed, resamples=args.resamples)
+        curves["lr-0 control"] = read_rewards(out / "control" / "metrics.jsonl")
+        exports.update(control=str(control_export), control_eval_read=eval_read(out / "evals" / "control_greedy"))
     results = {
         "recipe": args.recipe, "task": args.task, "model": base, "steps": cfg["grpo"].get("max_num_steps"),
         "control_steps": args.control_steps, "eval_size": len(evaluated), "heldout_size": args.heldout_size,
@@ -305,8 +311,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "machine": machine, **device, "prompts_per_step": cfg["grpo"].get("num_prompts_per_step"),
         "generations": cfg.get("rollouts", {}).get("num_generations_per_prompt"),
         "run": run_cmp, "control": control_cmp, "reward_curve": curves, "timings_s": runner.timings,
-        "export": {"run": str(export), "run_eval_read": eval_read(out / "evals" / "after_greedy"),
-                   "control": str(control_export), "control_eval_read": eval_read(out / "evals" / "control_greedy")},
+        "export": exports,
     }
     (out / "timings.json").write_text(json.dumps(runner.timings, indent=1))
     results["plots"] = write_plots(curves, run_cmp, control_cmp, out)
@@ -322,12 +327,16 @@ def results_markdown(results: dict) -> str:
             f"{results['date']}; {results['machine']}\n\n"
             f"Device: {device_line(results)}\n\n"
             f"Model `{results['model']}`, {results['steps']} GRPO steps of {results.get('prompts_per_step')} prompts x "
-            f"{results.get('generations')} samples (control: lr 0, {results['control_steps']} "
-            f"steps); {results['eval_size']} of {results['heldout_size']} held-out problems "
+            f"{results.get('generations')} samples ({control_words(results)}); "
+            f"{results['eval_size']} of {results['heldout_size']} held-out problems "
             f"({results['train_size']} training problems, none in both); sampled eval: {results['samples']} "
             f"answers at T 1. Intervals: 95% paired bootstrap over problems ({results['resamples']} resamples, "
             f"seed {results['seed']}).\n\n{markdown_table(results['run'], results['control'])}\n\n"
             f"Wall-clock per phase: {timings}.\n")
+
+
+def control_words(results: dict) -> str:
+    return f"control: lr 0, {results['control_steps']} steps" if results.get("control") else "no control run"
 
 
 def device_line(results: dict) -> str:
@@ -351,12 +360,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2 if err.rc == 2 else 3
     print("\n" + results_markdown(results))
-    g = results["run"]["greedy"]["lenient"]["overall"]
-    c = results["control"]["greedy"]["lenient"]["overall"]
-    print(f"held-out greedy pass@1: {g['before']:.3f} -> {g['after']:.3f}, gain {g['diff']:+.3f} "
-          f"[{g['low']:+.3f}, {g['high']:+.3f}]; lr-0 control gain {c['diff']:+.3f} [{c['low']:+.3f}, "
-          f"{c['high']:+.3f}]")
+    print(headline(results))
     return 0
+
+
+def headline(results: dict) -> str:
+    """The one line a user reads: held-out greedy pass@1 before -> after, the gain and its interval (and the
+    control's), the GRPO phase's wall-clock."""
+    g = results["run"]["greedy"]["lenient"]["overall"]
+    line = (f"held-out greedy pass@1: {g['before']:.3f} -> {g['after']:.3f}, gain {g['diff']:+.3f} "
+            f"[{g['low']:+.3f}, {g['high']:+.3f}] (95% paired bootstrap, {results['eval_size']} problems)")
+    if results.get("control"):
+        c = results["control"]["greedy"]["lenient"]["overall"]
+        line += f"; lr-0 control gain {c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
+    return line + f"; GRPO {results['timings_s'].get('grpo_run', 0):.0f} s"
 
 
 if __name__ == "__main__":

@@ -41,20 +41,24 @@ def _cell(d: Mapping[str, float]) -> str:
     return f"{d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
 
 
-def markdown_table(run: Mapping[str, Any], control: Mapping[str, Any]) -> str:
-    """One row per (eval, reading, operator): before, after, the gain with its interval, and the control's."""
-    lines = ["| held-out metric | n | before | after | gain [95% CI] | control after | control gain [95% CI] |",
-             "|---|---|---|---|---|---|---|"]
+def markdown_table(run: Mapping[str, Any], control: Mapping[str, Any] | None) -> str:
+    """One row per (eval, reading, operator): before, after, the gain with its interval, and the control's (no
+    control columns when the bench ran none)."""
+    head = "| held-out metric | n | before | after | gain [95% CI] |"
+    lines = [head + (" control after | control gain [95% CI] |" if control else ""),
+             "|---|---|---|---|---|" + ("---|---|" if control else "")]
     for mode in run:
         for reading in READINGS:
             for key, d in run[mode][reading].items():
-                c = control[mode][reading][key]
                 label = f"{mode} pass@1, {reading}" + ("" if key == "overall" else f", `{key}`")
-                n = d.get("n", "all")
-                lines.append(f"| {label} | {n} | {d['before']:.3f} | {d['after']:.3f} | {_cell(d)} | "
-                             f"{c['after']:.3f} | {_cell(c)} |")
-        t, ct = run[mode]["truncation"], control[mode]["truncation"]
-        lines.append(f"| {mode} truncation rate | all | {t['before']:.3f} | {t['after']:.3f} | | {ct['after']:.3f} | |")
+                row = f"| {label} | {d.get('n', 'all')} | {d['before']:.3f} | {d['after']:.3f} | {_cell(d)} |"
+                if control:
+                    c = control[mode][reading][key]
+                    row += f" {c['after']:.3f} | {_cell(c)} |"
+                lines.append(row)
+        t = run[mode]["truncation"]
+        row = f"| {mode} truncation rate | all | {t['before']:.3f} | {t['after']:.3f} | |"
+        lines.append(row + (f" {control[mode]['truncation']['after']:.3f} | |" if control else ""))
     return "\n".join(lines)
 
 
@@ -90,22 +94,24 @@ def plot_rewards(curves: Mapping[str, Sequence[tuple[int, float]]], path: Path) 
     plt.close(fig)
 
 
-def plot_heldout(run: Mapping[str, Any], control: Mapping[str, Any], path: Path) -> None:
-    """Held-out pass@1 (each eval and reading) before, after and after the control, the gains' 95% intervals as
-    error bars on the after bars."""
+def plot_heldout(run: Mapping[str, Any], control: Mapping[str, Any] | None, path: Path) -> None:
+    """Held-out pass@1 (each eval and reading) before, after and after the control (if one ran), the gains' 95%
+    intervals as error bars on the after bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [f"{m}\n{r}" for m in run for r in READINGS]
-    rows = [(run[m][r]["overall"], control[m][r]["overall"]) for m in run for r in READINGS]
+    rows = [(run[m][r]["overall"], control[m][r]["overall"] if control else None) for m in run for r in READINGS]
     fig, ax = plt.subplots(figsize=(1.9 * len(labels) + 1, 3.8))
     width = 0.27
     for i, (d, c) in enumerate(rows):
         ax.bar(i - width, d["before"], width, color="#999999", label="before" if i == 0 else None)
         ax.bar(i, d["after"], width, color="#1f77b4", label="after GRPO" if i == 0 else None,
                yerr=[[d["diff"] - d["low"]], [d["high"] - d["diff"]]], capsize=3)
+        if c is None:
+            continue
         ax.bar(i + width, c["after"], width, color="#ff7f0e", label="after lr-0 control" if i == 0 else None,
                yerr=[[c["diff"] - c["low"]], [c["high"] - c["diff"]]], capsize=3)
     ax.set_xticks(range(len(labels)), labels)

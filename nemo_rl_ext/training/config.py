@@ -153,6 +153,13 @@ class OptimizerSettings(StrictModel):
         "continuing from copies of its KV cache (the same logprobs and gradients up to float rounding); false: "
         "one forward over every sample's full sequence.",
     )
+    skip_zero_advantage: bool = Field(
+        default=True,
+        description="Skip the forward and backward of a micro-batch whose every advantage is 0 when the loss has no "
+        "KL term (kl_coef 0): it adds exactly 0 to the gradient, its tokens still count in the normalisation, so "
+        "the update is bit for bit the same (one-process trainer; FSDP2 ranks run every micro-batch). Sparse "
+        "rewards make most groups all-0 or all-1: this is most of a step's training time then.",
+    )
     scheduler: SchedulerSettings = Field(
         default_factory=SchedulerSettings,
         description="The learning-rate schedule over GRPO steps (NeMo-RL's `policy.scheduler`, TRL's "

@@ -78,6 +78,15 @@ class _MetricSums:
         for key in _SUM_METRICS:
             self.sums[key] = self.sums.get(key, 0.0) + metrics[key]
 
+    def skip(self, masked_tokens: Sequence[float]) -> None:
+        """A micro-batch skipped for its zero advantages (its samples' masked-token counts): its tokens and
+        sequences count, its loss is 0, its samples are counted in `zero_advantage_skipped`."""
+        add = {"loss": 0.0, "loss/pg": 0.0, "loss/kl": 0.0, "num_tokens": float(sum(masked_tokens)),
+               "num_sequences": float(sum(1 for n in masked_tokens if n > 0)),
+               "zero_advantage_skipped": float(len(masked_tokens))}
+        for key, value in add.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+
     def result(self) -> dict[str, float]:
         out = dict(self.sums)
         out.update({k: v / self.tokens if self.tokens else 0.0 for k, v in self.weighted.items()})
@@ -206,6 +215,7 @@ class PolicyTrainer:
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0
         metrics["optimizer_steps"] = float(len(grad_norms))
         metrics["skipped_minibatches"] = float(skipped)
+        metrics.setdefault("zero_advantage_skipped", 0.0)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
 
@@ -233,6 +243,9 @@ class PolicyTrainer:
         size = self.settings.micro_batch_size
         for start in range(indices.start, indices.stop, size):
             chunk = list(range(start, min(start + size, indices.stop)))
+            if self._contributes_nothing(advantages[chunk], ref):
+                sums.skip([float(items[i].loss_mask.sum()) for i in chunk])
+                continue
             ids, attention, mask, gen = self._batch([items[i] for i in chunk])
             logprobs = self._token_logprobs(self.model, ids, attention, mask)
             old_lp = right_pad([old[i] for i in chunk], 0.0, torch.float32).to(self.device) if old else logprobs.detach()
@@ -253,6 +266,9 @@ class PolicyTrainer:
             sums.add(metrics)
         if count == 0:
             return None
+        for param in self.parameters:  # every micro-batch skipped: Adam still steps (its momentum moves weights)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
         max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm is not None else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
         if not math.isfinite(norm):  # a NaN/inf gradient would poison the weights: skip the update
@@ -261,6 +277,13 @@ class PolicyTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def _contributes_nothing(self, advantages: torch.Tensor, ref: list[torch.Tensor] | None) -> bool:
+        """A micro-batch whose every advantage is 0 adds exactly 0 to the gradient when the loss has no term
+        without the advantage (no KL penalty): its forward and backward are skipped (`trainer.skip_zero_advantage`),
+        its tokens still count in the normalisation, so the update is bit for bit the one without skipping."""
+        return (self.settings.skip_zero_advantage and ref is None and self.loss_config.kl_coef == 0.0
+                and not bool(torch.any(advantages != 0)))
 
     def _token_logprobs(
         self, model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor

@@ -245,3 +245,43 @@ def test_lr_zero_is_a_control_that_changes_no_weight(tiny_model_and_tokenizer):
         assert metrics["optimizer_steps"] == 1.0 and metrics["grad_norm"] > 0.0  # a real step was taken
     # bit-exact: p - 0 * update is p in IEEE arithmetic (and p * (1 - 0 * wd) too)
     assert all(torch.equal(before[k], v) for k, v in trainer.state_dict().items())
+
+
+@pytest.mark.parametrize("micro", [2, 3])
+def test_zero_advantage_micro_batches_are_skipped_and_the_update_is_the_same(tiny_model_and_tokenizer, micro):
+    """optimizer.skip_zero_advantage: a micro-batch whose every advantage is 0 adds exactly 0 to the gradient
+    (every term of the loss is a multiple of the advantage when kl_coef is 0), so skipping its forward and backward
+    leaves the update bit for bit the same as running it, over two Adam steps (the second with all-zero
+    advantages: Adam's momentum still moves the weights, so the step must still be taken). With micro 3 the
+    zero-advantage samples share a micro-batch with a trained one: that micro-batch runs."""
+    model, tokenizer = tiny_model_and_tokenizer
+    items = sample(model, tokenizer, 1.0, n=6)
+    steps = [torch.tensor([0.0, 0.0, 1.0, -1.0, 0.0, 0.0]), torch.zeros(6)]
+    runs = {}
+    for skip in (False, True):
+        trainer = make_trainer(copy.deepcopy(model), micro_batch_size=micro, skip_zero_advantage=skip)
+        metrics = [trainer.train_step(items, adv) for adv in steps]
+        runs[skip] = ({k: v.clone() for k, v in trainer.state_dict().items()}, metrics)
+    (plain, plain_m), (skipped, skipped_m) = runs[False], runs[True]
+    assert any(not torch.equal(plain[k], v) for k, v in model.state_dict().items())  # the steps moved weights
+    assert all(torch.equal(plain[k], skipped[k]) for k in plain)  # the same kernels on the same inputs: bit-exact
+    expect = [4.0 if micro == 2 else 0.0, 6.0]  # micro 2: [0,0] [1,-1] [0,0]; micro 3: [0,0,1] [-1,0,0]
+    for p, s, n in zip(plain_m, skipped_m, expect, strict=True):
+        assert s["zero_advantage_skipped"] == n and p["zero_advantage_skipped"] == 0.0
+        assert s["optimizer_steps"] == p["optimizer_steps"] == 1.0
+        for key in ("num_tokens", "num_sequences", "loss", "grad_norm"):
+            assert s[key] == p[key], key
+
+
+def test_zero_advantage_micro_batches_run_when_the_loss_has_a_kl_term(tiny_model_and_tokenizer):
+    """With kl_coef != 0 the KL penalty has a gradient whatever the advantage: nothing is skipped."""
+    model, tokenizer = tiny_model_and_tokenizer
+    items = sample(model, tokenizer, 1.0, n=4)
+    trainer = PolicyTrainer(
+        copy.deepcopy(model), optimizer=OptimizerSettings(lr=1e-2, micro_batch_size=2),
+        loss=ClippedPGLossConfig(kl_coef=0.1), temperature=1.0, reference_model=copy.deepcopy(model),
+    )
+    trainer.train_step(items, torch.tensor([1.0, -1.0, 1.0, -1.0]))  # moves the policy away from its reference
+    metrics = trainer.train_step(items, torch.zeros(4))
+    assert metrics["zero_advantage_skipped"] == 0.0
+    assert metrics["kl/mean"] > 0.0 and metrics["grad_norm"] > 0.0  # the KL term alone had a gradient
