@@ -37,6 +37,7 @@ from learning import (  # noqa: E402
     eval_read,
     evaluate,
     grpo_config,
+    load_recipe,
     prepare,
     set_key,
 )
@@ -176,10 +177,11 @@ def run_compare(args) -> dict:
     machine = machine_line(f"OMP_NUM_THREADS={args.threads}; TRL {version}")
     if not args.out:
         args.out = str(Path(__file__).resolve().parents[1] / "results" / "learning" / f"trl_{Path(args.recipe).stem}")
+    # the settings are checked before anything is written
+    saves = check(args, grpo_config(load_recipe(args.recipe)[1], args, Path("train.jsonl"), Path("ours"), control=False))
     out, recipe, evaluated, train_file, eval_file = prepare(args)
     runner = Runner(out, args.threads, args.phase_timeout)
     cfg = grpo_config(recipe, args, train_file, out / "ours", control=False)
-    saves = check(args, cfg)
     expected = [r["answer"] for r in evaluated]
     before = evaluate(runner, cfg, args, eval_file, cfg["policy"]["model_name"], "before", expected)["greedy"]
     ours_exports = run_ours(runner, cfg, saves)

@@ -118,3 +118,26 @@ def test_settings_the_comparison_cannot_run_are_named_together(tmp_path):
     text = str(err.value)
     assert "no trainer.lora" in text and "optimizer.scheduler" in text
     assert "--save-every 7 must be >= 1 and divide grpo.max_num_steps (30)" in text
+
+
+def no_trl(name: str) -> str:
+    import importlib.metadata
+
+    if name == "trl":
+        raise importlib.metadata.PackageNotFoundError(name)
+    raise AssertionError(name)
+
+
+def test_without_trl_the_bench_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("importlib.metadata.version", no_trl)
+    assert learning_trl.main(["--out", str(tmp_path / "o")]) == 2
+    assert "error: trl is not installed: pip install -e '.[bench]'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_recipe_it_cannot_compare_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("importlib.metadata.version", lambda name: learning_trl.TRL_VERSION)
+    assert learning_trl.main(["--recipe", "async", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "rollouts.mode must be native and grpo.async off" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
