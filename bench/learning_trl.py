@@ -21,6 +21,7 @@ results.md, results.json, pass1_vs_time.png, configs/, logs/, data/, ours/, trl/
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import sys
@@ -54,9 +55,11 @@ def parse_args(argv: list[str] | None = None):
                    help="checkpoint (and evaluate) both runs every this many steps; must divide the step count")
     p.add_argument("--trl-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="TRL GRPOConfig arguments over the ones derived from the recipe (e.g. loss_type=grpo)")
-    p.set_defaults(samples=0, control_steps=0)
+    for action in p._actions:  # greedy pass@1 only and no control here: the comparison is the point
+        if action.dest in ("samples", "control_steps"):
+            action.help = argparse.SUPPRESS
     args = p.parse_args(argv)
-    args.samples, args.control_steps = 0, 0  # greedy pass@1 only, no control: the comparison is the point
+    args.samples, args.control_steps = 0, 0
     return args
 
 

@@ -5,8 +5,9 @@ not install it).
 
 The task is the one a random tiny model learns in seconds (`--task say_yes`), with LoRA at lr 3e-2 (the LoRA
 adapters start at 0, so they need a larger lr than test_learning_bench.py's full fine-tuning). One checkpoint
-per run (at the last step) keeps it to 6 subprocesses: 75 s measured on 2 shared cores at load ~4 (the
-checkpoints every K steps are unit-tested on hand-made curves, tests/unit/bench/test_bench_learning_trl.py).
+per run (at the last step) keeps it to 6 subprocesses (the checkpoints every K steps are unit-tested on hand-made
+curves, tests/unit/bench/test_bench_learning_trl.py). Measured on 2 shared cores: 75 s at load ~4, 137 s at
+load ~6, 282 s at load ~10-12 (about 45 s of CPU; the rest is waiting for the cores), hence the 400 s deadline.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_ours_and_trl_train_on_the_same_task_and_are_evaluated_alike(tmp_path: Path) -> None:
     pytest.importorskip("trl")
     from safetensors.torch import load_file
@@ -38,7 +39,7 @@ def test_ours_and_trl_train_on_the_same_task_and_are_evaluated_alike(tmp_path: P
            "--set", "optimizer.lr=3e-2", "rollouts.num_generations_per_prompt=16", "grpo.num_prompts_per_step=4",
            "optimizer.micro_batch_size=16", "policy.max_model_len=256", "rollouts.max_seq_len=128",
            "policy.generation.max_new_tokens=8"]
-    proc = subprocess.run(cmd, cwd=REPO, env=one_thread_env(), capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(cmd, cwd=REPO, env=one_thread_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
 
