@@ -65,8 +65,9 @@ class PhaseError(Exception):
         self.rc = rc
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
+    """The bench's options (bench/learning_trl.py adds its own to them)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="lora", help="a recipe name (examples/configs/recipes/NAME.yaml) or a file")
     p.add_argument("--task", default="arithmetic", choices=sorted(TASK_ENVS))
     p.add_argument("--model", help="policy.model_name for every phase (default: the recipe's)")
@@ -94,7 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every phase (default 1)")
     p.add_argument("--phase-timeout", type=float, default=3600.0, help="seconds one phase may take")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def set_key(cfg: dict, dotted: str, value: Any) -> None:

@@ -134,3 +134,11 @@ def by_group(values: np.ndarray, groups: Sequence[str]) -> dict[str, np.ndarray]
     for value, group in zip(values, groups, strict=True):
         out.setdefault(group, []).append(float(value))
     return {g: np.array(v) for g, v in out.items()}
+
+
+def mean_interval(values: Sequence[float] | np.ndarray, *, seed: int = 0, resamples: int = 10_000,
+                  confidence: float = 0.95) -> PairedDiff:
+    """The mean of per-prompt scores with its percentile bootstrap interval: `paired_bootstrap` against all
+    zeros, so the resampling is the paired one's, problem for problem (`after`, `diff`, `low`, `high`)."""
+    v = np.asarray(values, dtype=np.float64)
+    return paired_bootstrap(np.zeros_like(v), v, seed=seed, resamples=resamples, confidence=confidence)
