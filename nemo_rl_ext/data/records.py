@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from nemo_rl_ext.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,31 @@ PROMPT_TOO_LONG = "prompt_too_long"
 the context limit: `{"prompt_tokens": n or None, "limit": m or None}` (n: the prompt's length where known)."""
 
 
+class RewardComponentError(ConfigError):
+    """An environment returned a named reward component that is missing or not a finite number (a user error:
+    the environment or its config must change; retrying cannot help)."""
+
+
+def check_reward_components(env: str, components: Any, required: Sequence[str] = ()) -> dict[str, float]:
+    """`components` as {name: float}; one `RewardComponentError` naming `env` and every missing (`required`
+    but absent) or non-numeric field. Booleans are refused (a flag is not a score)."""
+    if not isinstance(components, Mapping):
+        raise RewardComponentError(
+            f"environment {env!r}: reward components must be a mapping of name -> number, got "
+            f"{type(components).__name__}"
+        )
+    problems = [f"field {name!r} is missing" for name in required if name not in components]
+    out: dict[str, float] = {}
+    for name, value in components.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            problems.append(f"field {str(name)!r} is not a finite number (got {value!r})")
+        else:
+            out[str(name)] = float(value)
+    if problems:
+        raise RewardComponentError(f"environment {env!r}: reward component " + "; ".join(problems))
+    return out
+
+
 def is_data_error(completion_env_extras: Mapping[str, Any]) -> bool:
     """True when the env_extras mark an error completion caused by a malformed row (`DATA_ERROR`)."""
     return completion_env_extras.get(ERROR_KIND) == DATA_ERROR
@@ -83,6 +110,9 @@ class Completion:
     environment step; nemo_gym: the row's /run call, retries included); None when not measured. A
     measurement, not content: completions that differ only here are equal, and an eval writes it to
     timings.jsonl, never to completions.jsonl (whose bytes must not depend on the clock)."""
+    reward_components: Mapping[str, float] = field(default_factory=dict)
+    """Named parts of the reward ({name: value}, summed over turns like `reward`) where the environment
+    reports them (multi-reward, GDPO); empty: the environment reports only the scalar `reward`."""
 
     @property
     def token_ids(self) -> tuple[int, ...]:

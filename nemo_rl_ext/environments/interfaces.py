@@ -39,12 +39,16 @@ class EnvironmentReturn:
     """The answer extracted from each rollout, if any."""
     extras: Sequence[Mapping[str, Any]] | None = None
     """Per-rollout facts for the completion's `env_extras` (e.g. `vote_key`, `grading`); None: nothing."""
+    reward_components: Sequence[Mapping[str, float]] | None = None
+    """Per-rollout named parts of this step's reward ({name: number}; the rollout sums them over turns into
+    `Completion.reward_components`, as it sums `rewards`); None: the environment reports only the scalar."""
 
     def __post_init__(self) -> None:
         names = ("observations", "metadata", "next_stop_strings", "rewards", "terminateds", "answers")
         sizes = {name: len(getattr(self, name)) for name in names}
-        if self.extras is not None:
-            sizes["extras"] = len(self.extras)
+        for name in ("extras", "reward_components"):
+            if getattr(self, name) is not None:
+                sizes[name] = len(getattr(self, name))
         if len(set(sizes.values())) > 1:
             raise ValueError(f"EnvironmentReturn fields have different lengths: {sizes}")
 

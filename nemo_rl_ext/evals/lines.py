@@ -33,6 +33,7 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "metadata": (dict,),
     "env_extras": (dict,),
     "message_log": (list,),
+    "reward_components": (dict,),
 }
 """Keys a line may lack (hand-written or older lines; they read as None / empty), with their JSON types."""
 
@@ -111,6 +112,9 @@ class CompletionLine(JsonView):
     """What the environment reported about the sample (e.g. `vote_key`, Gym's `gym_result`)."""
     message_log: tuple[LineMessage, ...] = ()
     """The conversation: prompt messages, then the rollout's turns."""
+    reward_components: Mapping[str, float] = field(default_factory=dict)
+    """The reward's named parts where the environment reports them (written only then, after `message_log`,
+    so a line without them is byte-identical to one written before they existed)."""
 
     @property
     def is_error(self) -> bool:
@@ -143,7 +147,7 @@ class CompletionLine(JsonView):
             "metadata": dict(self.metadata),
             "env_extras": dict(self.env_extras),
             "message_log": [m.to_json() for m in self.message_log],
-        }
+        } | ({"reward_components": dict(self.reward_components)} if self.reward_components else {})
 
     @classmethod
     def from_json(cls, obj: Any) -> CompletionLine:
@@ -164,6 +168,7 @@ class CompletionLine(JsonView):
             metadata=obj.get("metadata") or {},
             env_extras=obj.get("env_extras") or {},
             message_log=tuple(LineMessage.from_json(m) for m in obj.get("message_log") or ()),
+            reward_components={str(k): float(v) for k, v in (obj.get("reward_components") or {}).items()},
         )
 
     @classmethod
@@ -188,6 +193,7 @@ class CompletionLine(JsonView):
                 LineMessage(m.role, m.content, len(m.token_ids), tuple(m.token_ids) if save_token_ids else None)
                 for m in completion.message_log
             ),
+            reward_components=dict(completion.reward_components),
         )
 
 
@@ -219,5 +225,8 @@ def line_problem(row: Any) -> str | None:
         return "wrong type: " + ", ".join(bad)
     if row["prompt_idx"] < 0 or row["sample_idx"] < 0:
         return f"negative index: prompt_idx={row['prompt_idx']}, sample_idx={row['sample_idx']}"
+    components = row.get("reward_components") or {}
+    if any(_wrong_type(v, (int, float)) for v in components.values()):
+        return f"reward_components holds a value that is not a number: {reprlib.repr(components)}"
     messages = [p for i, m in enumerate(row.get("message_log") or ()) if (p := _message_problem(i, m))]
     return messages[0] if messages else None

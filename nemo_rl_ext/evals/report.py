@@ -142,7 +142,8 @@ def prompt_length_note(summary: EvalSummary) -> str:
 
 
 def format_metric_table(summary: EvalSummary) -> str:
-    """The metric table as aligned plain text, with a line on stop reasons."""
+    """The metric table as aligned plain text, with a line on stop reasons (and one on the reward components
+    where the environment reports them)."""
     header, rows = metric_rows(summary)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
@@ -157,6 +158,9 @@ def format_metric_table(summary: EvalSummary) -> str:
         f"stop reasons: {stops}; mean turns {_number(summary.mean_turns, '.2f')}; "
         f"truncation rate {_number(summary.truncation_rate, '.3f')}"
     )
+    if summary.reward_components:
+        lines.append("reward components (mean): " + ", ".join(
+            f"{name} {stats['mean']:.4f}" for name, stats in summary.reward_components.items()))
     note = error_note(summary)
     lines += note[:1] + [f"  {x}" for x in note[1:]]
     if summary.num_prompts_too_long:
@@ -225,6 +229,18 @@ def gym_metric_lines(summary: EvalSummary) -> list[str]:
         shown = ", ".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in scalars.items())
         lines.append(f"- `{agent}`: {shown or 'no key metrics'}")
     return lines
+
+
+def component_lines(summary: EvalSummary) -> list[str]:
+    """The report's "Reward components" section: one row per named component ([] where none was reported)."""
+    if not summary.reward_components:
+        return []
+    rows = [
+        [f"`{name}`", f"{s['mean']:.4f}", f"{s['min']:.4g}", f"{s['max']:.4g}", str(int(s["num_samples"]))]
+        for name, s in summary.reward_components.items()
+    ]
+    return ["", "## Reward components", "", "Over the non-error samples that report each one.", "",
+            *_markdown_table(["component", "mean", "min", "max", "samples"], rows)]
 
 
 def _profile_columns(summary: EvalSummary) -> list[tuple[str, TaskProfile]]:
@@ -393,6 +409,7 @@ def markdown_report(summary: EvalSummary, plot_name: str) -> str:
             *definition_lines(summary),
             "",
             f"![pass@k against k]({plot_name})",
+            *component_lines(summary),
             *profile_lines(summary),
             *gym_metric_lines(summary),
             "",

@@ -8,6 +8,7 @@ they are measurements, read from timings.jsonl (timings.py).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -134,6 +135,9 @@ class EvalSummary(JsonView):
     gym_logs: str | None = None
     """nemo_gym mode with `rollouts.gym.launch`: the folder of the Gym servers' logs (relative to the eval
     folder when inside it); None otherwise."""
+    reward_components: Mapping[str, Mapping[str, float]] | None = None
+    """Named reward components (multi-reward environments): name -> {"mean", "min", "max", "num_samples"} over
+    the non-error samples that report it, names sorted; None where no sample reports any."""
 
     def to_json(self) -> dict[str, Any]:
         """The summary.json object (the older keys in their order, then the data-error and prompt-length counts;
@@ -169,6 +173,8 @@ class EvalSummary(JsonView):
             out["report_metrics"] = list(self.report_metrics)
         if self.gym_logs is not None:
             out["gym_logs"] = self.gym_logs
+        if self.reward_components is not None:
+            out["reward_components"] = {name: dict(stats) for name, stats in self.reward_components.items()}
         return out
 
     @classmethod
@@ -234,7 +240,22 @@ def summarize(
             read_timings(store.path.parent) if timings is None else timings,
         ),
         report_metrics=cfg.eval.metrics,
+        reward_components=component_stats(scored),
     )
+
+
+def component_stats(scored: Sequence[CompletionLine]) -> dict[str, dict[str, float]] | None:
+    """Mean, min, max and count of each named reward component over `scored` (None: no line has any)."""
+    values: dict[str, list[float]] = {}
+    for line in scored:
+        for name, value in line.reward_components.items():
+            values.setdefault(name, []).append(float(value))
+    if not values:
+        return None
+    return {
+        name: {"mean": math.fsum(v) / len(v), "min": min(v), "max": max(v), "num_samples": len(v)}
+        for name, v in sorted(values.items())
+    }
 
 
 def _groups(

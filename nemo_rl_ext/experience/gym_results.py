@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl_ext.data.records import Completion, Message, StopReason
+from nemo_rl_ext.data.records import Completion, Message, StopReason, check_reward_components
 from nemo_rl_ext.experience.prompt_length import too_long_extras
 
 TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
@@ -21,7 +21,10 @@ class GymResultError(ValueError):
 
 
 def result_to_completion(
-    result: Mapping[str, Any], agent_name: str, tokenizer: PreTrainedTokenizerBase
+    result: Mapping[str, Any],
+    agent_name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    reward_components: Sequence[str] = (),
 ) -> Completion:
     """One Gym result -> one Completion.
 
@@ -35,6 +38,8 @@ def result_to_completion(
     the calls before it, possibly none, and Gym's reward), not an error. Refused at the first call (nothing
     generated), the prompt alone was too long: the completion carries `records.PROMPT_TOO_LONG` (the prompt's
     length unknown here: Gym does not pass the refusal on).
+
+    `reward_components` names the /verify response's fields that are parts of the reward (`gym_components`).
     """
     response = result.get("response") or {}
     messages, last_generated_has_ids, last_generated = _output_messages(response.get("output") or [], tokenizer)
@@ -56,7 +61,22 @@ def result_to_completion(
         agent_name=agent_name,
         env_extras=extras,
         error=error,
+        reward_components={} if error else gym_components(result, agent_name, reward_components),
     )
+
+
+def gym_components(result: Mapping[str, Any], agent_name: str, names: Sequence[str]) -> dict[str, float]:
+    """The named reward components of a Gym result: each name a top-level field of the /verify response (Gym's
+    /run result carries all of them), else a key of its `reward_components` mapping (NeMo-RL's multi-reward
+    servers); `records.RewardComponentError` naming the environment server (else the agent) and every field
+    that is missing or not a finite number."""
+    if not names:
+        return {}
+    nested = result.get("reward_components")
+    nested = nested if isinstance(nested, Mapping) else {}
+    found = {n: result[n] if n in result else nested[n] for n in names if n in result or n in nested}
+    env = str(result.get("_ng_environment_server") or agent_name)
+    return check_reward_components(env, found, required=names)
 
 
 def _output_messages(

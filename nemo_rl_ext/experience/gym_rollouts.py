@@ -35,6 +35,7 @@ from nemo_rl_ext.data.records import (
     Completion,
     DatumSpec,
     PromptGroupRecord,
+    RewardComponentError,
     StopReason,
 )
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
@@ -363,7 +364,7 @@ class AsyncNemoGymRolloutImpl(RolloutImpl):
     def _result_to_completion(self, result: Mapping[str, Any]) -> Completion:
         """One Gym result (with its row's `agent_ref`) -> a Completion: token ids and logprobs from the output
         items, the reward, and the stop reason (see `gym_results.result_to_completion`)."""
-        return result_to_completion(result, agent_name_of(result), self.tokenizer)
+        return result_to_completion(result, agent_name_of(result), self.tokenizer, self.gym.reward_components)
 
     def _compute_rollout_metrics(self, completions: Sequence[Completion], agent_name: str) -> dict[str, float]:
         """The group's flat metrics: `rollout_metrics` of the completions plus the mean of every numeric field
@@ -400,6 +401,8 @@ class AsyncNemoGymRolloutImpl(RolloutImpl):
         result = {**{k: row[k] for k in ROW_KEYS if k in row}, **result}
         try:
             completion = self._result_to_completion(result)
+        except RewardComponentError:  # the environment's contract or the config's names: never recorded
+            raise
         except Exception as exc:
             if self.fault_policy.on_error == "raise":
                 raise RolloutError(f"{label}: {describe(exc)}") from exc

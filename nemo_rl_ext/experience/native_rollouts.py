@@ -22,7 +22,15 @@ import torch
 from nemo_rl_ext.data.chat import ObservationFormatter
 from nemo_rl_ext.data.generation_counts import GenerationCounts
 from nemo_rl_ext.data.nemo_rl_datum import message_from_nemo_rl
-from nemo_rl_ext.data.records import Completion, DatumSpec, Message, PromptGroupRecord, StopReason
+from nemo_rl_ext.data.records import (
+    Completion,
+    DatumSpec,
+    Message,
+    PromptGroupRecord,
+    RewardComponentError,
+    StopReason,
+    check_reward_components,
+)
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.fault_policy import FaultPolicy, RolloutError, describe, gather_or_cancel
 from nemo_rl_ext.experience.prompt_length import too_long_extras
@@ -92,6 +100,8 @@ class _Rollout:
     turns: int = 0
     answer: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    components: dict[str, float] | None = None
+    """The reward's named parts summed over turns; None until a step reports any."""
     generation_s: float = 0.0
     env_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -109,7 +119,19 @@ class _Rollout:
             env_extras=extras,
             error=error,
             latency_s=time.perf_counter() - self.started,
+            reward_components={} if error or self.components is None else dict(self.components),
         )
+
+    def add_components(self, env: str, step_components: Sequence[Mapping[str, float]] | None) -> None:
+        """Sum this step's reward components into the rollout's (a step without any adds nothing;
+        `RewardComponentError` naming `env` and the field when one is not a finite number)."""
+        if step_components is None:
+            return
+        parts = check_reward_components(env, step_components[0])
+        if self.components is None:
+            self.components = {}
+        for name, value in parts.items():
+            self.components[name] = self.components.get(name, 0.0) + value
 
 
 _CURRENT_ROLLOUT: ContextVar[_Rollout | None] = ContextVar("nemo_rl_ext_rollout", default=None)
@@ -220,6 +242,8 @@ class AsyncRolloutImpl(RolloutImpl):
         )
         try:
             completion = await self._turn_loop(state, env)
+        except RewardComponentError:  # the environment's contract, not a fault of this rollout: never recorded
+            raise
         except Exception as exc:
             if self.fault_policy.on_error == "raise":
                 raise RolloutError(f"row {input_sample.idx}, sample {traj_idx}: {describe(exc)}") from exc
@@ -434,6 +458,7 @@ class AsyncRolloutImpl(RolloutImpl):
             finally:
                 state.env_s += time.perf_counter() - start
             state.reward += float(step.rewards[0])
+            state.add_components(state.datum.task_name, step.reward_components)
             state.env_metadata = step.metadata[0] if step.metadata[0] is not None else state.env_metadata
             state.answer = step.answers[0] if step.answers[0] is not None else state.answer
             stops = step.next_stop_strings[0]

@@ -39,6 +39,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.grpo.batch import has_reward_variance
@@ -236,7 +237,7 @@ class AsyncCollector:
         if self._task.cancelled():
             raise CollectorError("the asynchronous collector was cancelled")
         error = self._task.exception()
-        if isinstance(error, CollectorError):
+        if isinstance(error, CollectorError | ConfigError):  # a user error (e.g. a bad reward component) as is
             raise error
         raise CollectorError(f"the asynchronous collector failed: {error!r}") from error
 
@@ -308,6 +309,8 @@ class AsyncCollector:
             if task.cancelled():  # counted where it was cancelled
                 continue
             error = task.exception()
+            if isinstance(error, ConfigError):  # a user error (e.g. a bad reward component): as it is, exit 2
+                raise error
             if error is not None:
                 raise CollectorError(
                     f"the asynchronous collector failed: the rollout of row {group.datum.idx} raised {error!r}"

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from nemo_rl_ext.data.records import Completion, PromptGroupRecord, StopReason
+from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.data.records import Completion, PromptGroupRecord, StopReason, check_reward_components
 from nemo_rl_ext.objectives.advantages import (
     Baseline,
     StdScope,
+    compute_gdpo_advantages,
     compute_group_advantages,
     flatten_group_advantages,
 )
@@ -49,21 +51,26 @@ def build_training_batch(
     normalize_std: bool = True,
     std_scope: StdScope = "baseline",
     overlong_filtering: bool = False,
+    adv_estimator: str = "grpo",
+    reward_weights: Mapping[str, float] | None = None,
 ) -> TrainingBatch:
     """Group-relative advantages of every completion (see `compute_group_advantages`), and its tensors.
 
     Failed rollouts are left out of their group's baseline and std (advantage 0) and get an all-zero loss
     mask, so they count in neither the token nor the sequence normalization of the loss. With
     `overlong_filtering`, truncated completions get an all-zero loss mask too, but keep their place in the
-    baseline (as NeMo-RL's overlong filtering).
+    baseline (as NeMo-RL's overlong filtering). `adv_estimator="gdpo"`: the advantages of the completions'
+    `reward_components` (`compute_gdpo_advantages`, weights from `gdpo_weights`) instead of their `reward`.
     """
-    rewards = [[c.reward for c in r.completions] for r in records]
     valid = [[is_valid(c) for c in r.completions] for r in records]
-    advantages, group_ids = flatten_group_advantages(
-        compute_group_advantages(
-            rewards, baseline=baseline, normalize_std=normalize_std, std_scope=std_scope, valid_per_group=valid
-        )
-    )
+    settings = dict(baseline=baseline, normalize_std=normalize_std, std_scope=std_scope, valid_per_group=valid)
+    if adv_estimator == "gdpo":
+        weights = gdpo_weights(records, reward_weights)
+        components = [[c.reward_components for c in r.completions] for r in records]
+        per_group = compute_gdpo_advantages(components, weights, **settings)
+    else:
+        per_group = compute_group_advantages([[c.reward for c in r.completions] for r in records], **settings)
+    advantages, group_ids = flatten_group_advantages(per_group)
     items = tuple(
         completion_to_tensors(c, overlong_filtering=overlong_filtering) for r in records for c in r.completions
     )
@@ -73,6 +80,33 @@ def build_training_batch(
         group_ids=group_ids,
         valid=torch.tensor([v for group in valid for v in group], dtype=torch.bool),
     )
+
+
+def gdpo_weights(
+    records: Sequence[PromptGroupRecord], reward_weights: Mapping[str, float] | None
+) -> dict[str, float]:
+    """The weight of each reward component of the step's valid completions: `reward_weights`, or 1 each when
+    None. `ConfigError` naming `grpo.adv_estimator` when fewer than two components were reported, or
+    `grpo.reward_weights` when it names one no completion has or misses one; `RewardComponentError` naming the
+    environment and the field when a valid completion lacks a component the others have."""
+    done = [(r, c) for r in records for c in r.completions if is_valid(c)]
+    names = sorted({n for _, c in done for n in c.reward_components})
+    if len(names) < 2:
+        raise ConfigError(
+            f"grpo.adv_estimator: gdpo needs two or more named reward components, but the environments of this "
+            f"step reported {names or 'none'} (an environment reports them in EnvironmentReturn.reward_components, "
+            "NeMo Gym through rollouts.gym.reward_components); with one reward use grpo.adv_estimator: grpo"
+        )
+    if reward_weights is not None and set(reward_weights) != set(names):
+        unknown = sorted(set(reward_weights) - set(names))
+        missing = sorted(set(names) - set(reward_weights))
+        raise ConfigError(
+            f"grpo.reward_weights: names {unknown} that no environment reported and has no weight for "
+            f"{missing}; the reported components are {names}"
+        )
+    for record, c in done:
+        check_reward_components(record.agent_name or c.agent_name, c.reward_components, required=names)
+    return dict(reward_weights) if reward_weights is not None else dict.fromkeys(names, 1.0)
 
 
 def training_batch_metrics(batch: TrainingBatch, records: Sequence[PromptGroupRecord]) -> dict[str, float]:
@@ -91,4 +125,14 @@ def training_batch_metrics(batch: TrainingBatch, records: Sequence[PromptGroupRe
         "batch/seq_len/mean": float(lengths.mean()),
         "batch/seq_len/max": float(lengths.max()),
         "batch/trained_tokens/mean": float(trained.mean()),
+        **reward_component_metrics(records),
     }
+
+
+def reward_component_metrics(records: Sequence[PromptGroupRecord]) -> dict[str, float]:
+    """`reward/<name>`: the mean of each named reward component over the valid completions that report it."""
+    values: dict[str, list[float]] = {}
+    for c in (c for r in records for c in r.completions if is_valid(c)):
+        for name, value in c.reward_components.items():
+            values.setdefault(name, []).append(float(value))
+    return {f"reward/{name}": sum(v) / len(v) for name, v in sorted(values.items())}

@@ -10,6 +10,7 @@ refuses a config that differs from its checkpoint's outside `RESUME_MAY_CHANGE`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -117,6 +118,18 @@ class GRPOSettings(StrictModel):
     std_scope: Literal["baseline", "group"] = Field(
         default="baseline",
         description="Std of the rewards the baseline averages (NeMo-RL), or of the whole group for every sample.",
+    )
+    adv_estimator: Literal["grpo", "gdpo"] = Field(
+        default="grpo",
+        description="grpo: advantages of the scalar reward; gdpo (NeMo-RL's, multi-reward): A_n = each named reward "
+        "component's group advantage (same baseline and std as grpo), A = sum_n reward_weights[n] * A_n, then "
+        "A = (A - mean) / std over the step's valid samples. Needs an environment that reports two or more "
+        "components (rollouts.gym.reward_components for nemo_gym).",
+    )
+    reward_weights: dict[str, float] | None = Field(
+        default=None,
+        description="gdpo: {component: weight} of the sum (NeMo-RL's list, by name); every component the "
+        "environment reports must be named. None: every component, weight 1.",
     )
     overlong_filtering: bool = Field(default=False, description="Truncated rollouts get no loss.")
     dynamic_sampling: DynamicSamplingSettings = Field(default_factory=DynamicSamplingSettings)
@@ -260,10 +273,52 @@ class GRPOConfig(CheckedConfig):
                     correction,
                 )
             )
+        problems += gdpo_rule_problems(data)
         device = raw_field(PolicyConfig, policy, "device") if isinstance(policy, Mapping) or policy is None else "cpu"
         problems += trainer_rule_problems(data, "cpu" if device is INVALID else device)
         problems += optimizer_rule_problems(data)
         return problems
+
+
+def gdpo_rule_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
+    """`grpo.reward_weights` only with gdpo, finite; with nemo_gym rollouts (whose components the config
+    names) gdpo needs two or more `rollouts.gym.reward_components` and every weighted name among them."""
+    grpo = data.get("grpo")
+    estimator = raw_field(GRPOSettings, grpo, "adv_estimator")
+    weights = raw_field(GRPOSettings, grpo, "reward_weights")
+    if estimator is INVALID or weights is INVALID:
+        return []
+    if estimator != "gdpo":
+        if weights is not None:
+            return [(("grpo", "reward_weights"), "is used only with grpo.adv_estimator: gdpo", weights)]
+        return []
+    problems: list[RuleProblem] = [
+        (("grpo", "reward_weights", name), "must be a finite number", w)
+        for name, w in (weights or {}).items() if not math.isfinite(w)
+    ]
+    rollouts = data.get("rollouts")
+    gym = rollouts.get("gym") if isinstance(rollouts, Mapping) else None
+    if not isinstance(rollouts, Mapping) or rollouts.get("mode") != "nemo_gym" or not isinstance(gym, Mapping):
+        return problems  # a native environment's components are known once it has returned them
+    names = gym.get("reward_components") or ()
+    if not isinstance(names, list | tuple) or len(names) < 2:
+        problems.append(
+            (("grpo", "adv_estimator"), "gdpo needs two or more named reward components: list the /verify "
+             "response's fields in rollouts.gym.reward_components (one component: use grpo)", estimator)
+        )
+    else:
+        problems += [
+            (("grpo", "reward_weights", name), f"names no component of rollouts.gym.reward_components "
+             f"{list(names)}", w)
+            for name, w in (weights or {}).items() if name not in names
+        ]
+        unweighted = [n for n in names if weights is not None and n not in weights]
+        if unweighted:
+            problems.append(
+                (("grpo", "reward_weights"), f"has no weight for the component(s) {unweighted} of "
+                 "rollouts.gym.reward_components", weights)
+            )
+    return problems
 
 
 def saved_config_settings(saved: Any) -> Any:

@@ -254,6 +254,8 @@ class GRPO:
                 normalize_std=self.cfg.grpo.normalize_std,
                 std_scope=self.cfg.grpo.std_scope,
                 overlong_filtering=self.cfg.grpo.overlong_filtering,
+                adv_estimator=self.cfg.grpo.adv_estimator,
+                reward_weights=self.cfg.grpo.reward_weights,
             )
             batch = weight_by_loss_multiplier(batch, records)
             metrics.update(training_batch_metrics(batch, records))

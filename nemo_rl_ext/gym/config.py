@@ -101,6 +101,14 @@ class GymConfig(StrictModel):
         description="Merged into every row's responses_create_params, replacing its top-level keys "
         "(Gym's +responses_create_params); sampling parameters come from policy.generation instead.",
     )
+    reward_components: tuple[str, ...] = Field(
+        default=(),
+        description="Fields of the /verify response (Gym returns them in each /run result) that are named parts of "
+        "the reward: each becomes `Completion.reward_components[<field>]` (for grpo.adv_estimator: gdpo, "
+        "logged reward/<field>); a field missing or not a number in a result is an error naming the agent's "
+        "environment and the field. A name not at the result's top level is looked up in its "
+        "`reward_components` mapping (NeMo-RL's multi-reward Gym servers). Empty: the scalar reward only.",
+    )
     max_concurrency: int = Field(default=64, ge=1, description="Most /run requests in flight at once.")
     row_timeout_s: float = Field(default=600.0, gt=0, description="Limit for one /run request.")
     max_attempts: int = Field(default=3, ge=1, description="Attempts per row before it becomes an error.")

@@ -7,7 +7,7 @@ those same other rewards, unless that std is 0 (then it is left as it is).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -124,3 +124,51 @@ def flatten_group_advantages(advantages: Sequence[torch.Tensor]) -> tuple[torch.
         return torch.zeros(0), torch.zeros(0, dtype=torch.int64)
     group_ids = torch.cat([torch.full((a.numel(),), g, dtype=torch.int64) for g, a in enumerate(advantages)])
     return torch.cat(list(advantages)), group_ids
+
+
+def compute_gdpo_advantages(
+    components_per_group: Sequence[Sequence[Mapping[str, float]]],
+    reward_weights: Mapping[str, float],
+    baseline: Baseline = "leave_one_out",
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    dtype: torch.dtype = torch.float32,
+    *,
+    std_scope: StdScope = "baseline",
+    valid_per_group: Sequence[Sequence[bool]] | None = None,
+) -> list[torch.Tensor]:
+    """GDPO's advantages (NeMo-RL's `GDPOAdvantageEstimator`, arXiv 2601.05242): one tensor per group.
+
+    For each component n of `reward_weights` (every valid sample must carry all of them): A_n is that
+    component's group advantage exactly as `compute_group_advantages` computes the scalar's (same baseline,
+    std and eps). Then A = sum_n w_n * A_n, and A is whitened over the valid samples of the whole batch:
+    A = (A - mean(A)) / std(A) (sample std, ddof=1; where that std is 0 or there are fewer than two valid
+    samples, A - mean(A) only). Invalid samples keep advantage 0. A missing component raises `KeyError`
+    naming it; the caller names the environment.
+    """
+    valid = valid_per_group or [[True] * len(g) for g in components_per_group]
+    total = [torch.zeros(len(g), dtype=torch.float64) for g in components_per_group]
+    for name, weight in sorted(reward_weights.items()):
+        rewards = [
+            [c[name] if ok else 0.0 for c, ok in zip(group, flags, strict=True)]
+            for group, flags in zip(components_per_group, valid, strict=True)
+        ]
+        parts = compute_group_advantages(
+            rewards, baseline, normalize_std, eps, torch.float64, std_scope=std_scope, valid_per_group=valid
+        )
+        total = [t + float(weight) * a for t, a in zip(total, parts, strict=True)]
+    return [a.to(dtype) for a in _whiten(total, valid)]
+
+
+def _whiten(advantages: list[torch.Tensor], valid: Sequence[Sequence[bool]]) -> list[torch.Tensor]:
+    """Zero mean and unit sample std over the valid entries of every group together; invalid entries stay 0."""
+    masks = [torch.as_tensor(list(v), dtype=torch.bool) for v in valid]
+    if not advantages:
+        return []
+    flat = torch.cat([a[m] for a, m in zip(advantages, masks, strict=True)])
+    if flat.numel() == 0:
+        return advantages
+    mean = flat.mean()
+    std = flat.std(correction=1) if flat.numel() > 1 else torch.zeros((), dtype=flat.dtype)
+    scale = std if bool(std > 0) else torch.ones((), dtype=flat.dtype)
+    return [torch.where(m, (a - mean) / scale, torch.zeros_like(a)) for a, m in zip(advantages, masks, strict=True)]

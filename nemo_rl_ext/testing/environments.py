@@ -74,6 +74,7 @@ class ScriptedEnvironment(EnvironmentInterface):
         next_stop_strings: Scripted[tuple[str, ...] | None] = None,
         metadata: Scripted[Mapping[str, Any] | None] | None = None,
         extras: Scripted[Mapping[str, Any]] | None = None,
+        reward_components: Scripted[Mapping[str, Any]] | None = None,
         fault: Callable[[RolloutStep], BaseException | Fault | None] | None = None,
         delay_s: float = 0.0,
     ) -> None:
@@ -84,6 +85,7 @@ class ScriptedEnvironment(EnvironmentInterface):
         self.next_stop_strings = next_stop_strings
         self.metadata = metadata
         self.extras = extras
+        self.reward_components = reward_components
         self.fault = fault
         self.delay_s = delay_s
         self.num_steps = 0
@@ -110,6 +112,9 @@ class ScriptedEnvironment(EnvironmentInterface):
             terminateds=[t is not None and s.turn >= t for s, t in zip(steps, turns, strict=True)],
             answers=[_value(self.answer, s) for s in steps],
             extras=None if self.extras is None else [_value(self.extras, s) for s in steps],
+            reward_components=None
+            if self.reward_components is None
+            else [_value(self.reward_components, s) for s in steps],
         )
 
 

@@ -253,6 +253,17 @@ def test_a_raising_rollout_fails_the_trainers_wait_at_once(during: str) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_bad_reward_component_reaches_the_trainer_as_the_user_error_it_is() -> None:
+    """Raised by the rollout even with on_error: record, and passed on unwrapped, so the CLI exits 2 with it."""
+    from nemo_rl_ext.data.records import RewardComponentError
+
+    env = ScriptedEnvironment(reward=1.0, reward_components={"correct": 1.0, "format": None})
+    engine, manager, stream = _setup(env)
+    with pytest.raises(RewardComponentError, match="environment 't': reward component field 'format'"):
+        asyncio.run(_train(_collector(manager, stream, max_lag=1), engine, 3))
+
+
+@pytest.mark.timeout(30)
 def test_a_hung_group_is_cancelled_at_its_deadline_and_its_row_is_not_retried() -> None:
     env = FailingEnvironment(Fault.HANG, when=lambda s: s.question == "q1")
     engine, manager, stream = _setup(env, rows=4)
