@@ -136,12 +136,34 @@ class GRPOSettings(StrictModel):
 
 
 class DataSettings(StrictModel):
-    """Question/answer JSONL files turned into prompts for the environment."""
+    """Datasets (JSONL, parquet, CSV, JSON, Arrow, a save_to_disk folder or a hub id) turned into prompts for the
+    environment; the column names of NeMo-RL, TRL and verl are read (docs/datasets.md)."""
 
-    train_path: Path = Field(description="Training rows (JSONL with the question and answer keys).")
-    val_path: Path | None = Field(default=None, description="Validation rows; None: the training file.")
-    question_key: str = Field(default="question", description="Key of the prompt text.")
-    answer_key: str = Field(default="answer", description="Key of the ground truth.")
+    train_path: Path = Field(
+        description="Training rows: a .jsonl / .json / .parquet / .csv / .arrow file, a folder written by "
+        "save_to_disk, or a Hugging Face hub id (owner/name, with data.subset and data.split)."
+    )
+    val_path: Path | None = Field(
+        default=None, description="Validation rows (the same kinds of source); None: split_validation_size "
+        "rows of the training set, or (0) the training set itself."
+    )
+    subset: str | None = Field(default=None, description="The subset (configuration) of a hub dataset.")
+    split: str = Field(default="train", description="The split of a hub dataset or save_to_disk folder (training).")
+    val_split: str = Field(
+        default="validation", description="The split of a hub dataset or save_to_disk folder named by val_path."
+    )
+    split_validation_size: float = Field(
+        default=0.0, ge=0.0, description="Without val_path: hold out this many training rows for validation "
+        "(a count, or a fraction of the rows when < 1), drawn by a permutation seeded with grpo.seed; 0: none.",
+    )
+    question_key: str = Field(
+        default="question", description="Key of the prompt text (NeMo-RL's input_key); without it a row's "
+        "prompt is its `prompt` (a string or messages) or `messages` column."
+    )
+    answer_key: str = Field(
+        default="answer", description="Key of the ground truth (NeMo-RL's output_key); without it a trailing "
+        "assistant message, `ground_truth` or `reward_model.ground_truth`."
+    )
     shuffle: bool = Field(default=True, description="Shuffle the rows each epoch (seeded by grpo.seed).")
 
 
@@ -289,16 +311,16 @@ def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True) -> 
 
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
     problems += rollouts_problems(cfg.rollouts)
-    keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
+    keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key, subset=cfg.data.subset)
     if train:
         problems += dataset_problems(
-            "data.train_path", cfg.data.train_path, cfg.rollouts, counts=cfg.rollouts.num_generations_per_prompt,
+            "data.train_path", cfg.data.train_path, cfg.rollouts, split=cfg.data.split, counts=cfg.rollouts.num_generations_per_prompt,
             counts_key=cfg.key_as_written("rollouts.num_generations_per_prompt"), **keys,
         )
     if val and (cfg.grpo.val_period > 0 or cfg.grpo.val_at_start) and cfg.data.val_path is not None:
         val_counts = cfg.validation.num_generations_per_prompt
         problems += dataset_problems(
-            "data.val_path", cfg.data.val_path, cfg.rollouts, limit=cfg.validation.num_prompts,
+            "data.val_path", cfg.data.val_path, cfg.rollouts, limit=cfg.validation.num_prompts, split=cfg.data.val_split,
             counts=val_counts if val_counts is not None else cfg.rollouts.num_generations_per_prompt,
             counts_key="validation.num_generations_per_prompt" if val_counts is not None
             else cfg.key_as_written("rollouts.num_generations_per_prompt"),

@@ -42,11 +42,12 @@ from typing import Any, TypeVar
 from tqdm.auto import tqdm
 
 from nemo_rl_ext.cluster import loads_model_folder
-from nemo_rl_ext.config import dump_config
+from nemo_rl_ext.config import ConfigError, dump_config
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
+from nemo_rl_ext.data.sources import rows_fingerprint
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
-from nemo_rl_ext.experience.build import build_rollouts, load_rollout_rows, make_datums
+from nemo_rl_ext.experience.build import build_rollouts, make_datums
 from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, count_prompts_too_long
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
 from nemo_rl_ext.grpo.async_loop import AsyncLoop
@@ -63,6 +64,7 @@ from nemo_rl_ext.grpo.build import (
     seed_everything,
 )
 from nemo_rl_ext.grpo.config import RESTART, GRPOConfig, async_wedge_warning
+from nemo_rl_ext.grpo.data_rows import run_rows
 from nemo_rl_ext.grpo.metrics_logger import MetricsLogger
 from nemo_rl_ext.grpo.prompt_stream import PromptStream
 from nemo_rl_ext.grpo.step_seeds import TRAIN_SALT, VAL_SALT
@@ -158,7 +160,8 @@ class GRPO:
         """The RolloutManager, the seeded training prompt stream and the validation prompts."""
         cfg = self.cfg
         keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
-        train_rows = load_rollout_rows(cfg.rollouts, cfg.data.train_path, **keys) if train_datums is None else ()
+        validates = val_datums is None and (cfg.grpo.val_period > 0 or cfg.grpo.val_at_start)
+        train_rows, val_rows = run_rows(cfg, train=train_datums is None, validates=validates)
         datums, self.manager = build_rollouts(
             cfg.rollouts.with_gym_work_dir(self.output_dir / GYM_LOGS),  # Gym servers it launches log there
             self.tokenizer,
@@ -170,12 +173,9 @@ class GRPO:
             **keys,
         )
         train = list(train_datums) if train_datums is not None else datums
-        self.train_data = PromptStream(train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+        self.train_data = PromptStream(train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle,
+                                       fingerprint=rows_fingerprint(train_rows) if train_datums is None else None)
         if val_datums is None:
-            validates = cfg.grpo.val_period > 0 or cfg.grpo.val_at_start
-            val_path = cfg.data.val_path or cfg.data.train_path
-            val_rows = load_rollout_rows(cfg.rollouts, val_path, **keys) if validates else []
-            val_rows = val_rows[: cfg.validation.num_prompts]
             val_datums = make_datums(cfg.rollouts, self.tokenizer, val_rows, **keys)
         self.val_datums = list(val_datums)[: cfg.validation.num_prompts]
         self.manager.preflight(train)
@@ -185,7 +185,10 @@ class GRPO:
         restore_trainer_state(self.trainer, checkpoint)
         if loads_model_folder(self.cfg.policy) or not weights_in_model_dir(checkpoint):  # the engine has the initial model
             self._refit(in_flight="finish")
-        self.train_data.load_state_dict(checkpoint.data_state)
+        try:
+            self.train_data.load_state_dict(checkpoint.data_state)
+        except ValueError as exc:
+            raise ConfigError(f"cannot resume {checkpoint.path}: {exc}") from None
         self.step = checkpoint.step
         self.schedule_steps = int(checkpoint.extra.get("schedule_steps", self.schedule_steps))
         if self.cfg.optimizer.scheduler.type != "constant" and self.cfg.grpo.max_num_steps > self.schedule_steps:

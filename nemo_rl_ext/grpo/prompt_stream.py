@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from nemo_rl_ext.data.records import DatumSpec
+from nemo_rl_ext.data.sources import LazyDatums
 
 
 class PromptStream:
@@ -17,10 +18,14 @@ class PromptStream:
     state: restoring it with `load_state_dict` continues exactly where a run stopped.
     """
 
-    def __init__(self, datums: Sequence[DatumSpec], *, seed: int, shuffle: bool = True) -> None:
+    def __init__(
+        self, datums: Sequence[DatumSpec], *, seed: int, shuffle: bool = True, fingerprint: str | None = None
+    ) -> None:
         if not datums:
             raise ValueError("the prompt stream needs at least one row")
-        self.datums = list(datums)
+        self.datums = datums if isinstance(datums, LazyDatums) else list(datums)
+        self.fingerprint = fingerprint
+        """What identifies the dataset's rows (`data.sources.rows_fingerprint`), checked on resume; None: not checked."""
         self.seed = seed
         self.shuffle = shuffle
         self.consumed = 0
@@ -49,12 +54,22 @@ class PromptStream:
 
     def state_dict(self) -> dict[str, Any]:
         """The position, as JSON."""
-        return {"consumed": self.consumed, "num_rows": len(self.datums)}
+        state: dict[str, Any] = {"consumed": self.consumed, "num_rows": len(self.datums)}
+        if self.fingerprint is not None:
+            state["fingerprint"] = self.fingerprint
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position (the dataset must have the same number of rows)."""
+        """Continue from a saved position (the dataset must have the same number of rows, and the same rows
+        where both the checkpoint and this stream have a fingerprint)."""
         if int(state["num_rows"]) != len(self.datums):
             raise ValueError(
                 f"the checkpoint's dataset had {state['num_rows']} rows, this one has {len(self.datums)}"
+            )
+        saved = state.get("fingerprint")
+        if saved is not None and self.fingerprint is not None and saved != self.fingerprint:
+            raise ValueError(
+                "the dataset changed since the checkpoint was written (its rows' fingerprint differs: "
+                f"{str(saved)[:12]} then, {self.fingerprint[:12]} now); resume with the same rows, or start a new run"
             )
         self.consumed = int(state["consumed"])
