@@ -34,10 +34,31 @@ def is_table_source(source: str | Path) -> bool:
     return Path(source).suffix.lower() != ".jsonl"
 
 
+def is_hub_id(source: str | Path) -> bool:
+    """Whether `source` names a hub dataset (`owner/name`, no suffix, nothing on disk there)."""
+    text = str(source)
+    path = Path(text)
+    return not path.is_absolute() and not path.suffix and text.count("/") == 1 and not path.exists()
+
+
 def open_dataset(source: str | Path, *, subset: str | None = None, split: str | None = None) -> Any:
-    """The `datasets.Dataset` of `source` (module docstring); `SourceError` naming what could not be read."""
+    """The `datasets.Dataset` of `source` (module docstring); `SourceError` naming what could not be read.
+    `datasets`' progress bars stay off meanwhile (a user error is one message on stderr)."""
     # lazy: datasets imports pyarrow and pandas (seconds); only a run with such a source pays for it
-    import datasets
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    were_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        return _open(source, subset, split)
+    finally:
+        if not were_disabled:
+            enable_progress_bars()
+
+
+def _open(source: str | Path, subset: str | None, split: str | None) -> Any:
+    """`open_dataset`, progress bars aside."""
+    import datasets  # lazy: as in open_dataset
 
     path = Path(source)
     if path.is_dir():
@@ -53,7 +74,7 @@ def open_dataset(source: str | Path, *, subset: str | None = None, split: str | 
             return datasets.load_dataset(BUILDERS[path.suffix.lower()], data_files=str(path), split="train")
         except Exception as exc:  # noqa: BLE001 - every reader error of every format: one message naming the file
             raise SourceError(f"{path}: cannot be read as {path.suffix} ({type(exc).__name__}: {exc})") from None
-    if path.suffix or path.exists() or str(source).count("/") != 1:
+    if not is_hub_id(source):
         raise SourceError(f"{source}: not a dataset: a local file ({LOCAL_FORMATS}) or a hub id 'owner/name'")
     return _from_hub(str(source), subset, split or "train")
 

@@ -28,6 +28,7 @@ from nemo_rl_ext.config import (
     raise_problems,
     raw_field,
 )
+from nemo_rl_ext.data.hf_source import is_hub_id
 from nemo_rl_ext.evals.metrics import metric_defs
 from nemo_rl_ext.evals.shards import ShardSpec
 from nemo_rl_ext.experience.config import RolloutsConfig, largest_count, rollouts_rule_problems
@@ -329,7 +330,9 @@ def input_problems(cfg: EvalConfig) -> list[str]:
 
 def dataset_file(cfg: EvalConfig) -> Path:
     """`eval.dataset_path` from the CWD; in nemo_gym mode with `gym.launch`, a relative path that is not
-    there is looked up in the Gym install (e.g. resources_servers/mcqa/data/example.jsonl)."""
+    there is looked up in the Gym install (e.g. resources_servers/mcqa/data/example.jsonl); a hub id as it is."""
+    if is_hub_id(cfg.eval.dataset_path):
+        return Path(cfg.eval.dataset_path)
     gym = cfg.rollouts.gym if cfg.rollouts.mode == "nemo_gym" else None
     launch = gym.launch if gym is not None else None
     return resolve_gym_path(cfg.eval.dataset_path, launch.gym_venv if launch is not None else None)
