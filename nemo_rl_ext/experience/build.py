@@ -21,7 +21,7 @@ from nemo_rl_ext.data.hf_source import RowTable, is_table_source
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.data.sources import LazyDatums, load_rows
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
-from nemo_rl_ext.experience.config import RolloutsConfig
+from nemo_rl_ext.experience.config import EnvironmentSettings, RolloutsConfig
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.experience.rollout_params import TokenizerType
 from nemo_rl_ext.models.config import ClusterConfig, PolicyConfig
@@ -158,12 +158,14 @@ def build_rollouts(
     task_to_env: Mapping[str, EnvironmentInterface] | None = None,
     question_key: str = "question",
     answer_key: str = "answer",
-) -> tuple[list[DatumSpec], RolloutManager]:
+    more_envs: Sequence[EnvironmentSettings] = (),
+) -> tuple[Sequence[DatumSpec], RolloutManager]:
     """The datums of `rows` and the RolloutManager of `cfg.mode` (a registered rollout mode).
 
     Native mode (and any other mode but nemo_gym: rows, environment and turn cap as native's) builds the configured environment (in this process, or in a Ray actor with
     `rollouts.env.remote`, on `cluster`'s Ray) and the manager owns it (its `shutdown` stops it); a given
-    `task_to_env` is used instead and stays the caller's. A rollout's tokens are capped by the engine's
+    `task_to_env` is used instead and stays the caller's. `more_envs`: environments built (and owned) beside it
+    (the environments of GRPO's `data.datasets`; one per name). A rollout's tokens are capped by the engine's
     `max_model_len` as well as by `rollouts.max_seq_len`.
     """
     datums = make_datums(cfg, tokenizer, rows, question_key=question_key, answer_key=answer_key)
@@ -182,12 +184,18 @@ def build_rollouts(
         # local: no cycle; cluster adds no heavy import here (build loads torch already); could move up
         from nemo_rl_ext.cluster import build_environment
 
-        name = cfg.env.resolved_name
-        env = build_environment(
-            name, cfg.env.kwargs, remote=cfg.env.remote, step_timeout_s=cfg.env.step_timeout_s, cluster=cluster
-        )
-        owned.append(env)
-        task_to_env = {name: env}
+        task_to_env = {}
+        try:
+            for settings in (cfg.env, *more_envs):
+                if settings.resolved_name not in task_to_env:
+                    task_to_env[settings.resolved_name] = build_environment(
+                        settings.resolved_name, settings.kwargs, remote=settings.remote,
+                        step_timeout_s=settings.step_timeout_s, cluster=cluster)
+                    owned.append(task_to_env[settings.resolved_name])
+        except BaseException:
+            for env in owned:
+                env.shutdown()
+            raise
     try:
         manager = RolloutManager(
             **common, mode=cfg.mode, task_to_env=task_to_env, max_rollout_turns=cfg.max_rollout_turns,

@@ -44,10 +44,9 @@ from tqdm.auto import tqdm
 from nemo_rl_ext.cluster import loads_model_folder
 from nemo_rl_ext.config import ConfigError, dump_config
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
-from nemo_rl_ext.data.sources import rows_fingerprint
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
-from nemo_rl_ext.experience.build import build_rollouts, make_datums
+from nemo_rl_ext.experience.build import build_rollouts
 from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, count_prompts_too_long
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
 from nemo_rl_ext.grpo.async_loop import AsyncLoop
@@ -64,7 +63,7 @@ from nemo_rl_ext.grpo.build import (
     seed_everything,
 )
 from nemo_rl_ext.grpo.config import RESTART, GRPOConfig, async_wedge_warning
-from nemo_rl_ext.grpo.data_rows import run_rows
+from nemo_rl_ext.grpo.data_rows import run_sources, training_stream, validation_datums
 from nemo_rl_ext.grpo.metrics_logger import MetricsLogger
 from nemo_rl_ext.grpo.prompt_stream import PromptStream
 from nemo_rl_ext.grpo.step_seeds import TRAIN_SALT, VAL_SALT
@@ -161,24 +160,28 @@ class GRPO:
         cfg = self.cfg
         keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
         validates = val_datums is None and (cfg.grpo.val_period > 0 or cfg.grpo.val_at_start)
-        train_rows, val_rows = run_rows(cfg, train=train_datums is None, validates=validates)
+        sources = run_sources(cfg, train=train_datums is None, validates=validates)
+        single = cfg.data.train_path is not None
         datums, self.manager = build_rollouts(
             cfg.rollouts.with_gym_work_dir(self.output_dir / GYM_LOGS),  # Gym servers it launches log there
             self.tokenizer,
             self.generation,
-            train_rows,
+            sources[0].rows if single else (),
             generation_config=rollout_generation_config(cfg),
             cluster=cfg.policy.cluster,
             task_to_env=task_to_env,
+            more_envs=[e.env for e in cfg.data.datasets if e.env is not None],
             **keys,
         )
-        train = list(train_datums) if train_datums is not None else datums
-        self.train_data = PromptStream(train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle,
-                                       fingerprint=rows_fingerprint(train_rows) if train_datums is None else None)
+        if train_datums is not None:
+            self.train_data = PromptStream(list(train_datums), seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+        else:
+            self.train_data = training_stream(cfg, self.tokenizer, sources, datums if single else None)
         if val_datums is None:
-            val_datums = make_datums(cfg.rollouts, self.tokenizer, val_rows, **keys)
+            val_datums = validation_datums(cfg, self.tokenizer, sources)
         self.val_datums = list(val_datums)[: cfg.validation.num_prompts]
-        self.manager.preflight(train)
+        for stream in getattr(self.train_data, "streams", [self.train_data]):
+            self.manager.preflight(stream.datums)
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Continue from `checkpoint`: trainer state, engine weights, data position, step and RNG states."""
