@@ -90,3 +90,24 @@ def test_a_hub_id_on_an_offline_machine_is_one_error_naming_the_local_alternativ
     assert_one_message(proc, "eval.dataset_path: hub dataset nemo-rl-ext-tests/no-such-dataset (subset 'main') "
                        "split 'test' could not be fetched", "use a local copy instead: .jsonl, .json, .parquet",
                        "save_to_disk")
+
+
+@pytest.mark.timeout(240)
+def test_a_grpo_resume_refuses_a_dataset_whose_rows_changed(main, files: dict[str, Path], tiny_model_dir: Path,
+                                                            tmp_path: Path) -> None:
+    import pandas as pd
+
+    from nemo_rl_ext.config import load_config
+    from nemo_rl_ext.grpo.config import GRPOConfig
+    from nemo_rl_ext.grpo.loop import run_grpo
+
+    data = tmp_path / "rows.parquet"
+    rows = [{"prompt": "1+1", "answer": "2"}, {"prompt": "2+2", "answer": "4"}]
+    pd.DataFrame(rows).to_parquet(data)
+    run = [f"output_dir={tmp_path / 'out'}", f"policy.model_name={tiny_model_dir}", "grpo.save_period=1",
+           f"data.train_path={data}", "rollouts.env.name=string_match"]
+    run_grpo(load_config(files["grpo"], run, GRPOConfig))
+    rows[1]["answer"] = "5"  # the same number of rows, one answer changed
+    pd.DataFrame(rows).to_parquet(data)
+    proc = main("run_grpo.py", "--config", files["grpo"], *run, "resume=true", "grpo.max_num_steps=2")
+    assert_one_message(proc, "cannot resume", "the dataset changed since the checkpoint was written")
