@@ -44,6 +44,13 @@ def message_problem(messages: Any) -> str | None:
     return None
 
 
+def _text(value: Any) -> bool:
+    """Whether `value` can be a text prompt: a non-blank string, or a number (written as text, as before)."""
+    if isinstance(value, str):
+        return bool(value.strip())
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _chat_prompt(messages: Any, field: str) -> list[dict[str, Any]]:
     """`messages` as a prompt (plain dicts; None-valued keys dropped, as Arrow fills absent struct fields)."""
     problem = message_problem(messages)
@@ -70,9 +77,8 @@ def _answer(row: Mapping[str, Any], answer_key: str, trailing: Any) -> Any:
 def normalize_row(row: Mapping[str, Any], *, question_key: str = "question", answer_key: str = "answer") -> dict[str, Any]:
     """`row` in the shape `datasets.qa_row` reads (module docstring); KeyError / ValueError naming the problem."""
     if question_key in row and answer_key in row:
-        prompt = row[question_key]
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{question_key!r} must be a non-empty string, got {prompt!r:.60}")
+        if not _text(row[question_key]):
+            raise ValueError(f"{question_key!r} must be a non-empty string, got {row[question_key]!r:.60}")
         return dict(row)
     consumed = {question_key, answer_key}
     trailing = None
@@ -93,7 +99,7 @@ def normalize_row(row: Mapping[str, Any], *, question_key: str = "question", ans
     else:
         missing = [k for k in (question_key, answer_key) if k not in row]
         raise KeyError(f"missing key(s) {missing} (the prompt may also be a 'prompt' or 'messages' column)")
-    if question_key in out and (not isinstance(out[question_key], str) or not out[question_key].strip()):
+    if question_key in out and not _text(out[question_key]):
         raise ValueError(f"the prompt must be a non-empty string, got {out[question_key]!r:.60}")
     out[answer_key] = _answer(row, answer_key, trailing)
     if CHAT_KEY in out and row.get(TOOLS_KEY) is not None:

@@ -166,3 +166,10 @@ def test_split_validation_is_seeded_and_disjoint(tmp_path: Path) -> None:
     assert [r["source"] for r in list_val] == [r["source"] for r in val]
     with pytest.raises(ValueError, match="leaves 0 validation"):
         split_validation(PROBLEMS, 0.01, seed=3)
+
+
+def test_question_answer_jsonl_rows_come_back_as_they_were(tmp_path: Path) -> None:
+    from nemo_rl_ext.experience.build import load_rollout_rows
+
+    rows = [*PROBLEMS, {"question": 17, "answer": 17, "agent_name": "alpha", "extra": {"a": [1]}}]
+    assert load_rollout_rows(MATH, write_jsonl(tmp_path / "qa.jsonl", rows)) == rows
