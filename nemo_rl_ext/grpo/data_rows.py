@@ -78,6 +78,12 @@ class ShiftedDatums(Sequence[DatumSpec]):
         datum = self.datums[i]
         return dataclasses.replace(datum, idx=datum.idx + self.offset)
 
+    def agent_pairs(self) -> list[tuple[int, str]]:
+        """(index, agent) of every datum, without making the datums of a table (`LazyDatums.agent_pairs`)."""
+        lazy = getattr(self.datums, "agent_pairs", None)
+        pairs = lazy() if lazy is not None else [(d.idx, d.agent) for d in self.datums]
+        return [(idx + self.offset, agent) for idx, agent in pairs]
+
 
 def training_stream(cfg: GRPOConfig, tokenizer: Any, sources: Sequence[RunSource],
                     first: Sequence[DatumSpec] | None) -> PromptStream | MixedPromptStream:

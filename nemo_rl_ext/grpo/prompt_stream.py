@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 
 from nemo_rl_ext.data.records import DatumSpec
-from nemo_rl_ext.data.sources import LazyDatums
 
 
 class PromptStream:
@@ -23,7 +22,8 @@ class PromptStream:
     ) -> None:
         if not datums:
             raise ValueError("the prompt stream needs at least one row")
-        self.datums = datums if isinstance(datums, LazyDatums) else list(datums)
+        # a list is copied; any other sequence (a table's datums, made when drawn) is kept as it is
+        self.datums = list(datums) if isinstance(datums, list) else datums
         self.fingerprint = fingerprint
         """What identifies the dataset's rows (`data.sources.rows_fingerprint`), checked on resume; None: not checked."""
         self.seed = seed

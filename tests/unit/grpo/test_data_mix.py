@@ -74,6 +74,24 @@ def test_two_datasets_3_to_1_mix_and_each_row_goes_to_its_environment(mixed_cfg:
     assert 0.0 in rewards.values() and 1.0 in rewards.values()
 
 
+def test_a_table_among_several_datasets_is_tokenized_only_where_drawn(mixed_cfg: GRPOConfig, tmp_path: Path,
+                                                                      tiny_model_and_tokenizer: Any) -> None:
+    import pandas as pd
+
+    from nemo_rl_ext.grpo.data_rows import run_sources, training_stream
+
+    _, tokenizer = tiny_model_and_tokenizer
+    pd.DataFrame([{"prompt": f"C{i}: say yes", "ground_truth": "yes"} for i in range(50)]).to_parquet(tmp_path / "c.parquet")
+    data = mixed_cfg.data.model_copy(update={"datasets": (*mixed_cfg.data.datasets,
+                                                         mixed_cfg.data.datasets[1].model_copy(update={"path": tmp_path / "c.parquet"}))})
+    cfg = mixed_cfg.model_copy(update={"data": data})
+    stream = training_stream(cfg, tokenizer, run_sources(cfg, train=True, validates=False), None)
+    table = stream.streams[2].datums
+    assert table.agent_pairs() == [(16 + i, "string_match") for i in range(50)]  # prompt indices after A's and B's
+    drawn = [d for d in stream.next(40) if d.idx >= 16]
+    assert drawn and len(table.datums._made) == len({d.idx for d in drawn}) < 50
+
+
 def test_a_resume_refuses_changed_datasets_and_each_is_split_for_validation(mixed_cfg: GRPOConfig, tmp_path: Path,
                                                                             tiny_model_and_tokenizer: Any) -> None:
     from nemo_rl_ext.grpo.data_rows import run_sources, training_stream, validation_datums
