@@ -5,9 +5,9 @@ much memory the dataset adds (issue 37's goal: a 1,000,000-row file ready within
 
 It writes a parquet file of `--rows` arithmetic rows (question, answer, id, source), then measures in a fresh
 process, once with an empty `datasets` cache (the first run: parquet -> Arrow cache) and once with it filled (a
-restart), what GRPO's `_build_data` does before its first rollout: `grpo.data_rows.run_rows` (open the table, check
-every row, fingerprint it), `make_datums`, the seeded `PromptStream`, the agents' preflight and the first
-`--prompts` datums (tokenized). Extra RSS: resident memory after that minus before (the tokenizer, torch and the
+restart), what GRPO's `_build_data` does before its first rollout: `grpo.data_rows.run_sources` (open the table,
+check every row), `make_datums`, `grpo.data_rows.training_stream` (the seeded stream, the rows' fingerprint), the
+agents' preflight and the first `--prompts` datums (tokenized). Extra RSS: resident memory after that minus before (the tokenizer, torch and the
 package already imported), and the peak during it.
 """
 
@@ -52,8 +52,7 @@ def child(path: str, model: str, prompts: int) -> dict[str, float]:
     from nemo_rl_ext.config import load_config
     from nemo_rl_ext.experience.build import make_datums
     from nemo_rl_ext.grpo.config import GRPOConfig
-    from nemo_rl_ext.grpo.data_rows import run_rows
-    from nemo_rl_ext.grpo.prompt_stream import PromptStream
+    from nemo_rl_ext.grpo.data_rows import run_sources, training_stream
     from nemo_rl_ext.models.loading import load_tokenizer
     from nemo_rl_ext.models.policy import resolve_model_path
 
@@ -64,12 +63,11 @@ def child(path: str, model: str, prompts: int) -> dict[str, float]:
     process = psutil.Process()
     before = process.memory_info().rss
     start = time.perf_counter()
-    train_rows, _ = run_rows(cfg, train=True, validates=False)
+    sources = run_sources(cfg, train=True, validates=False)
+    train_rows = sources[0].rows
     loaded = time.perf_counter()
     datums = make_datums(cfg.rollouts, tokenizer, train_rows)
-    from nemo_rl_ext.data.sources import rows_fingerprint
-
-    stream = PromptStream(datums, seed=cfg.grpo.seed, fingerprint=rows_fingerprint(train_rows))
+    stream = training_stream(cfg, tokenizer, sources, datums)
     agents = datums.agent_pairs() if hasattr(datums, "agent_pairs") else [(d.idx, d.agent) for d in datums]
     first = stream.next(prompts)
     ready = time.perf_counter()
