@@ -13,6 +13,7 @@ import orjson
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.data.chat import tokenize_prompt
+from nemo_rl_ext.data.columns import CHAT_KEY, TOOLS_KEY
 from nemo_rl_ext.data.jsonl import json_lines, listed
 from nemo_rl_ext.data.records import DatumSpec
 
@@ -69,11 +70,16 @@ class RowPrompt:
     user_content: str
     """The user turn of the prompt (a system prompt, if any, goes before it)."""
     extra_env_info: dict[str, Any]
-    """What the environment reads for this prompt (the math environments: `ground_truth`)."""
+    """What the environment reads for this prompt (the math environments: `ground_truth`; the default adapter
+    adds every other column, TRL's rule)."""
     metadata: dict[str, Any]
     """The rest of the row, carried along to the records."""
     agent_name: str | None = None
     """The row's agent (its per-agent sample count), if it names one."""
+    messages: tuple[dict[str, Any], ...] | None = None
+    """A chat prompt (OpenAI-format messages) instead of `user_content`."""
+    tools: tuple[dict[str, Any], ...] | None = None
+    """The tool definitions (OpenAI format) the chat template renders with the prompt."""
 
 
 class RowAdapter(Protocol):
@@ -83,12 +89,37 @@ class RowAdapter(Protocol):
 
 
 def qa_row(row: Mapping[str, Any], *, question_key: str = "question", answer_key: str = "answer") -> RowPrompt:
-    """Question/answer rows: the question is the user turn, the answer the `ground_truth`."""
+    """Question/answer rows: the question is the user turn (or `messages`, a chat prompt, with `tools`), the
+    answer the `ground_truth`; the other columns are the metadata (`data.columns.normalize_row` maps the
+    names of other ecosystems to these)."""
+    chat = row.get(CHAT_KEY) if question_key not in row else None
+    tools = row.get(TOOLS_KEY) if chat is not None else None
+    used = (question_key, answer_key) + ((CHAT_KEY, TOOLS_KEY) if chat is not None else ())
+    rest = {k: v for k, v in row.items() if k not in used}
     return RowPrompt(
-        user_content=str(row[question_key]),
-        extra_env_info={"ground_truth": str(row[answer_key])},
-        metadata={k: v for k, v in row.items() if k not in (question_key, answer_key)},
+        user_content="" if chat is not None else str(row[question_key]),
+        extra_env_info={**rest, "ground_truth": str(row[answer_key])},
+        metadata=rest,
         agent_name=row.get("agent_name"),
+        messages=tuple(chat) if chat is not None else None,
+        tools=tuple(tools) if tools is not None else None,
+    )
+
+
+def prompt_datum(
+    tokenizer: PreTrainedTokenizerBase, idx: int, prompt: RowPrompt, task_name: str, system_prompt: str | None
+) -> DatumSpec:
+    """The datum of one adapted row: `system_prompt` (unless a chat prompt has its own system message) and the
+    user turn, or the chat prompt."""
+    if prompt.messages is not None:
+        messages = [dict(m) for m in prompt.messages]
+    else:
+        messages = [{"role": "user", "content": prompt.user_content}]
+    if system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return datum_from_messages(
+        tokenizer, idx, messages, task_name=task_name, extra_env_info=prompt.extra_env_info,
+        agent_name=prompt.agent_name, metadata=prompt.metadata, tools=prompt.tools,
     )
 
 
@@ -112,23 +143,7 @@ def qa_datums(
             problems.append(f"row {idx}: {type(exc).__name__}: {exc}")
     if problems:
         raise ValueError(f"{len(problems)} row(s) the {task_name!r} environment can't use:\n  " + "\n  ".join(problems[:20]))
-    datums = []
-    for idx, prompt in enumerate(prompts):
-        messages = [{"role": "user", "content": prompt.user_content}]
-        if system_prompt:
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        datums.append(
-            datum_from_messages(
-                tokenizer,
-                idx,
-                messages,
-                task_name=task_name,
-                extra_env_info=prompt.extra_env_info,
-                agent_name=prompt.agent_name,
-                metadata=prompt.metadata,
-            )
-        )
-    return datums
+    return [prompt_datum(tokenizer, idx, prompt, task_name, system_prompt) for idx, prompt in enumerate(prompts)]
 
 
 NEMO_GYM_TASK = "nemo_gym"

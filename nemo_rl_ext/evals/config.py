@@ -28,6 +28,7 @@ from nemo_rl_ext.config import (
     raise_problems,
     raw_field,
 )
+from nemo_rl_ext.data.hf_source import is_hub_id
 from nemo_rl_ext.evals.metrics import metric_defs
 from nemo_rl_ext.evals.shards import ShardSpec
 from nemo_rl_ext.experience.config import RolloutsConfig, largest_count, rollouts_rule_problems
@@ -41,10 +42,14 @@ class EvalSettings(StrictModel):
     """What to evaluate, how many samples, which metrics, and where the outputs go."""
 
     dataset_path: str = Field(
-        description="JSONL dataset: rows with question/answer (native modes) or Gym rows with "
-        "responses_create_params and agent_ref.name or gym.agent_name (nemo_gym). Relative paths are relative "
-        "to the CWD; in nemo_gym mode with gym.launch, one not found there is looked up in the Gym install."
+        description="The dataset: a .jsonl / .json / .parquet / .csv / .arrow file, a folder written by "
+        "save_to_disk, or a Hugging Face hub id (owner/name, with dataset_subset and dataset_split); rows with a "
+        "prompt and a reference answer (native modes: question/answer, prompt, messages, docs/datasets.md) or Gym "
+        "rows with responses_create_params and agent_ref.name or gym.agent_name (nemo_gym). Relative paths are "
+        "relative to the CWD; in nemo_gym mode with gym.launch, one not found there is looked up in the Gym install."
     )
+    dataset_subset: str | None = Field(default=None, description="The subset (configuration) of a hub dataset.")
+    dataset_split: str = Field(default="train", description="The split of a hub dataset or save_to_disk folder.")
     save_path: str = Field(description="Output folder; re-running with the same folder resumes.")
     num_prompts: int | None = Field(default=None, ge=1, description="Evaluate only the first N rows.")
     ks: tuple[int, ...] | None = Field(
@@ -317,13 +322,17 @@ def input_problems(cfg: EvalConfig) -> list[str]:
         counts=cfg.rollouts.num_generations_per_prompt,
         counts_key=cfg.key_as_written("rollouts.num_generations_per_prompt"),
         limit=cfg.eval.num_prompts,
+        subset=cfg.eval.dataset_subset,
+        split=cfg.eval.dataset_split,
     )
     return problems
 
 
 def dataset_file(cfg: EvalConfig) -> Path:
     """`eval.dataset_path` from the CWD; in nemo_gym mode with `gym.launch`, a relative path that is not
-    there is looked up in the Gym install (e.g. resources_servers/mcqa/data/example.jsonl)."""
+    there is looked up in the Gym install (e.g. resources_servers/mcqa/data/example.jsonl); a hub id as it is."""
+    if is_hub_id(cfg.eval.dataset_path):
+        return Path(cfg.eval.dataset_path)
     gym = cfg.rollouts.gym if cfg.rollouts.mode == "nemo_gym" else None
     launch = gym.launch if gym is not None else None
     return resolve_gym_path(cfg.eval.dataset_path, launch.gym_venv if launch is not None else None)

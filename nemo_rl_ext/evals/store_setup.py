@@ -43,7 +43,9 @@ from nemo_rl_ext.models.generation.interfaces import GenerationInterface
 
 def load_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
     """The dataset rows the eval evaluates: the first `eval.num_prompts` rows of `eval.dataset_path`."""
-    return load_rollout_rows(cfg.rollouts, dataset_file(cfg))[: cfg.eval.num_prompts]
+    rows = load_rollout_rows(cfg.rollouts, dataset_file(cfg), subset=cfg.eval.dataset_subset,
+                             split=cfg.eval.dataset_split)
+    return list(rows[: cfg.eval.num_prompts])
 
 
 def build_rollout_setup(

@@ -11,13 +11,17 @@ rollout mode.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_ext.data.datasets import gym_datums, load_jsonl, qa_datums, qa_row
+from nemo_rl_ext.data.columns import columns_problem, normalize_row
+from nemo_rl_ext.data.datasets import gym_datums, load_jsonl, prompt_datum, qa_datums, qa_row
+from nemo_rl_ext.data.hf_source import RowTable, is_table_source
 from nemo_rl_ext.data.records import DatumSpec
+from nemo_rl_ext.data.sources import LazyDatums, load_rows
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
-from nemo_rl_ext.experience.config import RolloutsConfig
+from nemo_rl_ext.experience.config import EnvironmentSettings, RolloutsConfig
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.experience.rollout_params import TokenizerType
 from nemo_rl_ext.models.config import ClusterConfig, PolicyConfig
@@ -38,37 +42,68 @@ def build_policy(
 
 
 def load_rollout_rows(
-    cfg: RolloutsConfig, path: str | Path, *, question_key: str = "question", answer_key: str = "answer"
-) -> list[dict[str, Any]]:
-    """The rows of the JSONL file `path` for `cfg`'s mode, every unreadable line and every missing key named
-    at once (file and line): a Gym row needs `responses_create_params`; a native row the question and answer
-    keys when the environment reads rows with the default adapter (a registered adapter names the rows it
-    can't use itself, in `make_datums`). A Gym row's `responses_create_params` (with `gym.responses_create_params`
-    merged in, as it is sent) must have the shape Gym accepts (`gym.rows.responses_params_problems`)."""
+    cfg: RolloutsConfig,
+    path: str | Path,
+    *,
+    question_key: str = "question",
+    answer_key: str = "answer",
+    subset: str | None = None,
+    split: str | None = None,
+) -> Sequence[dict[str, Any]]:
+    """The rows of the dataset `path` (JSONL, or any source of `data.hf_source`: parquet, CSV, JSON, Arrow, a
+    save_to_disk folder, a hub id with `subset` / `split`) for `cfg`'s mode, every unreadable line and every
+    bad row named at once: a Gym row needs `responses_create_params` in the shape Gym accepts (with
+    `gym.responses_create_params` merged in, as it is sent: `gym.rows.responses_params_problems`); a native row
+    read by the default adapter a prompt and a reference answer under any of the names of `data.columns`
+    (mapped to the question and answer keys); a registered adapter names the rows it can't use itself, in
+    `make_datums`."""
     if cfg.mode == "nemo_gym":
         # local: only the nemo_gym mode checks Gym rows (gym.rows is light; could move to the top)
         from nemo_rl_ext.gym.rows import gym_row_problem
 
         overrides = dict(cfg.gym.responses_create_params) if cfg.gym is not None else {}
 
-        def check(row: dict[str, Any]) -> str | None:
+        def gym_row(row: Mapping[str, Any]) -> dict[str, Any]:
+            if "responses_create_params" not in row:
+                raise KeyError("missing key(s) ['responses_create_params']")
             params = row["responses_create_params"]
-            return gym_row_problem({"responses_create_params": {**params, **overrides}
-                                    if isinstance(params, Mapping) else params})
+            problem = gym_row_problem({"responses_create_params": {**params, **overrides}
+                                       if isinstance(params, Mapping) else params})
+            if problem is not None:
+                raise ValueError(problem)
+            return dict(row)
 
-        return load_jsonl(path, required=("responses_create_params",), check=check)
+        if not is_table_source(path):  # as before: JSONL rows come back as read
+            return load_jsonl(path, required=("responses_create_params",),
+                              check=lambda row: _problem_of(gym_row, row))
+        return load_rows(path, gym_row, subset=subset, split=split)
     # lazy: the environment registry imports every implementation
     from nemo_rl_ext.environments import environment_entry
 
     default_rows = environment_entry(cfg.env.resolved_name).row_adapter is qa_row
-    return load_jsonl(path, required=(question_key, answer_key) if default_rows else ())
+    keys = dict(question_key=question_key, answer_key=answer_key)
+    if not default_rows:
+        return load_rows(path, subset=subset, split=split)
+    return load_rows(path, partial(normalize_row, **keys), subset=subset, split=split,
+                     columns_problem=partial(columns_problem, **keys))
+
+
+def _problem_of(check: Any, row: Mapping[str, Any]) -> str | None:
+    """The message of the error `check(row)` raises (None: none)."""
+    try:
+        check(row)
+    except (KeyError, ValueError) as exc:
+        return str(exc.args[0]) if exc.args else str(exc)
+    return None
 
 
 def row_agents(cfg: RolloutsConfig, rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The agent of each row (`DatumSpec.agent`, what its sample count is looked up by), without a tokenizer:
     a Gym row's `agent_ref.name` (else `gym.agent_name`), a native row's `agent_name` (else the environment)."""
     if cfg.mode == "nemo_gym":
-        return [d.agent for d in make_datums(cfg, None, rows)]
+        return [d.agent for d in make_datums(cfg, None, list(rows))]
+    if isinstance(rows, RowTable):
+        return [agent for _, agent in LazyDatums(rows, None, cfg.env.resolved_name).agent_pairs()]  # type: ignore[arg-type]
     return [str(row.get("agent_name") or cfg.env.resolved_name) for row in rows]
 
 
@@ -79,7 +114,7 @@ def make_datums(
     *,
     question_key: str = "question",
     answer_key: str = "answer",
-) -> list[DatumSpec]:
+) -> Sequence[DatumSpec]:
     """The datums of `rows` for `cfg`'s mode: Gym rows as they are (nemo_gym), else each row read by the
     environment's registered row adapter, with `rollouts.env.system_prompt` or the environment's default."""
     if cfg.mode == "nemo_gym":
@@ -95,6 +130,12 @@ def make_datums(
     name = cfg.env.resolved_name
     entry = environment_entry(name)
     system_prompt = cfg.env.system_prompt if cfg.env.system_prompt is not None else entry.system_prompt
+    if isinstance(rows, RowTable):  # a table: each datum made when drawn (its rows were checked when loaded)
+        def make(idx: int, row: dict[str, Any]) -> DatumSpec:
+            prompt = entry.row_adapter(row, question_key=question_key, answer_key=answer_key)
+            return prompt_datum(tokenizer, idx, prompt, name, system_prompt or None)
+
+        return LazyDatums(rows, make, default_agent=name)
     return qa_datums(
         tokenizer,
         rows,
@@ -117,12 +158,14 @@ def build_rollouts(
     task_to_env: Mapping[str, EnvironmentInterface] | None = None,
     question_key: str = "question",
     answer_key: str = "answer",
-) -> tuple[list[DatumSpec], RolloutManager]:
+    more_envs: Sequence[EnvironmentSettings] = (),
+) -> tuple[Sequence[DatumSpec], RolloutManager]:
     """The datums of `rows` and the RolloutManager of `cfg.mode` (a registered rollout mode).
 
     Native mode (and any other mode but nemo_gym: rows, environment and turn cap as native's) builds the configured environment (in this process, or in a Ray actor with
     `rollouts.env.remote`, on `cluster`'s Ray) and the manager owns it (its `shutdown` stops it); a given
-    `task_to_env` is used instead and stays the caller's. A rollout's tokens are capped by the engine's
+    `task_to_env` is used instead and stays the caller's. `more_envs`: environments built (and owned) beside it
+    (the environments of GRPO's `data.datasets`; one per name). A rollout's tokens are capped by the engine's
     `max_model_len` as well as by `rollouts.max_seq_len`.
     """
     datums = make_datums(cfg, tokenizer, rows, question_key=question_key, answer_key=answer_key)
@@ -141,12 +184,18 @@ def build_rollouts(
         # local: no cycle; cluster adds no heavy import here (build loads torch already); could move up
         from nemo_rl_ext.cluster import build_environment
 
-        name = cfg.env.resolved_name
-        env = build_environment(
-            name, cfg.env.kwargs, remote=cfg.env.remote, step_timeout_s=cfg.env.step_timeout_s, cluster=cluster
-        )
-        owned.append(env)
-        task_to_env = {name: env}
+        task_to_env = {}
+        try:
+            for settings in (cfg.env, *more_envs):
+                if settings.resolved_name not in task_to_env:
+                    task_to_env[settings.resolved_name] = build_environment(
+                        settings.resolved_name, settings.kwargs, remote=settings.remote,
+                        step_timeout_s=settings.step_timeout_s, cluster=cluster)
+                    owned.append(task_to_env[settings.resolved_name])
+        except BaseException:
+            for env in owned:
+                env.shutdown()
+            raise
     try:
         manager = RolloutManager(
             **common, mode=cfg.mode, task_to_env=task_to_env, max_rollout_turns=cfg.max_rollout_turns,

@@ -37,18 +37,22 @@ def dataset_problems(
     limit: int | None = None,
     question_key: str = "question",
     answer_key: str = "answer",
+    subset: str | None = None,
+    split: str | None = None,
 ) -> list[str]:
     """Every problem of the dataset at `path` (config key `key`) for `rollouts` with these sample `counts`:
     the file, its lines and rows (`build.load_rollout_rows`), and a count for each row's agent
     (`build.row_agents`). `limit`: only the first rows are rolled out, so only they need a count."""
     # lazy: build loads torch and the backends; input checks stay light for config validation
+    from nemo_rl_ext.data.hf_source import is_table_source
     from nemo_rl_ext.experience.build import load_rollout_rows, row_agents
 
     path = Path(path)
-    if not path.is_file():
+    if not is_table_source(path) and not path.is_file():
         return [f"{key}: file not found: {path}"]
     try:
-        rows = load_rollout_rows(rollouts, path, question_key=question_key, answer_key=answer_key)[:limit]
+        rows = load_rollout_rows(rollouts, path, question_key=question_key, answer_key=answer_key,
+                                 subset=subset, split=split)[:limit]
         agents = row_agents(rollouts, rows)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         message = str(exc)

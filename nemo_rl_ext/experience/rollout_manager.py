@@ -130,7 +130,9 @@ class RolloutManager:
     ) -> None:
         """Check a dataset before any generation: every row's agent has a count (one error for all); with
         `warn_unused`, count keys that match no row's agent give a UserWarning."""
-        (counts or self.counts).preflight(((d.idx, d.agent) for d in datums), warn_unused=warn_unused)
+        lazy = getattr(datums, "agent_pairs", None)  # data.sources.LazyDatums: without tokenizing every row
+        pairs = lazy() if lazy is not None else ((d.idx, d.agent) for d in datums)
+        (counts or self.counts).preflight(pairs, warn_unused=warn_unused)
 
     def request_rows(self, datums: Sequence[DatumSpec]) -> dict[int, list[dict[str, Any]]] | None:
         """Prompt index -> the request rows the implementation sends for that datum, one per sample (nemo_gym:

@@ -19,7 +19,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from nemo_rl_ext.compat import grpo_spellings
 from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, raw_field
-from nemo_rl_ext.experience.config import RolloutsConfig, rollouts_rule_problems
+from nemo_rl_ext.experience.config import EnvironmentSettings, RolloutsConfig, rollouts_rule_problems
 from nemo_rl_ext.experience.resume_keys import GRPO_RESUME_MAY_CHANGE
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig
@@ -148,14 +148,67 @@ class GRPOSettings(StrictModel):
     )
 
 
-class DataSettings(StrictModel):
-    """Question/answer JSONL files turned into prompts for the environment."""
+class DatasetEntry(StrictModel):
+    """One of several training datasets (`data.datasets`), with its own environment and sampling weight."""
 
-    train_path: Path = Field(description="Training rows (JSONL with the question and answer keys).")
-    val_path: Path | None = Field(default=None, description="Validation rows; None: the training file.")
-    question_key: str = Field(default="question", description="Key of the prompt text.")
-    answer_key: str = Field(default="answer", description="Key of the ground truth.")
+    path: Path = Field(description="The dataset: the kinds of source data.train_path takes.")
+    subset: str | None = Field(default=None, description="The subset (configuration) of a hub dataset.")
+    split: str = Field(default="train", description="The split of a hub dataset or save_to_disk folder.")
+    weight: float = Field(default=1.0, gt=0.0, description="Sampling weight: a draw comes from this dataset with "
+                          "probability weight / (sum of the weights).")
+    env: EnvironmentSettings | None = Field(
+        default=None, description="The environment that scores its rows (its rows' agent unless a row names one; "
+        "the same keys as rollouts.env); null: rollouts.env. Native rollouts only."
+    )
+
+
+class DataSettings(StrictModel):
+    """Datasets (JSONL, parquet, CSV, JSON, Arrow, a save_to_disk folder or a hub id) turned into prompts for the
+    environment; the column names of NeMo-RL, TRL and verl are read (docs/datasets.md)."""
+
+    train_path: Path | None = Field(
+        default=None,
+        description="Training rows: a .jsonl / .json / .parquet / .csv / .arrow file, a folder written by "
+        "save_to_disk, or a Hugging Face hub id (owner/name, with data.subset and data.split). Exactly one of "
+        "train_path and datasets.",
+    )
+    datasets: tuple[DatasetEntry, ...] = Field(
+        default=(), description="Several training datasets instead of train_path, each with its own environment "
+        "and sampling weight (draws seeded by grpo.seed); split_validation_size applies to each."
+    )
+    val_path: Path | None = Field(
+        default=None, description="Validation rows (the same kinds of source); None: split_validation_size "
+        "rows of the training set, or (0) the training set itself."
+    )
+    subset: str | None = Field(default=None, description="The subset (configuration) of a hub dataset.")
+    split: str = Field(default="train", description="The split of a hub dataset or save_to_disk folder (training).")
+    val_split: str = Field(
+        default="validation", description="The split of a hub dataset or save_to_disk folder named by val_path."
+    )
+    split_validation_size: float = Field(
+        default=0.0, ge=0.0, description="Without val_path: hold out this many training rows for validation "
+        "(a count, or a fraction of the rows when < 1), drawn by a permutation seeded with grpo.seed; 0: none.",
+    )
+    question_key: str = Field(
+        default="question", description="Key of the prompt text (NeMo-RL's input_key); without it a row's "
+        "prompt is its `prompt` (a string or messages) or `messages` column."
+    )
+    answer_key: str = Field(
+        default="answer", description="Key of the ground truth (NeMo-RL's output_key); without it a trailing "
+        "assistant message, `ground_truth` or `reward_model.ground_truth`."
+    )
     shuffle: bool = Field(default=True, description="Shuffle the rows each epoch (seeded by grpo.seed).")
+
+    @model_validator(mode="after")
+    def _one_training_source(self) -> DataSettings:
+        if (self.train_path is None) == (not self.datasets):
+            raise ValueError("give exactly one of data.train_path and data.datasets")
+        names: dict[str, EnvironmentSettings] = {}
+        for i, entry in enumerate(self.datasets):
+            if entry.env is not None and names.setdefault(entry.env.resolved_name, entry.env) != entry.env:
+                raise ValueError(f"data.datasets[{i}].env: environment {entry.env.resolved_name!r} is configured "
+                                 "differently by an earlier dataset; one setting per environment")
+        return self
 
 
 class GRPORollouts(RolloutsConfig):
@@ -345,18 +398,30 @@ def input_problems(cfg: GRPOConfig, *, train: bool = True, val: bool = True) -> 
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
     problems += rollouts_problems(cfg.rollouts)
     keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
+    counts_key = cfg.key_as_written("rollouts.num_generations_per_prompt")
     if train:
-        problems += dataset_problems(
-            "data.train_path", cfg.data.train_path, cfg.rollouts, counts=cfg.rollouts.num_generations_per_prompt,
-            counts_key=cfg.key_as_written("rollouts.num_generations_per_prompt"), **keys,
-        )
+        for key, path, rollouts, subset, split in training_sources(cfg):
+            problems += dataset_problems(key, path, rollouts, subset=subset, split=split, counts_key=counts_key,
+                                         counts=cfg.rollouts.num_generations_per_prompt, **keys)
     if val and (cfg.grpo.val_period > 0 or cfg.grpo.val_at_start) and cfg.data.val_path is not None:
         val_counts = cfg.validation.num_generations_per_prompt
         problems += dataset_problems(
-            "data.val_path", cfg.data.val_path, cfg.rollouts, limit=cfg.validation.num_prompts,
+            "data.val_path", cfg.data.val_path, cfg.rollouts, limit=cfg.validation.num_prompts, split=cfg.data.val_split,
+            subset=cfg.data.subset,
             counts=val_counts if val_counts is not None else cfg.rollouts.num_generations_per_prompt,
             counts_key="validation.num_generations_per_prompt" if val_counts is not None
             else cfg.key_as_written("rollouts.num_generations_per_prompt"),
             **keys,
         )
     return problems
+
+
+def training_sources(cfg: GRPOConfig) -> list[tuple[str, Path, RolloutsConfig, str | None, str]]:
+    """(config key, source, the rollouts settings its rows are read with, subset, split) of each training
+    dataset: `data.train_path`, or each of `data.datasets` with its own environment."""
+    data = cfg.data
+    if data.train_path is not None:
+        return [("data.train_path", data.train_path, cfg.rollouts, data.subset, data.split)]
+    return [(f"data.datasets[{i}].path", entry.path,
+             cfg.rollouts if entry.env is None else cfg.rollouts.model_copy(update={"env": entry.env}),
+             entry.subset, entry.split) for i, entry in enumerate(data.datasets)]

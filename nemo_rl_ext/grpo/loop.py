@@ -42,11 +42,11 @@ from typing import Any, TypeVar
 from tqdm.auto import tqdm
 
 from nemo_rl_ext.cluster import loads_model_folder
-from nemo_rl_ext.config import dump_config
+from nemo_rl_ext.config import ConfigError, dump_config
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
-from nemo_rl_ext.experience.build import build_rollouts, load_rollout_rows, make_datums
+from nemo_rl_ext.experience.build import build_rollouts
 from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, count_prompts_too_long
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
 from nemo_rl_ext.grpo.async_loop import AsyncLoop
@@ -63,6 +63,7 @@ from nemo_rl_ext.grpo.build import (
     seed_everything,
 )
 from nemo_rl_ext.grpo.config import RESTART, GRPOConfig, async_wedge_warning
+from nemo_rl_ext.grpo.data_rows import run_sources, training_stream, validation_datums
 from nemo_rl_ext.grpo.metrics_logger import MetricsLogger
 from nemo_rl_ext.grpo.prompt_stream import PromptStream
 from nemo_rl_ext.grpo.step_seeds import TRAIN_SALT, VAL_SALT
@@ -158,34 +159,39 @@ class GRPO:
         """The RolloutManager, the seeded training prompt stream and the validation prompts."""
         cfg = self.cfg
         keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
-        train_rows = load_rollout_rows(cfg.rollouts, cfg.data.train_path, **keys) if train_datums is None else ()
+        validates = val_datums is None and (cfg.grpo.val_period > 0 or cfg.grpo.val_at_start)
+        sources = run_sources(cfg, train=train_datums is None, validates=validates)
+        single = cfg.data.train_path is not None
         datums, self.manager = build_rollouts(
             cfg.rollouts.with_gym_work_dir(self.output_dir / GYM_LOGS),  # Gym servers it launches log there
             self.tokenizer,
             self.generation,
-            train_rows,
+            sources[0].rows if single else (),
             generation_config=rollout_generation_config(cfg),
             cluster=cfg.policy.cluster,
             task_to_env=task_to_env,
+            more_envs=[e.env for e in cfg.data.datasets if e.env is not None],
             **keys,
         )
-        train = list(train_datums) if train_datums is not None else datums
-        self.train_data = PromptStream(train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+        if train_datums is not None:
+            self.train_data = PromptStream(list(train_datums), seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+        else:
+            self.train_data = training_stream(cfg, self.tokenizer, sources, datums if single else None)
         if val_datums is None:
-            validates = cfg.grpo.val_period > 0 or cfg.grpo.val_at_start
-            val_path = cfg.data.val_path or cfg.data.train_path
-            val_rows = load_rollout_rows(cfg.rollouts, val_path, **keys) if validates else []
-            val_rows = val_rows[: cfg.validation.num_prompts]
-            val_datums = make_datums(cfg.rollouts, self.tokenizer, val_rows, **keys)
+            val_datums = validation_datums(cfg, self.tokenizer, sources)
         self.val_datums = list(val_datums)[: cfg.validation.num_prompts]
-        self.manager.preflight(train)
+        for stream in getattr(self.train_data, "streams", [self.train_data]):
+            self.manager.preflight(stream.datums)
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Continue from `checkpoint`: trainer state, engine weights, data position, step and RNG states."""
         restore_trainer_state(self.trainer, checkpoint)
         if loads_model_folder(self.cfg.policy) or not weights_in_model_dir(checkpoint):  # the engine has the initial model
             self._refit(in_flight="finish")
-        self.train_data.load_state_dict(checkpoint.data_state)
+        try:
+            self.train_data.load_state_dict(checkpoint.data_state)
+        except ValueError as exc:
+            raise ConfigError(f"cannot resume {checkpoint.path}: {exc}") from None
         self.step = checkpoint.step
         self.schedule_steps = int(checkpoint.extra.get("schedule_steps", self.schedule_steps))
         if self.cfg.optimizer.scheduler.type != "constant" and self.cfg.grpo.max_num_steps > self.schedule_steps:
