@@ -25,6 +25,7 @@ from peft import PeftModel
 from transformers import PreTrainedModel
 
 from nemo_rl_ext.models.loading import enable_activation_checkpointing
+from nemo_rl_ext.objectives.aggregation import minibatch_count
 from nemo_rl_ext.objectives.logprobs import right_pad, shared_prefix_logprobs, token_logprobs
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
 from nemo_rl_ext.training.config import OptimizerSettings
@@ -43,7 +44,7 @@ _MEAN_METRICS = (
     "gen_kl/mean",
 )
 _MAX_METRICS = ("policy_ratio/max", "importance_ratio/max")
-_SUM_METRICS = ("loss", "loss/pg", "loss/kl", "num_tokens", "num_sequences")
+_SUM_METRICS = ("loss", "loss/pg", "loss/kl", "num_tokens", "num_sequences", "is/masked_tokens", "is/masked_sequences")
 
 
 def minibatch_bounds(num_items: int, advantages: torch.Tensor, minibatches_per_step: int) -> list[int]:
@@ -76,7 +77,7 @@ class _MetricSums:
             if key in metrics:
                 self.maxima[key] = max(self.maxima.get(key, -math.inf), metrics[key])
         for key in _SUM_METRICS:
-            self.sums[key] = self.sums.get(key, 0.0) + metrics[key]
+            self.sums[key] = self.sums.get(key, 0.0) + metrics.get(key, 0.0)
 
     def skip(self, masked_tokens: Sequence[float]) -> None:
         """A micro-batch skipped for its zero advantages (its samples' masked-token counts): its tokens and
@@ -235,10 +236,7 @@ class PolicyTrainer:
     ) -> float | None:
         """Accumulate the gradients of one minibatch and take an optimizer step; returns the grad norm."""
         masks = [items[i].loss_mask for i in indices]
-        if self.loss_config.normalization == "token":
-            count = float(sum(float(m.sum()) for m in masks))
-        else:
-            count = float(sum(1 for m in masks if float(m.sum()) > 0))
+        count = minibatch_count(masks, self.loss_config)
         self.optimizer.zero_grad(set_to_none=True)
         size = self.settings.micro_batch_size
         for start in range(indices.start, indices.stop, size):
