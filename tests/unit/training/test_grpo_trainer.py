@@ -97,14 +97,26 @@ def test_token_logprobs_shift_and_padding_do_not_leak(tiny_model_and_tokenizer):
     torch.testing.assert_close(both[0, 2], expected, **SAME_MODEL_LOGPROBS)
 
 
-def test_micro_batches_accumulate_to_the_full_batch_update(tiny_model_and_tokenizer):
+LOSS_OPTIONS = {  # each aggregation mode, GSPO and CISPO: every one must accumulate over micro-batches exactly
+    "default": {},
+    "seq-mean-token-mean": {"aggregation": "seq-mean-token-mean"},
+    "seq-mean-token-sum": {"aggregation": "seq-mean-token-sum"},
+    "seq-mean-token-sum-norm": {"aggregation": "seq-mean-token-sum-norm", "max_tokens_norm": 16},
+    "gspo": {"sequence_level_importance_ratios": True, "aggregation": "seq-mean-token-mean"},
+    "cispo": {"policy_loss": "cispo", "clip_high": 0.28},
+}
+
+
+@pytest.mark.parametrize("option", sorted(LOSS_OPTIONS))
+def test_micro_batches_accumulate_to_the_full_batch_update(tiny_model_and_tokenizer, option):
     model, tokenizer = tiny_model_and_tokenizer
     items = sample(model, tokenizer, 1.0, n=6)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     start = {k: v.clone() for k, v in model.state_dict().items()}
     results = []
+    loss = ClippedPGLossConfig(kl_coef=0.0, **LOSS_OPTIONS[option])
     for micro in (6, 4, 1):
-        trainer = make_trainer(copy.deepcopy(model), micro_batch_size=micro, max_grad_norm=None)
+        trainer = make_trainer(copy.deepcopy(model), loss=loss, micro_batch_size=micro, max_grad_norm=None)
         trainer.optimizer = torch.optim.SGD(trainer.parameters, lr=1.0)  # weight change = -gradient
         metrics = trainer.train_step(items, advantages)
         assert metrics["optimizer_steps"] == 1.0
