@@ -138,7 +138,10 @@ class TrainerRank:
             self._listen = socket.create_server((master, port))
         if self._ip is not None:
             use_gloo_interface_of(self._ip)
-        listen_fd = self._listen.fileno() if self._listen is not None else None
+        # the store gets its own copy of the fd: it closes the one it is given when it is destroyed (at garbage
+        # collection), and `shutdown` closes `_listen`; on one shared number the later close hit whatever file
+        # reused it (a second rank set up in the same process read its tokenizer through a closed fd)
+        listen_fd = os.dup(self._listen.fileno()) if self._listen is not None else None
         store = dist.TCPStore(master, port, self.world_size, self.rank == 0, timeout, wait_for_workers=False,
                               master_listen_fd=listen_fd)
         backend = "gloo"
