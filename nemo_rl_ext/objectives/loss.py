@@ -89,6 +89,7 @@ def clipped_pg_loss(
     generation_logprobs: torch.Tensor | None = None,
     reference_logprobs: torch.Tensor | None = None,
     global_normalization_count: float | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with optional dual clip, KL penalty and truncated IS correction.
 
@@ -105,7 +106,9 @@ def clipped_pg_loss(
       pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), then for A < 0: pg = min(pg, -A * clip_c)
       (policy_loss cispo: pg = -A * sg(clip(r, 1 - clip_low, 1 + clip_high)) * logprobs)
       kl = clamp(u * k(clamp(log ref - log pi, +-kl_input_clamp_value)), +-kl_output_clamp_value)  (k: estimator)
-      loss_token = w * pg + kl_coef * kl      (w weights only the pg term, as in NeMo-RL)
+      loss_token = w * pg + kl_coef * kl - entropy_coef * H   (w weights only the pg term, as in NeMo-RL)
+    with H = `entropy` ([B, T], the entropy of each token's distribution under the generation temperature; needed
+    when entropy_coef != 0, with its gradient).
     u carries a gradient (kl_gradient "score_function", NeMo-RL's since 2026: d kl/d logp gains the term
     u * k, the score function of the sampled token) unless kl_gradient is "pathwise" (u detached); where
     either clamp bites the token passes no KL gradient.
@@ -119,12 +122,13 @@ def clipped_pg_loss(
     (+ `/low`, `/high`), `dual_clip_fraction`, `policy_ratio/mean|max` (pi / pi_old),
     `importance_ratio/mean|max` (exp(old - gen), untruncated), `is_weight/mean`,
     `is_weight/truncated_fraction` (tis), `is/masked_tokens` and `is/masked_sequences` (counts: trained tokens
-    icepop or seq-mask-tis zeroed, samples all of whose trained tokens were), `num_tokens`, `num_sequences`.
+    icepop or seq-mask-tis zeroed, samples all of whose trained tokens were), `num_tokens`, `num_sequences`; `entropy` (the
+    token mean of H, when given) and `loss/entropy`.
     """
     cfg = config or ClippedPGLossConfig()
     _check_loss_inputs(
         logprobs, old_logprobs, advantages, mask, cfg, generation_logprobs, reference_logprobs,
-        global_normalization_count,
+        global_normalization_count, entropy,
     )
     valid = mask.to(torch.bool)
     pg = _clipped_pg_terms(logprobs, old_logprobs, advantages, valid, cfg)
@@ -136,8 +140,15 @@ def clipped_pg_loss(
     if kl is not None and cfg.kl_coef != 0.0:  # the IS weight multiplies only the pg term (as NeMo-RL's)
         kl_loss = aggregate(cfg.kl_coef * kl, valid, cfg, count)
     loss = pg_loss + kl_loss if kl_loss is not None else pg_loss
+    entropy_loss = None
+    if cfg.entropy_coef != 0.0:  # `entropy` carries its gradient (the trainer computes it so)
+        entropy_loss = -cfg.entropy_coef * aggregate(entropy, valid, cfg, count)
+        loss = loss + entropy_loss
     with torch.no_grad():
         metrics = _loss_metrics(loss, pg_loss, kl_loss, pg, iw, kl, valid)
+        if entropy is not None:
+            metrics["entropy"] = _masked_mean(entropy.detach(), valid)
+        metrics["loss/entropy"] = float(entropy_loss) if entropy_loss is not None else 0.0
     return loss, metrics
 
 
@@ -150,6 +161,7 @@ def _check_loss_inputs(
     generation_logprobs: torch.Tensor | None,
     reference_logprobs: torch.Tensor | None,
     global_normalization_count: float | None,
+    entropy: torch.Tensor | None = None,
 ) -> None:
     """`clipped_pg_loss`' inputs have matching shapes and carry what its settings need."""
     shape = logprobs.shape
@@ -170,6 +182,10 @@ def _check_loss_inputs(
         raise ValueError("importance_sampling_correction needs generation_logprobs (or disable it)")
     if cfg.on_policy_kl_approximation and reference_logprobs is not None and generation_logprobs is None:
         raise ValueError("on_policy_kl_approximation needs generation_logprobs (or disable it)")
+    if cfg.entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs the per-token entropy (with its gradient)")
+    if entropy is not None and entropy.shape != shape:
+        raise ValueError(f"entropy has shape {tuple(entropy.shape)}, expected {tuple(shape)}")
     if cfg.kl_coef != 0.0 and reference_logprobs is None:
         raise ValueError("kl_coef != 0 needs reference_logprobs")
     if global_normalization_count is not None and global_normalization_count < 0:

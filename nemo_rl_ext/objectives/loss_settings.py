@@ -55,6 +55,11 @@ class LossSettings(StrictModel):
         "log pi - log pi_old), clipped and applied to each of its tokens; the IS weight against the engine is per "
         "sample too, exp(sum over its tokens of log pi_old - log pi_engine)."
     )
+    entropy_coef: float = Field(
+        default=0.0, ge=0.0, description="Entropy bonus: loss -= entropy_coef * the aggregated entropy of each trained "
+        "token's distribution under the generation temperature (computed from the logits in chunks); train/entropy "
+        "is reported at 0 too."
+    )
     kl_coef: float = Field(
         default=0.01, ge=0.0, description="KL penalty to the initial policy (NeMo-RL's reference_policy_kl_penalty); "
         "> 0 loads a frozen copy of the initial policy as the reference, 0 disables it and saves that copy."
@@ -139,6 +144,8 @@ def loss_problems(s: Any) -> list[str]:
         value = getattr(s, name)
         if value is not None and not value > 0.0:
             problems.append(f"{name} must be > 0 (or None), got {value}")
+    if not (math.isfinite(s.entropy_coef) and s.entropy_coef >= 0.0):
+        problems.append(f"entropy_coef must be finite and >= 0, got {s.entropy_coef}")
     if not math.isfinite(s.kl_coef):
         problems.append(f"kl_coef must be finite, got {s.kl_coef}")
     if s.kl_gradient not in ("score_function", "pathwise"):

@@ -254,7 +254,7 @@ class DistributedTrainer:
             else:
                 grad_norms.append(norm)
         metrics = sums.result()
-        for key in ("loss", "loss/pg", "loss/kl"):
+        for key in ("loss", "loss/pg", "loss/kl", "loss/entropy"):
             metrics[key] /= n_mini
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0
         metrics["optimizer_steps"] = float(len(grad_norms))

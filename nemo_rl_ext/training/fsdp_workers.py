@@ -229,7 +229,8 @@ class TrainerRank:
         for slot in slots:
             items, advantages, old, ref = slot if slot is not None else (None, None, None, None)
             ids, attention, mask, gen = self._batch(items)
-            logprobs = self.policy(ids, attention, mask)
+            logprobs, entropy = self.policy(ids, attention, mask,
+                                            "grad" if self.spec.loss.entropy_coef != 0.0 else "detached")
             if slot is None:
                 if count > 0:
                     logprobs.sum().backward()  # zero gradients: this rank's share of the collectives
@@ -239,7 +240,7 @@ class TrainerRank:
             ref_lp = right_pad(ref, 0.0, torch.float32).to(self.device) if ref else None
             loss, metrics = clipped_pg_loss(
                 logprobs, old_lp, advantages.to(self.device), mask, self.spec.loss, generation_logprobs=gen,
-                reference_logprobs=ref_lp, global_normalization_count=count,
+                reference_logprobs=ref_lp, global_normalization_count=count, entropy=entropy,
             )
             metrics["gen_kl/mean"] = _gen_kl(old_lp, gen, mask)
             if count > 0:

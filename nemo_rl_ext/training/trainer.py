@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from peft import PeftModel
@@ -42,9 +43,10 @@ _MEAN_METRICS = (
     "is_weight/truncated_fraction",
     "kl/mean",
     "gen_kl/mean",
+    "entropy",
 )
 _MAX_METRICS = ("policy_ratio/max", "importance_ratio/max")
-_SUM_METRICS = ("loss", "loss/pg", "loss/kl", "num_tokens", "num_sequences", "is/masked_tokens", "is/masked_sequences")
+_SUM_METRICS = ("loss", "loss/pg", "loss/kl", "loss/entropy", "num_tokens", "num_sequences", "is/masked_tokens", "is/masked_sequences")
 
 
 def minibatch_bounds(num_items: int, advantages: torch.Tensor, minibatches_per_step: int) -> list[int]:
@@ -82,7 +84,7 @@ class _MetricSums:
     def skip(self, masked_tokens: Sequence[float]) -> None:
         """A micro-batch skipped for its zero advantages (its samples' masked-token counts): its tokens and
         sequences count, its loss is 0, its samples are counted in `zero_advantage_skipped`."""
-        add = {"loss": 0.0, "loss/pg": 0.0, "loss/kl": 0.0, "num_tokens": float(sum(masked_tokens)),
+        add = {"loss": 0.0, "loss/pg": 0.0, "loss/kl": 0.0, "loss/entropy": 0.0, "num_tokens": float(sum(masked_tokens)),
                "num_sequences": float(sum(1 for n in masked_tokens if n > 0)),
                "zero_advantage_skipped": float(len(masked_tokens))}
         for key, value in add.items():
@@ -211,7 +213,7 @@ class PolicyTrainer:
                 grad_norms.append(norm)
         self.model.eval()
         metrics = sums.result()
-        for key in ("loss", "loss/pg", "loss/kl"):
+        for key in ("loss", "loss/pg", "loss/kl", "loss/entropy"):
             metrics[key] /= n_mini
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0
         metrics["optimizer_steps"] = float(len(grad_norms))
@@ -245,7 +247,8 @@ class PolicyTrainer:
                 sums.skip([float(items[i].loss_mask.sum()) for i in chunk])
                 continue
             ids, attention, mask, gen = self._batch([items[i] for i in chunk])
-            logprobs = self._token_logprobs(self.model, ids, attention, mask)
+            entropy_mode = "grad" if self.loss_config.entropy_coef != 0.0 else "detached"
+            logprobs, entropy = self._token_logprobs(self.model, ids, attention, mask, entropy_mode)
             old_lp = right_pad([old[i] for i in chunk], 0.0, torch.float32).to(self.device) if old else logprobs.detach()
             ref_lp = right_pad([ref[i] for i in chunk], 0.0, torch.float32).to(self.device) if ref else None
             loss, metrics = clipped_pg_loss(
@@ -257,6 +260,7 @@ class PolicyTrainer:
                 generation_logprobs=gen,
                 reference_logprobs=ref_lp,
                 global_normalization_count=count,
+                entropy=entropy,
             )
             metrics["gen_kl/mean"] = _gen_kl(old_lp, gen, mask)
             if count > 0 and loss.requires_grad:  # a micro-batch without trained tokens ran no model
@@ -281,24 +285,23 @@ class PolicyTrainer:
         without the advantage (no KL penalty): its forward and backward are skipped (`trainer.skip_zero_advantage`),
         its tokens still count in the normalisation, so the update is bit for bit the one without skipping."""
         return (self.settings.skip_zero_advantage and ref is None and self.loss_config.kl_coef == 0.0
+                and self.loss_config.entropy_coef == 0.0
                 and not bool(torch.any(advantages != 0)))
 
     def _token_logprobs(
-        self, model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
+        self, model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor,
+        entropy: str | None = None,
+    ) -> Any:
         """[B, T] logprobs of a micro-batch on its loss mask (`_batch`'s right-padded tensors): each shared
-        prompt computed once with `optimizer.share_prompt_prefix`, else a forward over every token."""
+        prompt computed once with `optimizer.share_prompt_prefix`, else a forward over every token; with
+        `entropy` ("detached" or "grad") the pair (logprobs, entropies) (`logprobs.token_logprobs`)."""
         with self._compute():
-            return self._token_logprobs_as_is(model, ids, attention, mask)
-
-    def _token_logprobs_as_is(
-        self, model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        if self.settings.share_prompt_prefix:
-            shared = shared_prefix_logprobs(model, ids, attention, self.temperature, score_mask=mask)
-            if shared is not None:
-                return shared
-        return token_logprobs(model, ids, attention, self.temperature, score_mask=mask)
+            if self.settings.share_prompt_prefix:
+                shared = shared_prefix_logprobs(model, ids, attention, self.temperature, score_mask=mask,
+                                                entropy=entropy)
+                if shared is not None:
+                    return shared
+            return token_logprobs(model, ids, attention, self.temperature, score_mask=mask, entropy=entropy)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights to hand to the generation backend (`update_weights`), under the plain model's names;

@@ -1,4 +1,4 @@
-"""Two FSDP2 ranks against the in-process trainer for each loss aggregation mode, GSPO and CISPO: the global
+"""Two FSDP2 ranks against the in-process trainer for each loss aggregation mode, GSPO, CISPO and the entropy bonus: the global
 normalisation count the driver hands the ranks makes the step's metrics and gradient norm those of one process
 (1e-4 relative, as `test_trainer_workers.py`). One pair of trainers runs the options one after another (the loss
 setting swapped on both sides between steps: one Ray start for all of them, suite time); lr 1e-6 keeps the
@@ -26,6 +26,7 @@ OPTIONS = {
     "seq-mean-token-sum-norm": {"aggregation": "seq-mean-token-sum-norm", "max_tokens_norm": 16},
     "gspo": {"sequence_level_importance_ratios": True, "aggregation": "seq-mean-token-mean"},
     "cispo": {"policy_loss": "cispo", "clip_high": 0.28},
+    "entropy": {"entropy_coef": 0.05},
 }
 
 

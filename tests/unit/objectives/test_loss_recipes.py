@@ -231,3 +231,22 @@ def test_bad_loss_values_are_one_config_error_naming_the_key(overrides, named):
         load_config(None, ["data.train_path=train.jsonl", *overrides], GRPOConfig)
     assert named in str(err.value)
     assert str(err.value).count("\n  - ") == 1  # one problem, one line
+
+
+# ---- entropy bonus ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.1])
+def test_entropy_bonus_subtracts_the_aggregated_entropy(coef):
+    # two tokens of ratio 1 and A = 1 (pg = -1 each), entropies 2 and 4: loss = -1 - coef * 3 (token mean)
+    entropy = t([[2.0, 4.0]]).requires_grad_(True)
+    cfg = ClippedPGLossConfig(kl_coef=0.0, entropy_coef=coef)
+    zeros = torch.zeros(1, 2, dtype=torch.float64)
+    loss, metrics = clipped_pg_loss(zeros, zeros, t([1.0]), torch.ones(1, 2), cfg, entropy=entropy)
+    assert float(loss.detach()) == pytest.approx(-1.0 - coef * 3.0, rel=1e-12)
+    assert metrics["entropy"] == 3.0 and metrics["loss/entropy"] == pytest.approx(-coef * 3.0, rel=1e-12)
+    if coef:
+        loss.backward()
+        torch.testing.assert_close(entropy.grad, t([[-coef / 2, -coef / 2]]), **F64)
+    with pytest.raises(ValueError, match="entropy_coef != 0 needs the per-token entropy"):
+        clipped_pg_loss(zeros, zeros, t([1.0]), torch.ones(1, 2), ClippedPGLossConfig(kl_coef=0.0, entropy_coef=0.1))

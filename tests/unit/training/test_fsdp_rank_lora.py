@@ -43,6 +43,7 @@ LOSS_OPTIONS = {  # every loss option with LoRA at least once, each with the KL 
     "cispo-icepop": {"policy_loss": "cispo", "aggregation": "seq-mean-token-sum", "importance_sampling_correction": True,
                      "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 3e-3,
                      "truncated_importance_sampling_ratio_min": 1e-4},
+    "entropy": {"entropy_coef": 0.05},
     "seq-mask-tis-dr-grpo": {"aggregation": "seq-mean-token-sum-norm", "max_tokens_norm": 8,
                              "importance_sampling_correction": True, "truncated_importance_sampling_type":
                              "seq-mask-tis", "truncated_importance_sampling_ratio": 1e-1,

@@ -104,6 +104,7 @@ LOSS_OPTIONS = {  # each aggregation mode, GSPO and CISPO: every one must accumu
     "seq-mean-token-sum-norm": {"aggregation": "seq-mean-token-sum-norm", "max_tokens_norm": 16},
     "gspo": {"sequence_level_importance_ratios": True, "aggregation": "seq-mean-token-mean"},
     "cispo": {"policy_loss": "cispo", "clip_high": 0.28},
+    "entropy": {"entropy_coef": 0.05, "aggregation": "seq-mean-token-sum"},
 }
 
 
