@@ -93,11 +93,10 @@ def clipped_pg_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with optional dual clip, KL penalty and truncated IS correction.
 
-    Inputs (all `[B, T]` unless said): `logprobs` of the current policy (carries the gradient);
-    `old_logprobs` of the trainer's policy before this update; `advantages` per sequence `[B]` (or per
-    token `[B, T]`); `mask` 0/1 (or bool), 1 on tokens that are trained; `generation_logprobs` from the
-    engine (needed by `importance_sampling_correction` and `on_policy_kl_approximation`); `reference_logprobs`
-    (needed when kl_coef != 0).
+    Inputs (all `[B, T]` unless said): `logprobs` of the current policy (carries the gradient); `old_logprobs`
+    of the trainer's policy before this update; `advantages` per sequence `[B]` (or per token `[B, T]`); `mask`
+    0/1 (or bool), 1 on tokens that are trained; `generation_logprobs` from the engine (needed by
+    `importance_sampling_correction`, `on_policy_kl_approximation`); `reference_logprobs` (when kl_coef != 0).
 
     Per valid token, with r = exp(logprobs - old) (GSPO, `sequence_level_importance_ratios`: the sample's
     exp(mean of logprobs - old) on each token), w the engine IS weight (`importance.importance_weights`: exp(old -
@@ -107,48 +106,37 @@ def clipped_pg_loss(
       (policy_loss cispo: pg = -A * sg(clip(r, 1 - clip_low, 1 + clip_high)) * logprobs)
       kl = clamp(u * k(clamp(log ref - log pi, +-kl_input_clamp_value)), +-kl_output_clamp_value)  (k: estimator)
       loss_token = w * pg + kl_coef * kl - entropy_coef * H   (w weights only the pg term, as in NeMo-RL)
-    with H = `entropy` ([B, T], the entropy of each token's distribution under the generation temperature; needed
-    when entropy_coef != 0, with its gradient).
-    u carries a gradient (kl_gradient "score_function", NeMo-RL's since 2026: d kl/d logp gains the term
-    u * k, the score function of the sampled token) unless kl_gradient is "pathwise" (u detached); where
-    either clamp bites the token passes no KL gradient.
+    with H = `entropy` ([B, T] entropies under the generation temperature; with its gradient if entropy_coef).
+    u carries a gradient (kl_gradient "score_function", NeMo-RL's since 2026: d kl/d logp gains u * k, the
+    sampled token's score function) unless kl_gradient is "pathwise"; where a clamp bites, no KL gradient.
     Reduction: `aggregation.aggregate` by `loss.aggregation`, divided by `global_normalization_count` (the whole
     minibatch's `aggregation.normalization_count`, for gradient accumulation and trainer ranks) if given, else by
     this batch's own count. Sequences without masked tokens contribute nothing.
 
-    Metrics (floats over this batch's masked tokens; 0.0 when there are none): `loss`, `loss/pg`,
-    `loss/kl` (= loss - loss/pg), `kl/mean` (the per-token `kl` above before kl_coef, when a reference is given),
-    `clip_fraction`
-    (+ `/low`, `/high`), `dual_clip_fraction`, `policy_ratio/mean|max` (pi / pi_old),
-    `importance_ratio/mean|max` (exp(old - gen), untruncated), `is_weight/mean`,
-    `is_weight/truncated_fraction` (tis), `is/masked_tokens` and `is/masked_sequences` (counts: trained tokens
-    icepop or seq-mask-tis zeroed, samples all of whose trained tokens were), `num_tokens`, `num_sequences`; `entropy` (the
-    token mean of H, when given) and `loss/entropy`.
+    Metrics (over this batch's masked tokens; 0.0 without any): `loss`, `loss/pg`, `loss/kl`, `loss/entropy` (the
+    three terms), `kl/mean` (kl before kl_coef), `clip_fraction` (+ `/low`, `/high`), `dual_clip_fraction`,
+    `policy_ratio/mean|max`, `importance_ratio/mean|max` (exp(old - gen), untruncated), `is_weight/mean`,
+    `is_weight/truncated_fraction` (tis), `is/masked_tokens`, `is/masked_sequences` (counts: tokens icepop or
+    seq-mask-tis zeroed, samples all of whose tokens were), `num_tokens`, `num_sequences`, `entropy` (mean H).
     """
     cfg = config or ClippedPGLossConfig()
-    _check_loss_inputs(
-        logprobs, old_logprobs, advantages, mask, cfg, generation_logprobs, reference_logprobs,
-        global_normalization_count, entropy,
-    )
+    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, cfg, generation_logprobs, reference_logprobs,
+                       global_normalization_count, entropy)
     valid = mask.to(torch.bool)
     pg = _clipped_pg_terms(logprobs, old_logprobs, advantages, valid, cfg)
     iw = importance_weights(pg.old, generation_logprobs, valid, cfg)
     kl = _kl_terms(logprobs, generation_logprobs, reference_logprobs, valid, cfg)
     count = global_normalization_count
     pg_loss = aggregate(iw.weight * pg.pg, valid, cfg, count)
-    kl_loss = None
-    if kl is not None and cfg.kl_coef != 0.0:  # the IS weight multiplies only the pg term (as NeMo-RL's)
-        kl_loss = aggregate(cfg.kl_coef * kl, valid, cfg, count)
-    loss = pg_loss + kl_loss if kl_loss is not None else pg_loss
-    entropy_loss = None
-    if cfg.entropy_coef != 0.0:  # `entropy` carries its gradient (the trainer computes it so)
-        entropy_loss = -cfg.entropy_coef * aggregate(entropy, valid, cfg, count)
-        loss = loss + entropy_loss
+    # the IS weight multiplies only the pg term (as NeMo-RL's)
+    kl_loss = aggregate(cfg.kl_coef * kl, valid, cfg, count) if kl is not None and cfg.kl_coef != 0.0 else None
+    # the entropy bonus: `entropy` carries its gradient when entropy_coef != 0 (the trainer computes it so)
+    entropy_loss = -cfg.entropy_coef * aggregate(entropy, valid, cfg, count) if cfg.entropy_coef != 0.0 else None
+    loss = sum(x for x in (kl_loss, entropy_loss) if x is not None) + pg_loss
     with torch.no_grad():
         metrics = _loss_metrics(loss, pg_loss, kl_loss, pg, iw, kl, valid)
-        if entropy is not None:
-            metrics["entropy"] = _masked_mean(entropy.detach(), valid)
         metrics["loss/entropy"] = float(entropy_loss) if entropy_loss is not None else 0.0
+        metrics.update({"entropy": _masked_mean(entropy.detach(), valid)} if entropy is not None else {})
     return loss, metrics
 
 

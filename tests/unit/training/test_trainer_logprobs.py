@@ -16,7 +16,6 @@ from nemo_rl_ext.objectives.logprobs import shared_prefix_logprobs, token_logpro
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors
 from nemo_rl_ext.training import trainer as trainer_module
 from nemo_rl_ext.training.config import OptimizerSettings
-from nemo_rl_ext.objectives import logprobs as logprobs_module
 from nemo_rl_ext.training.trainer import PolicyTrainer
 
 
