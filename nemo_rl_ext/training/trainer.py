@@ -17,6 +17,7 @@ forward under bf16 autocast while the weights, their gradients and AdamW's state
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,6 +32,8 @@ from nemo_rl_ext.objectives.logprobs import right_pad, shared_prefix_logprobs, t
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
 from nemo_rl_ext.training.config import OptimizerSettings
 from nemo_rl_ext.training.lora import merged_state_dict, streamed_merged_weights
+
+logger = logging.getLogger(__name__)
 
 _MEAN_METRICS = (
     "clip_fraction",
@@ -92,6 +95,11 @@ class _MetricSums:
 
     def result(self) -> dict[str, float]:
         out = dict(self.sums)
+        masked = out.get("is/masked_tokens", 0.0)
+        if masked > 0 and masked == out.get("num_tokens"):
+            logger.warning("every trained token of this step (%d) was masked by loss.truncated_importance_sampling_"
+                           "type (engine/trainer ratio outside the band): the policy-gradient term trained on nothing",
+                           int(masked))
         out.update({k: v / self.tokens if self.tokens else 0.0 for k, v in self.weighted.items()})
         out.update({k: (v if math.isfinite(v) else 0.0) for k, v in self.maxima.items()})
         return out
