@@ -259,6 +259,7 @@ class DistributedTrainer:
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0
         metrics["optimizer_steps"] = float(len(grad_norms))
         metrics["skipped_minibatches"] = float(skipped)
+        metrics["zero_advantage_skipped"] = 0.0  # the ranks run every micro-batch (the in-process trainer's key)
         metrics["lr"] = self._call([(self._ranks[0].lr, ())])[0]
         return metrics
 
