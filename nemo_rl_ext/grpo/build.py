@@ -181,7 +181,7 @@ def build_policy_parts(cfg: GRPOConfig, checkpoint: Checkpoint | None) -> Policy
     trainer = PolicyTrainer(
         model,
         optimizer=cfg.optimizer,
-        loss=cfg.loss.to_loss_config(),
+        loss=cfg.loss.to_loss_config(cfg.policy.generation.max_new_tokens),
         temperature=cfg.policy.generation.temperature,
         pad_token_id=pad_id(tokenizer),
         reference_model=reference,

@@ -54,19 +54,30 @@ def _states(module: torch.nn.Module, **inputs: Any) -> torch.Tensor:
 
 
 def _picked(
-    rows: torch.Tensor, targets: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], temperature: float
-) -> torch.Tensor:
-    """[N] float32 logprob of `targets[i]` under `log_softmax(head(rows[i]) / temperature)`: the head and the
-    log-softmax run in chunks of `LOGSOFTMAX_CHUNK_ELEMENTS` logits."""
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    entropy: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([N] float32 logprob of `targets[i]` under `log_softmax(head(rows[i]) / temperature)`, [N] entropy of that
+    distribution or None): the head and the log-softmax run in chunks of `LOGSOFTMAX_CHUNK_ELEMENTS` logits, and
+    so does the entropy -sum p log p, from each chunk's log-softmax (`entropy` "detached": no gradient, one more
+    pass over the chunk; "grad": with its gradient, each chunk then also keeps p for the backward; None: none)."""
     vocab = int(getattr(head, "out_features", rows.shape[-1]))
     step = max(1, LOGSOFTMAX_CHUNK_ELEMENTS // vocab)
-    picked = []
+    picked, entropies = [], []
     for lo in range(0, rows.shape[0], step):
         logits = head(rows[lo : lo + step]).float()
         if temperature != 1.0:  # x / 1.0 == x exactly: skip a pass over the logits
             logits = logits / temperature
-        picked.append(torch.log_softmax(logits, dim=-1).gather(-1, targets[lo : lo + step, None])[:, 0])
-    return torch.cat(picked)
+        log_p = torch.log_softmax(logits, dim=-1)
+        picked.append(log_p.gather(-1, targets[lo : lo + step, None])[:, 0])
+        if entropy is not None:
+            with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+                lp = log_p if entropy == "grad" else log_p.detach()
+                entropies.append(-(lp.exp() * lp).sum(dim=-1))
+    return torch.cat(picked), (torch.cat(entropies) if entropy is not None else None)
 
 
 def token_logprobs(
@@ -75,8 +86,11 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     score_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[B, T] float32 logprobs of the scored tokens under `log_softmax(logits / temperature)`, 0 elsewhere.
+    entropy: str | None = None,
+) -> Any:
+    """[B, T] float32 logprobs of the scored tokens under `log_softmax(logits / temperature)`, 0 elsewhere; with
+    `entropy` ("detached" or "grad", see `_picked`) the pair (logprobs, [B, T] entropy of each scored token's
+    distribution, 0 elsewhere).
 
     `logprobs[b, t]` scores `input_ids[b, t]` with the logits at position t - 1 (the loss convention), so
     position 0 is always 0. `score_mask` ([B, T], nonzero on the tokens to score, e.g. the loss mask)
@@ -87,16 +101,20 @@ def token_logprobs(
     """
     temperature = temperature if temperature > 0 else 1.0
     batch, width = input_ids.shape
+    zeros = torch.zeros(batch, width, dtype=torch.float32, device=input_ids.device)
     if width < 2:
-        return torch.zeros(batch, width, dtype=torch.float32, device=input_ids.device)
+        return (zeros, zeros) if entropy else zeros
     scored = score_mask[:, 1:] != 0 if score_mask is not None else torch.ones_like(input_ids[:, 1:], dtype=torch.bool)
     if not bool(scored.any()):
-        return torch.zeros(batch, width, dtype=torch.float32, device=input_ids.device)
+        return (zeros, zeros) if entropy else zeros
     module, head = _decoder_and_head(model)
     states = _states(module, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    values = _picked(states[:, :-1][scored], input_ids[:, 1:][scored], head, temperature)  # the states before
-    out = torch.zeros(batch, width, dtype=torch.float32, device=input_ids.device)
-    return torch.cat([out[:, :1], out[:, 1:].masked_scatter(scored, values)], dim=1)
+    # the states before the scored tokens
+    values, ent = _picked(states[:, :-1][scored], input_ids[:, 1:][scored], head, temperature, entropy)
+    out = torch.cat([zeros[:, :1], zeros[:, 1:].masked_scatter(scored, values)], dim=1)
+    if ent is None:
+        return out
+    return out, torch.cat([zeros[:, :1], zeros[:, 1:].masked_scatter(scored, ent)], dim=1)
 
 
 def shared_prefix_logprobs(
@@ -105,9 +123,11 @@ def shared_prefix_logprobs(
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     score_mask: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """`token_logprobs` of right-padded sequences ([B, T], 0 outside the scored tokens), computing each distinct
-    unscored prefix once; None when no two sequences share one (nothing to save).
+    entropy: str | None = None,
+) -> Any:
+    """`token_logprobs` of right-padded sequences ([B, T], 0 outside the scored tokens; with `entropy` the pair
+    with the entropies, as `token_logprobs`), computing each distinct unscored prefix once; None when no two
+    sequences share one (nothing to save).
 
     A sequence's prefix is every token before its first scored one. The decoder runs over the distinct
     prefixes (right-padded), the KV cache is copied to each sequence of a prefix, and the rest of every
@@ -154,9 +174,9 @@ def shared_prefix_logprobs(
     states, targets, where = _scored_states(
         input_ids, scored_rows, active, group_of, starts, lengths, prefix_states, rest_states
     )
-    values = _picked(states, targets, head, temperature)
+    values, ent = _picked(states, targets, head, temperature, entropy)
     out = torch.zeros(batch, width, dtype=torch.float32, device=device)
-    return out.index_put(where, values)
+    return out.index_put(where, values) if ent is None else (out.index_put(where, values), out.index_put(where, ent))
 
 
 def _scored_spans(

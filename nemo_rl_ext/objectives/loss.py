@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from nemo_rl_ext.data.records import Completion, StopReason
+from nemo_rl_ext.objectives.aggregation import aggregate
+from nemo_rl_ext.objectives.importance import ImportanceWeights, importance_weights
 from nemo_rl_ext.objectives.loss_settings import ClippedPGLossConfig
 
 
@@ -68,18 +70,6 @@ def kl_weight(
     return weight.detach() if config.kl_gradient == "pathwise" else weight
 
 
-def _normalize(per_token: torch.Tensor, valid: torch.Tensor, mode: str, count: float | None) -> torch.Tensor:
-    """Reduce a [B, T] per-token quantity to a scalar over the valid tokens (see ClippedPGLossConfig)."""
-    masked = torch.where(valid, per_token, torch.zeros_like(per_token))
-    if mode == "token":
-        denom = float(count) if count is not None else float(valid.sum())
-        return masked.sum() / max(denom, 1.0)
-    seq_tokens = valid.sum(dim=-1)
-    seq_mean = masked.sum(dim=-1) / seq_tokens.clamp(min=1).to(per_token.dtype)
-    denom = float(count) if count is not None else float((seq_tokens > 0).sum())
-    return seq_mean.sum() / max(denom, 1.0)
-
-
 def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> float:
     n = int(valid.sum())
     return float(x[valid].sum() / n) if n else 0.0
@@ -99,53 +89,54 @@ def clipped_pg_loss(
     generation_logprobs: torch.Tensor | None = None,
     reference_logprobs: torch.Tensor | None = None,
     global_normalization_count: float | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with optional dual clip, KL penalty and truncated IS correction.
 
-    Inputs (all `[B, T]` unless said): `logprobs` of the current policy (carries the gradient);
-    `old_logprobs` of the trainer's policy before this update; `advantages` per sequence `[B]` (or per
-    token `[B, T]`); `mask` 0/1 (or bool), 1 on tokens that are trained; `generation_logprobs` from the
-    engine (needed by `importance_sampling_correction` and `on_policy_kl_approximation`); `reference_logprobs`
-    (needed when kl_coef != 0).
+    Inputs (all `[B, T]` unless said): `logprobs` of the current policy (carries the gradient); `old_logprobs`
+    of the trainer's policy before this update; `advantages` per sequence `[B]` (or per token `[B, T]`); `mask`
+    0/1 (or bool), 1 on tokens that are trained; `generation_logprobs` from the engine (needed by
+    `importance_sampling_correction`, `on_policy_kl_approximation`); `reference_logprobs` (when kl_coef != 0).
 
-    Per valid token, with r = exp(logprobs - old), w = min(exp(old - gen), cap) detached (1 without the
+    Per valid token, with r = exp(logprobs - old) (GSPO, `sequence_level_importance_ratios`: the sample's
+    exp(mean of logprobs - old) on each token), w the engine IS weight (`importance.importance_weights`: exp(old -
+    gen) per token or per sample, truncated or masked by `truncated_importance_sampling_type`; 1 without the
     correction) and u = exp(logprobs - g), g = gen with `on_policy_kl_approximation` else sg(logprobs) (so u = 1):
       pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), then for A < 0: pg = min(pg, -A * clip_c)
+      (policy_loss cispo: pg = -A * sg(clip(r, 1 - clip_low, 1 + clip_high)) * logprobs)
       kl = clamp(u * k(clamp(log ref - log pi, +-kl_input_clamp_value)), +-kl_output_clamp_value)  (k: estimator)
-      loss_token = w * pg + kl_coef * kl      (w weights only the pg term, as in NeMo-RL)
-    u carries a gradient (kl_gradient "score_function", NeMo-RL's since 2026: d kl/d logp gains the term
-    u * k, the score function of the sampled token) unless kl_gradient is "pathwise" (u detached); where
-    either clamp bites the token passes no KL gradient.
-    Reduction: `token` divides the masked sum by `global_normalization_count` if given (the masked-token
-    count of the whole step, for gradient accumulation) else by this batch's masked-token count;
-    `sequence` averages each sequence over its masked tokens, sums over sequences and divides by
-    `global_normalization_count` if given (the step's number of sequences with a masked token) else by
-    this batch's number of such sequences. Sequences without masked tokens contribute nothing.
+      loss_token = w * pg + kl_coef * kl - entropy_coef * H   (w weights only the pg term, as in NeMo-RL)
+    with H = `entropy` ([B, T] entropies under the generation temperature; with its gradient if entropy_coef).
+    u carries a gradient (kl_gradient "score_function", NeMo-RL's since 2026: d kl/d logp gains u * k, the
+    sampled token's score function) unless kl_gradient is "pathwise"; where a clamp bites, no KL gradient.
+    Reduction: `aggregation.aggregate` by `loss.aggregation`, divided by `global_normalization_count` (the whole
+    minibatch's `aggregation.normalization_count`, for gradient accumulation and trainer ranks) if given, else by
+    this batch's own count. Sequences without masked tokens contribute nothing.
 
-    Metrics (floats over this batch's masked tokens; 0.0 when there are none): `loss`, `loss/pg`,
-    `loss/kl` (= loss - loss/pg), `kl/mean` (the per-token `kl` above before kl_coef, when a reference is given),
-    `clip_fraction`
-    (+ `/low`, `/high`), `dual_clip_fraction`, `policy_ratio/mean|max` (pi / pi_old),
-    `importance_ratio/mean|max` (exp(old - gen), untruncated), `is_weight/mean`,
-    `is_weight/truncated_fraction`, `num_tokens`, `num_sequences`.
+    Metrics (over this batch's masked tokens; 0.0 without any): `loss`, `loss/pg`, `loss/kl`, `loss/entropy` (the
+    three terms), `kl/mean` (kl before kl_coef), `clip_fraction` (+ `/low`, `/high`), `dual_clip_fraction`,
+    `policy_ratio/mean|max`, `importance_ratio/mean|max` (exp(old - gen), untruncated), `is_weight/mean`,
+    `is_weight/truncated_fraction` (tis), `is/masked_tokens`, `is/masked_sequences` (counts: tokens icepop or
+    seq-mask-tis zeroed, samples all of whose tokens were), `num_tokens`, `num_sequences`, `entropy` (mean H).
     """
     cfg = config or ClippedPGLossConfig()
-    _check_loss_inputs(
-        logprobs, old_logprobs, advantages, mask, cfg, generation_logprobs, reference_logprobs,
-        global_normalization_count,
-    )
+    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, cfg, generation_logprobs, reference_logprobs,
+                       global_normalization_count, entropy)
     valid = mask.to(torch.bool)
     pg = _clipped_pg_terms(logprobs, old_logprobs, advantages, valid, cfg)
-    raw_is, is_weight = _importance_weights(logprobs, pg.old, generation_logprobs, valid, cfg)
+    iw = importance_weights(pg.old, generation_logprobs, valid, cfg)
     kl = _kl_terms(logprobs, generation_logprobs, reference_logprobs, valid, cfg)
-    mode, count = cfg.normalization, global_normalization_count
-    pg_loss = _normalize(is_weight * pg.pg, valid, mode, count)
-    kl_loss = None
-    if kl is not None and cfg.kl_coef != 0.0:  # the IS weight multiplies only the pg term (as NeMo-RL's)
-        kl_loss = _normalize(cfg.kl_coef * kl, valid, mode, count)
-    loss = pg_loss + kl_loss if kl_loss is not None else pg_loss
+    count = global_normalization_count
+    pg_loss = aggregate(iw.weight * pg.pg, valid, cfg, count)
+    # the IS weight multiplies only the pg term (as NeMo-RL's)
+    kl_loss = aggregate(cfg.kl_coef * kl, valid, cfg, count) if kl is not None and cfg.kl_coef != 0.0 else None
+    # the entropy bonus: `entropy` carries its gradient when entropy_coef != 0 (the trainer computes it so)
+    entropy_loss = -cfg.entropy_coef * aggregate(entropy, valid, cfg, count) if cfg.entropy_coef != 0.0 else None
+    loss = sum(x for x in (kl_loss, entropy_loss) if x is not None) + pg_loss
     with torch.no_grad():
-        metrics = _loss_metrics(loss, pg_loss, kl_loss, pg, raw_is, is_weight, kl, valid)
+        metrics = _loss_metrics(loss, pg_loss, kl_loss, pg, iw, kl, valid)
+        metrics["loss/entropy"] = float(entropy_loss) if entropy_loss is not None else 0.0
+        metrics.update({"entropy": _masked_mean(entropy.detach(), valid)} if entropy is not None else {})
     return loss, metrics
 
 
@@ -158,6 +149,7 @@ def _check_loss_inputs(
     generation_logprobs: torch.Tensor | None,
     reference_logprobs: torch.Tensor | None,
     global_normalization_count: float | None,
+    entropy: torch.Tensor | None = None,
 ) -> None:
     """`clipped_pg_loss`' inputs have matching shapes and carry what its settings need."""
     shape = logprobs.shape
@@ -178,6 +170,10 @@ def _check_loss_inputs(
         raise ValueError("importance_sampling_correction needs generation_logprobs (or disable it)")
     if cfg.on_policy_kl_approximation and reference_logprobs is not None and generation_logprobs is None:
         raise ValueError("on_policy_kl_approximation needs generation_logprobs (or disable it)")
+    if cfg.entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs the per-token entropy (with its gradient)")
+    if entropy is not None and entropy.shape != shape:
+        raise ValueError(f"entropy has shape {tuple(entropy.shape)}, expected {tuple(shape)}")
     if cfg.kl_coef != 0.0 and reference_logprobs is None:
         raise ValueError("kl_coef != 0 needs reference_logprobs")
     if global_normalization_count is not None and global_normalization_count < 0:
@@ -199,9 +195,13 @@ class _PGTerms:
     loss_clipped: torch.Tensor
     """[B, T] -A * clip(ratio, 1 - clip_low, 1 + clip_high)."""
     pg: torch.Tensor
-    """[B, T] the larger of the two, dual-clipped where `dual`."""
+    """[B, T] the per-token policy-gradient loss: ppo_clip's larger of the two, dual-clipped where `dual`; cispo's
+    -A sg(clip(ratio)) logprob."""
     dual: torch.Tensor
     """[B, T] bool: where the dual clip bit (all False without `clip_c`)."""
+    clipped: torch.Tensor
+    """[B, T] bool: trained tokens where the clip bit (ppo_clip: the clipped term won, not dual; cispo: the ratio
+    left the band)."""
 
 
 def _clipped_pg_terms(
@@ -211,44 +211,34 @@ def _clipped_pg_terms(
     valid: torch.Tensor,
     cfg: ClippedPGLossConfig,
 ) -> _PGTerms:
-    """pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), then for A < 0: pg = min(pg, -A * clip_c)."""
+    """pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), then for A < 0: pg = min(pg, -A * clip_c);
+    cispo: pg = -A * sg(clip(r, 1 - clip_low, 1 + clip_high)) * logprobs. r = exp(logprobs - old) per token, or
+    with `sequence_level_importance_ratios` (GSPO) exp(mean over the sample's trained tokens of logprobs - old)
+    on each of its tokens (the gradient flows through the mean)."""
     shape, dtype = logprobs.shape, logprobs.dtype
     zero = torch.zeros_like(logprobs)
     adv = advantages.to(dtype).detach()
     adv = (adv.reshape(-1, 1) if adv.ndim == 1 else adv).expand(shape)
     old = old_logprobs.to(dtype).detach()
-    ratio = torch.exp(torch.where(valid, logprobs - old, zero))
+    log_ratio = torch.where(valid, logprobs - old, zero)
+    if cfg.sequence_level_importance_ratios:
+        n = valid.sum(dim=-1, keepdim=True).clamp(min=1).to(dtype)
+        log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / n).expand(shape)
+    ratio = torch.exp(log_ratio)
+    clamped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    pg = torch.maximum(loss_unclipped, loss_clipped)
+    loss_clipped = -adv * clamped
     dual = torch.zeros_like(valid)
+    if cfg.policy_loss == "cispo":
+        pg = -adv * clamped.detach() * torch.where(valid, logprobs, zero)
+        return _PGTerms(adv, old, ratio, loss_unclipped, loss_clipped, pg, dual, valid & (clamped != ratio))
+    pg = torch.maximum(loss_unclipped, loss_clipped)
     if cfg.clip_c is not None:
         loss_dual = -adv * cfg.clip_c
         dual = (adv < 0) & (loss_dual < pg)
         pg = torch.where(dual, loss_dual, pg)
-    return _PGTerms(adv, old, ratio, loss_unclipped, loss_clipped, pg, dual)
-
-
-def _importance_weights(
-    logprobs: torch.Tensor,
-    old: torch.Tensor,
-    generation_logprobs: torch.Tensor | None,
-    valid: torch.Tensor,
-    cfg: ClippedPGLossConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(exp(old - gen), 1 without generation logprobs; the pg term's weight: it capped at
-    `importance_sampling_cap` with `importance_sampling_correction`, else 1), both detached."""
-    zero = torch.zeros_like(logprobs)
-    if generation_logprobs is not None:
-        raw_is = torch.exp(torch.where(valid, old - generation_logprobs.to(logprobs.dtype).detach(), zero))
-    else:
-        raw_is = torch.ones_like(logprobs)
-    if cfg.importance_sampling_correction:
-        cap = cfg.importance_sampling_cap
-        is_weight = raw_is.clamp(max=cap) if cap is not None else raw_is
-    else:
-        is_weight = torch.ones_like(logprobs)
-    return raw_is, is_weight
+    clipped = (loss_clipped > loss_unclipped) & valid & ~dual
+    return _PGTerms(adv, old, ratio, loss_unclipped, loss_clipped, pg, dual, clipped)
 
 
 def _kl_terms(
@@ -280,14 +270,15 @@ def _loss_metrics(
     pg_loss: torch.Tensor,
     kl_loss: torch.Tensor | None,
     pg: _PGTerms,
-    raw_is: torch.Tensor,
-    is_weight: torch.Tensor,
+    iw: ImportanceWeights,
     kl: torch.Tensor | None,
     valid: torch.Tensor,
 ) -> dict[str, float]:
     """`clipped_pg_loss`' metrics (see its docstring), over the valid tokens."""
     dtype = pg.ratio.dtype
-    clipped = (pg.loss_clipped > pg.loss_unclipped) & valid & ~pg.dual
+    clipped, raw_is, is_weight = pg.clipped, iw.raw, iw.weight
+    seq_tokens = valid.sum(dim=-1)
+    seq_masked = iw.masked.sum(dim=-1)
     metrics = {
         "loss": float(loss),
         "loss/pg": float(pg_loss),
@@ -301,7 +292,9 @@ def _loss_metrics(
         "importance_ratio/mean": _masked_mean(raw_is, valid),
         "importance_ratio/max": _masked_max(raw_is, valid),
         "is_weight/mean": _masked_mean(is_weight, valid),
-        "is_weight/truncated_fraction": _masked_mean((raw_is > is_weight).to(dtype), valid),
+        "is_weight/truncated_fraction": _masked_mean(iw.truncated.to(dtype), valid),
+        "is/masked_tokens": float(iw.masked.sum()),
+        "is/masked_sequences": float(((seq_tokens > 0) & (seq_masked == seq_tokens)).sum()),
         "num_tokens": float(valid.sum()),
         "num_sequences": float((valid.sum(dim=-1) > 0).sum()),
     }

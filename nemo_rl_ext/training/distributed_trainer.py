@@ -32,6 +32,7 @@ import torch
 
 from nemo_rl_ext.cluster import ClusterConfig, init_ray
 from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.objectives.aggregation import minibatch_count
 from nemo_rl_ext.training.config import TrainerSettings
 from nemo_rl_ext.training.fsdp_workers import RankSpec, TrainerRank
 from nemo_rl_ext.training.fsdp_wrap import WrapSettings
@@ -237,10 +238,7 @@ class DistributedTrainer:
         sums, grad_norms, skipped = _MetricSums(), [], 0
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             masks = [items[i].loss_mask for i in range(lo, hi)]
-            if self.loss_config.normalization == "token":
-                count = float(sum(float(m.sum()) for m in masks))
-            else:
-                count = float(sum(1 for m in masks if float(m.sum()) > 0))
+            count = minibatch_count(masks, self.loss_config)  # global: every rank divides by it
             chunks = [
                 ([items[i] for i in c], advantages[c.start : c.stop],
                  [old[i] for i in c] if old else None, [ref[i] for i in c] if ref else None)
@@ -256,11 +254,12 @@ class DistributedTrainer:
             else:
                 grad_norms.append(norm)
         metrics = sums.result()
-        for key in ("loss", "loss/pg", "loss/kl"):
+        for key in ("loss", "loss/pg", "loss/kl", "loss/entropy"):
             metrics[key] /= n_mini
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0
         metrics["optimizer_steps"] = float(len(grad_norms))
         metrics["skipped_minibatches"] = float(skipped)
+        metrics["zero_advantage_skipped"] = 0.0  # the ranks run every micro-batch (the in-process trainer's key)
         metrics["lr"] = self._call([(self._ranks[0].lr, ())])[0]
         return metrics
 
@@ -392,7 +391,7 @@ def rank_spec(cfg: Any, model_path: str | Path, reference_path: str | Path | Non
     return RankSpec(
         model_path=str(model_path), reference_path=str(reference_path) if reference_path is not None else None,
         dtype=cfg.policy.dtype, device=str(cfg.policy.device), optimizer=cfg.optimizer,
-        loss=cfg.loss.to_loss_config(), temperature=cfg.policy.generation.temperature, pad_token_id=pad_token_id,
+        loss=cfg.loss.to_loss_config(cfg.policy.generation.max_new_tokens), temperature=cfg.policy.generation.temperature, pad_token_id=pad_token_id,
         wrap=wrap, lora=trainer.lora, adapter_dir=str(adapter_dir) if adapter_dir is not None else None,
         init_seed=cfg.grpo.seed,
     )

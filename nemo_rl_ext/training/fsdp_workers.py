@@ -138,7 +138,10 @@ class TrainerRank:
             self._listen = socket.create_server((master, port))
         if self._ip is not None:
             use_gloo_interface_of(self._ip)
-        listen_fd = self._listen.fileno() if self._listen is not None else None
+        # the store gets its own copy of the fd: it closes the one it is given when it is destroyed (at garbage
+        # collection), and `shutdown` closes `_listen`; on one shared number the later close hit whatever file
+        # reused it (a second rank set up in the same process read its tokenizer through a closed fd)
+        listen_fd = os.dup(self._listen.fileno()) if self._listen is not None else None
         store = dist.TCPStore(master, port, self.world_size, self.rank == 0, timeout, wait_for_workers=False,
                               master_listen_fd=listen_fd)
         backend = "gloo"
@@ -226,7 +229,8 @@ class TrainerRank:
         for slot in slots:
             items, advantages, old, ref = slot if slot is not None else (None, None, None, None)
             ids, attention, mask, gen = self._batch(items)
-            logprobs = self.policy(ids, attention, mask)
+            logprobs, entropy = self.policy(ids, attention, mask,
+                                            "grad" if self.spec.loss.entropy_coef != 0.0 else "detached")
             if slot is None:
                 if count > 0:
                     logprobs.sum().backward()  # zero gradients: this rank's share of the collectives
@@ -236,7 +240,7 @@ class TrainerRank:
             ref_lp = right_pad(ref, 0.0, torch.float32).to(self.device) if ref else None
             loss, metrics = clipped_pg_loss(
                 logprobs, old_lp, advantages.to(self.device), mask, self.spec.loss, generation_logprobs=gen,
-                reference_logprobs=ref_lp, global_normalization_count=count,
+                reference_logprobs=ref_lp, global_normalization_count=count, entropy=entropy,
             )
             metrics["gen_kl/mean"] = _gen_kl(old_lp, gen, mask)
             if count > 0:

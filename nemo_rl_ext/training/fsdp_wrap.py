@@ -44,12 +44,14 @@ class LogprobPass(torch.nn.Module):
         self.model = model
         self.temperature = temperature
 
-    def forward(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor, entropy: str | None = None) -> Any:
+        """[B, T] logprobs, or with `entropy` ("detached" or "grad") the pair (logprobs, entropies)."""
         if ids.shape[1] >= 2 and bool((mask[:, 1:] != 0).any()):
-            return token_logprobs(self.model, ids, attention, self.temperature, score_mask=mask)
+            return token_logprobs(self.model, ids, attention, self.temperature, score_mask=mask, entropy=entropy)
         states = self.model.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False)
         head = self.model.get_output_embeddings()(states.last_hidden_state[:, :1])
-        return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device) + 0.0 * head.float().sum()
+        zeros = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device) + 0.0 * head.float().sum()
+        return (zeros, zeros) if entropy else zeros
 
 
 def _fsdp_kwargs(settings: WrapSettings, device: torch.device, world_size: int) -> dict[str, Any]:

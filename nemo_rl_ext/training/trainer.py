@@ -17,18 +17,23 @@ forward under bf16 autocast while the weights, their gradients and AdamW's state
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from peft import PeftModel
 from transformers import PreTrainedModel
 
 from nemo_rl_ext.models.loading import enable_activation_checkpointing
+from nemo_rl_ext.objectives.aggregation import minibatch_count
 from nemo_rl_ext.objectives.logprobs import right_pad, shared_prefix_logprobs, token_logprobs
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
 from nemo_rl_ext.training.config import OptimizerSettings
 from nemo_rl_ext.training.lora import merged_state_dict, streamed_merged_weights
+
+logger = logging.getLogger(__name__)
 
 _MEAN_METRICS = (
     "clip_fraction",
@@ -41,9 +46,10 @@ _MEAN_METRICS = (
     "is_weight/truncated_fraction",
     "kl/mean",
     "gen_kl/mean",
+    "entropy",
 )
 _MAX_METRICS = ("policy_ratio/max", "importance_ratio/max")
-_SUM_METRICS = ("loss", "loss/pg", "loss/kl", "num_tokens", "num_sequences")
+_SUM_METRICS = ("loss", "loss/pg", "loss/kl", "loss/entropy", "num_tokens", "num_sequences", "is/masked_tokens", "is/masked_sequences")
 
 
 def minibatch_bounds(num_items: int, advantages: torch.Tensor, minibatches_per_step: int) -> list[int]:
@@ -76,12 +82,12 @@ class _MetricSums:
             if key in metrics:
                 self.maxima[key] = max(self.maxima.get(key, -math.inf), metrics[key])
         for key in _SUM_METRICS:
-            self.sums[key] = self.sums.get(key, 0.0) + metrics[key]
+            self.sums[key] = self.sums.get(key, 0.0) + metrics.get(key, 0.0)
 
     def skip(self, masked_tokens: Sequence[float]) -> None:
         """A micro-batch skipped for its zero advantages (its samples' masked-token counts): its tokens and
         sequences count, its loss is 0, its samples are counted in `zero_advantage_skipped`."""
-        add = {"loss": 0.0, "loss/pg": 0.0, "loss/kl": 0.0, "num_tokens": float(sum(masked_tokens)),
+        add = {"loss": 0.0, "loss/pg": 0.0, "loss/kl": 0.0, "loss/entropy": 0.0, "num_tokens": float(sum(masked_tokens)),
                "num_sequences": float(sum(1 for n in masked_tokens if n > 0)),
                "zero_advantage_skipped": float(len(masked_tokens))}
         for key, value in add.items():
@@ -89,6 +95,11 @@ class _MetricSums:
 
     def result(self) -> dict[str, float]:
         out = dict(self.sums)
+        masked = out.get("is/masked_tokens", 0.0)
+        if masked > 0 and masked == out.get("num_tokens"):
+            logger.warning("every trained token of this step (%d) was masked by loss.truncated_importance_sampling_"
+                           "type (engine/trainer ratio outside the band): the policy-gradient term trained on nothing",
+                           int(masked))
         out.update({k: v / self.tokens if self.tokens else 0.0 for k, v in self.weighted.items()})
         out.update({k: (v if math.isfinite(v) else 0.0) for k, v in self.maxima.items()})
         return out
@@ -210,7 +221,7 @@ class PolicyTrainer:
                 grad_norms.append(norm)
         self.model.eval()
         metrics = sums.result()
-        for key in ("loss", "loss/pg", "loss/kl"):
+        for key in ("loss", "loss/pg", "loss/kl", "loss/entropy"):
             metrics[key] /= n_mini
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0
         metrics["optimizer_steps"] = float(len(grad_norms))
@@ -235,10 +246,7 @@ class PolicyTrainer:
     ) -> float | None:
         """Accumulate the gradients of one minibatch and take an optimizer step; returns the grad norm."""
         masks = [items[i].loss_mask for i in indices]
-        if self.loss_config.normalization == "token":
-            count = float(sum(float(m.sum()) for m in masks))
-        else:
-            count = float(sum(1 for m in masks if float(m.sum()) > 0))
+        count = minibatch_count(masks, self.loss_config)
         self.optimizer.zero_grad(set_to_none=True)
         size = self.settings.micro_batch_size
         for start in range(indices.start, indices.stop, size):
@@ -247,7 +255,8 @@ class PolicyTrainer:
                 sums.skip([float(items[i].loss_mask.sum()) for i in chunk])
                 continue
             ids, attention, mask, gen = self._batch([items[i] for i in chunk])
-            logprobs = self._token_logprobs(self.model, ids, attention, mask)
+            entropy_mode = "grad" if self.loss_config.entropy_coef != 0.0 else "detached"
+            logprobs, entropy = self._token_logprobs(self.model, ids, attention, mask, entropy_mode)
             old_lp = right_pad([old[i] for i in chunk], 0.0, torch.float32).to(self.device) if old else logprobs.detach()
             ref_lp = right_pad([ref[i] for i in chunk], 0.0, torch.float32).to(self.device) if ref else None
             loss, metrics = clipped_pg_loss(
@@ -259,6 +268,7 @@ class PolicyTrainer:
                 generation_logprobs=gen,
                 reference_logprobs=ref_lp,
                 global_normalization_count=count,
+                entropy=entropy,
             )
             metrics["gen_kl/mean"] = _gen_kl(old_lp, gen, mask)
             if count > 0 and loss.requires_grad:  # a micro-batch without trained tokens ran no model
@@ -283,24 +293,23 @@ class PolicyTrainer:
         without the advantage (no KL penalty): its forward and backward are skipped (`trainer.skip_zero_advantage`),
         its tokens still count in the normalisation, so the update is bit for bit the one without skipping."""
         return (self.settings.skip_zero_advantage and ref is None and self.loss_config.kl_coef == 0.0
+                and self.loss_config.entropy_coef == 0.0
                 and not bool(torch.any(advantages != 0)))
 
     def _token_logprobs(
-        self, model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
+        self, model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor,
+        entropy: str | None = None,
+    ) -> Any:
         """[B, T] logprobs of a micro-batch on its loss mask (`_batch`'s right-padded tensors): each shared
-        prompt computed once with `optimizer.share_prompt_prefix`, else a forward over every token."""
+        prompt computed once with `optimizer.share_prompt_prefix`, else a forward over every token; with
+        `entropy` ("detached" or "grad") the pair (logprobs, entropies) (`logprobs.token_logprobs`)."""
         with self._compute():
-            return self._token_logprobs_as_is(model, ids, attention, mask)
-
-    def _token_logprobs_as_is(
-        self, model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        if self.settings.share_prompt_prefix:
-            shared = shared_prefix_logprobs(model, ids, attention, self.temperature, score_mask=mask)
-            if shared is not None:
-                return shared
-        return token_logprobs(model, ids, attention, self.temperature, score_mask=mask)
+            if self.settings.share_prompt_prefix:
+                shared = shared_prefix_logprobs(model, ids, attention, self.temperature, score_mask=mask,
+                                                entropy=entropy)
+                if shared is not None:
+                    return shared
+            return token_logprobs(model, ids, attention, self.temperature, score_mask=mask, entropy=entropy)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights to hand to the generation backend (`update_weights`), under the plain model's names;

@@ -29,6 +29,7 @@ from nemo_rl_ext.models.generation import (
     GenerationConfig,
 )
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig
+from nemo_rl_ext.objectives.loss_settings import aggregation_of
 from nemo_rl_ext.testing import ScriptedGeneration
 
 REPO = Path(__file__).resolve().parents[3]
@@ -194,7 +195,12 @@ NEMO_RL_LOSS_DEFAULTS = {
     "clip_low": 0.2,  # ratio_clip_min
     "clip_high": 0.2,  # ratio_clip_max
     "clip_c": None,  # ratio_clip_c
-    "normalization": "token",  # token_level_loss: true
+    "normalization": None,  # the older spelling of aggregation, unset
+    "aggregation": None,  # None: token-mean, token_level_loss: true
+    "max_tokens_norm": None,  # only read by seq-mean-token-sum-norm (NeMo-RL has no such mode)
+    "policy_loss": "ppo_clip",  # use_cispo: false
+    "sequence_level_importance_ratios": False,
+    "entropy_coef": 0.0,  # NeMo-RL has no entropy term
     "kl_coef": 0.01,  # reference_policy_kl_penalty
     "kl_estimator": "k3",  # reference_policy_kl_type
     "kl_input_clamp_value": 20.0,
@@ -203,6 +209,9 @@ NEMO_RL_LOSS_DEFAULTS = {
     "on_policy_kl_approximation": False,  # use_on_policy_kl_approximation
     "importance_sampling_correction": False,  # use_importance_sampling_correction
     "importance_sampling_cap": None,  # truncated_importance_sampling_type: null
+    "truncated_importance_sampling_type": None,
+    "truncated_importance_sampling_ratio": None,
+    "truncated_importance_sampling_ratio_min": None,
 }
 
 
@@ -221,8 +230,11 @@ def test_the_shipped_config_says_why_each_loss_setting_differs_from_nemo_rl(path
     lines = path.read_text().splitlines()
     older = pytest.warns(DeprecationWarning, match="is an older spelling of")  # the copy in NeMo-RL's spelling
     with older if path.parent.name == "older_spelling" else contextlib.nullcontext():
-        loss = load_config(path, [], GRPOConfig).loss.model_dump()
-    differing = {k for k, v in loss.items() if v != NEMO_RL_LOSS_DEFAULTS[k]}
+        settings = load_config(path, [], GRPOConfig).loss
+    # normalization (the older spelling) and aggregation compare by the aggregation they mean
+    loss = {**settings.model_dump(), "normalization": None, "aggregation": aggregation_of(settings)}
+    defaults = {**NEMO_RL_LOSS_DEFAULTS, "aggregation": "token-mean"}
+    differing = {k for k, v in loss.items() if v != defaults[k]}
     assert differing == {"clip_high", "kl_coef", "importance_sampling_correction", "importance_sampling_cap"}
     for key in differing:
         (line,) = [line for line in lines if line.strip().startswith(f"{key}:")]

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from tolerances import AdamRecord, assert_adam_moments_close, assert_trained_weights_close
 
 from nemo_rl_ext.models.loading import load_model_and_tokenizer
+from nemo_rl_ext.objectives.aggregation import minibatch_count
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors
 from nemo_rl_ext.training.config import LoraSettings, OptimizerSettings
 from nemo_rl_ext.training.fsdp_workers import RankSpec, TrainerRank
@@ -33,14 +34,32 @@ def _items() -> tuple[list[CompletionTensors], torch.Tensor]:
     return items, torch.tensor([1.0, -0.5, 2.0, -1.0])
 
 
+LOSS_OPTIONS = {  # every loss option with LoRA at least once, each with the KL term. The items' engine logprobs
+    # are far below the tiny model's (IS weights ~1e-3 a token): the bands are set so that some tokens train
+    "default": {},
+    "gspo-tis": {"sequence_level_importance_ratios": True, "aggregation": "seq-mean-token-mean",
+                 "importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
+                 "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5},
+    "cispo-icepop": {"policy_loss": "cispo", "aggregation": "seq-mean-token-sum", "importance_sampling_correction": True,
+                     "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 3e-3,
+                     "truncated_importance_sampling_ratio_min": 1e-4},
+    "entropy": {"entropy_coef": 0.05},
+    "seq-mask-tis-dr-grpo": {"aggregation": "seq-mean-token-sum-norm", "max_tokens_norm": 8,
+                             "importance_sampling_correction": True, "truncated_importance_sampling_type":
+                             "seq-mask-tis", "truncated_importance_sampling_ratio": 1e-1,
+                             "truncated_importance_sampling_ratio_min": 1e-4},
+}
+
+
 @pytest.mark.timeout(120)
-def test_a_lora_rank_with_a_kl_term_trains_the_lm_head_adapters_as_one_process_does(tmp_path):
+@pytest.mark.parametrize("option", sorted(LOSS_OPTIONS))
+def test_a_lora_rank_with_a_kl_term_trains_the_lm_head_adapters_as_one_process_does(tmp_path, option):
     from nemo_rl_ext.models.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path / "model", seed=0, initializer_range=0.05, tie_word_embeddings=False)
     lora = LoraSettings(r=4, alpha=8, target_modules=("q_proj", "lm_head"))
     optimizer = OptimizerSettings(lr=1e-2, micro_batch_size=2, share_prompt_prefix=False)
-    loss = ClippedPGLossConfig(kl_coef=0.1)
+    loss = ClippedPGLossConfig(kl_coef=0.1, **LOSS_OPTIONS[option])
     items, advantages = _items()
     model, _ = load_model_and_tokenizer(path)
     torch.manual_seed(SEED)
@@ -57,9 +76,10 @@ def test_a_lora_rank_with_a_kl_term_trains_the_lm_head_adapters_as_one_process_d
     try:
         loaded = rank.setup("127.0.0.1", port, spec)
         assert loaded["reference_loaded"] is False
-        count = float(sum(float(x.loss_mask.sum()) for x in items))
+        count = minibatch_count([x.loss_mask for x in items], loss)
         for _ in range(2):
             expected = local.train_step(items, advantages)
+            assert expected["is/masked_tokens"] < expected["num_tokens"]  # the policy-gradient term trains
             ref = [lp for chunk in rank.logprobs([items[:2], items[2:]], reference=True) for lp in chunk]
             slots = [(items[:2], advantages[:2], None, ref[:2]), (items[2:], advantages[2:], None, ref[2:])]
             _, norm = rank.train_minibatch(slots, count)

@@ -97,14 +97,27 @@ def test_token_logprobs_shift_and_padding_do_not_leak(tiny_model_and_tokenizer):
     torch.testing.assert_close(both[0, 2], expected, **SAME_MODEL_LOGPROBS)
 
 
-def test_micro_batches_accumulate_to_the_full_batch_update(tiny_model_and_tokenizer):
+LOSS_OPTIONS = {  # each aggregation mode, GSPO and CISPO: every one must accumulate over micro-batches exactly
+    "default": {},
+    "seq-mean-token-mean": {"aggregation": "seq-mean-token-mean"},
+    "seq-mean-token-sum": {"aggregation": "seq-mean-token-sum"},
+    "seq-mean-token-sum-norm": {"aggregation": "seq-mean-token-sum-norm", "max_tokens_norm": 16},
+    "gspo": {"sequence_level_importance_ratios": True, "aggregation": "seq-mean-token-mean"},
+    "cispo": {"policy_loss": "cispo", "clip_high": 0.28},
+    "entropy": {"entropy_coef": 0.05, "aggregation": "seq-mean-token-sum"},
+}
+
+
+@pytest.mark.parametrize("option", sorted(LOSS_OPTIONS))
+def test_micro_batches_accumulate_to_the_full_batch_update(tiny_model_and_tokenizer, option):
     model, tokenizer = tiny_model_and_tokenizer
     items = sample(model, tokenizer, 1.0, n=6)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     start = {k: v.clone() for k, v in model.state_dict().items()}
     results = []
+    loss = ClippedPGLossConfig(kl_coef=0.0, **LOSS_OPTIONS[option])
     for micro in (6, 4, 1):
-        trainer = make_trainer(copy.deepcopy(model), micro_batch_size=micro, max_grad_norm=None)
+        trainer = make_trainer(copy.deepcopy(model), loss=loss, micro_batch_size=micro, max_grad_norm=None)
         trainer.optimizer = torch.optim.SGD(trainer.parameters, lr=1.0)  # weight change = -gradient
         metrics = trainer.train_step(items, advantages)
         assert metrics["optimizer_steps"] == 1.0
@@ -285,3 +298,23 @@ def test_zero_advantage_micro_batches_run_when_the_loss_has_a_kl_term(tiny_model
     metrics = trainer.train_step(items, torch.zeros(4))
     assert metrics["zero_advantage_skipped"] == 0.0
     assert metrics["kl/mean"] > 0.0 and metrics["grad_norm"] > 0.0  # the KL term alone had a gradient
+
+
+def test_a_step_whose_every_token_is_masked_trains_on_nothing_and_says_so(tiny_model_and_tokenizer, caplog):
+    # icepop with a band no engine/trainer ratio of a sampled token is in (the ratio is ~1 here): every token
+    # masked; with SGD the weights must not move, the loss is 0 (no NaN), and the step says so
+    model, tokenizer = tiny_model_and_tokenizer
+    items = sample(model, tokenizer, 1.0, n=4)
+    loss = ClippedPGLossConfig(kl_coef=0.0, importance_sampling_correction=True, truncated_importance_sampling_type=
+                               "icepop", truncated_importance_sampling_ratio=20.0,
+                               truncated_importance_sampling_ratio_min=10.0)
+    trainer = make_trainer(copy.deepcopy(model), loss=loss, micro_batch_size=2, max_grad_norm=None)
+    trainer.optimizer = torch.optim.SGD(trainer.parameters, lr=1.0)
+    start = {k: v.clone() for k, v in trainer.state_dict().items()}
+    with caplog.at_level("WARNING"):
+        metrics = trainer.train_step(items, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    assert metrics["is/masked_tokens"] == metrics["num_tokens"] > 0
+    assert metrics["is/masked_sequences"] == metrics["num_sequences"] == 4.0
+    assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+    assert all(torch.equal(v, start[k]) for k, v in trainer.state_dict().items())
+    assert "trained on nothing" in caplog.text

@@ -19,13 +19,20 @@ from nemo_rl_ext.training.config import OptimizerSettings
 from nemo_rl_ext.training.trainer import PolicyTrainer
 
 
-def full_vocab_logprobs(model, input_ids, attention_mask, temperature=1.0, score_mask=None):
-    """The computation the trainer used before: LM head and log-softmax at every position."""
+def full_vocab_logprobs(model, input_ids, attention_mask, temperature=1.0, score_mask=None, entropy=None):
+    """The computation the trainer used before: LM head and log-softmax at every position (and with `entropy`,
+    -sum p log p of the whole [B, T, vocabulary] at once, with its gradient)."""
     temperature = temperature if temperature > 0 else 1.0
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     scaled = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = scaled.gather(-1, input_ids[:, 1:, None])[..., 0]
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    out = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    if entropy is None:
+        return out
+    h = -(scaled.exp() * scaled).sum(dim=-1)
+    h = h if entropy == "grad" else h.detach()
+    keep = score_mask[:, 1:] != 0 if score_mask is not None else torch.ones_like(h, dtype=torch.bool)
+    return out, torch.cat([torch.zeros_like(h[:, :1]), torch.where(keep, h, torch.zeros_like(h))], dim=1)
 
 
 def spans(*parts: tuple[int, bool]) -> torch.Tensor:
@@ -202,19 +209,23 @@ def _update(model, items, advantages, loss, reference, micro, minibatches, share
 
 
 @pytest.mark.parametrize(
-    ("micro", "minibatches", "kl_coef"),
-    [(2, 1, 0.0), (1, 2, 0.1), (4, 1, 0.1)],
-    ids=["micro2", "two-minibatches-kl", "one-micro-kl"],
+    ("micro", "minibatches", "kl_coef", "entropy_coef"),
+    [(2, 1, 0.0, 0.0), (1, 2, 0.1, 0.0), (4, 1, 0.1, 0.0), (2, 1, 0.0, 0.5)],
+    ids=["micro2", "two-minibatches-kl", "one-micro-kl", "micro2-entropy"],
 )
 def test_train_step_equals_the_full_vocabulary_trainer(tiny_model_and_tokenizer, monkeypatch, micro, minibatches,
-                                                       kl_coef):
+                                                       kl_coef, entropy_coef):
     base, tokenizer = tiny_model_and_tokenizer
     items = items_of(len(tokenizer))
     failed = CompletionTensors(items[0].token_ids, torch.zeros_like(items[0].loss_mask), items[0].generation_logprobs)
     items = [*items, failed]  # a rollout without trained tokens: its micro-batch runs no model
     advantages = torch.tensor([1.0, -0.5, 2.0, 0.0])
-    loss = ClippedPGLossConfig(kl_coef=kl_coef, importance_sampling_correction=True, importance_sampling_cap=2.0)
+    loss = ClippedPGLossConfig(kl_coef=kl_coef, importance_sampling_correction=True, importance_sampling_cap=2.0,
+                               entropy_coef=entropy_coef)
     runs = []
+    # the chunked side in chunks of 3 rows (the tiny vocabulary would fit one chunk): the entropy, its gradient
+    # and the logprobs chunk by chunk against the whole [B, T, vocabulary] at once
+    monkeypatch.setattr(logprobs_module, "LOGSOFTMAX_CHUNK_ELEMENTS", 3 * base.get_output_embeddings().out_features)
     for logprobs_fn in (token_logprobs, full_vocab_logprobs):
         monkeypatch.setattr(trainer_module, "token_logprobs", logprobs_fn)
         reference = copy.deepcopy(base) if kl_coef else None
@@ -223,7 +234,10 @@ def test_train_step_equals_the_full_vocabulary_trainer(tiny_model_and_tokenizer,
     trained = sum(int(x.loss_mask.sum()) for x in items)
     passes = 2 if minibatches > 1 else 1  # the minibatches cover the items once; several add an old-policy pass
     assert new["rows"] == trained * passes < old["rows"]  # the reference model has its own head
-    for key in ("loss", "loss/pg", "loss/kl", "grad_norm", "importance_ratio/mean", "kl/mean", "gen_kl/mean"):
+    assert new["metrics"]["entropy"] > 0.1  # reported at entropy_coef 0 too
+    assert (new["metrics"]["loss/entropy"] < 0) == (entropy_coef > 0)
+    for key in ("loss", "loss/pg", "loss/kl", "loss/entropy", "grad_norm", "importance_ratio/mean", "kl/mean",
+                "gen_kl/mean", "entropy"):
         if key in old["metrics"]:
             assert new["metrics"][key] == pytest.approx(old["metrics"][key], rel=1e-4, abs=1e-6), key
     assert new["metrics"]["num_tokens"] == old["metrics"]["num_tokens"] == trained

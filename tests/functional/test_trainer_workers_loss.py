@@ -1,0 +1,68 @@
+"""Two FSDP2 ranks against the in-process trainer for each loss aggregation mode, GSPO, CISPO and the entropy bonus: the global
+normalisation count the driver hands the ranks makes the step's metrics and gradient norm those of one process
+(1e-4 relative, as `test_trainer_workers.py`). One pair of trainers runs the options one after another (the loss
+setting swapped on both sides between steps: one Ray start for all of them, suite time); lr 1e-6 keeps the
+weights of both sides within rounding of each other, so each step compares the gradients the option makes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_trainer_workers import config_file  # noqa: F401  (the module-scoped say-"yes" config fixture)
+
+from nemo_rl_ext.config import load_config
+from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors
+from nemo_rl_ext.training.distributed_trainer import DistributedTrainer, rank_spec
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "local_ray")
+
+OPTIONS = {
+    "token-mean": {"aggregation": "token-mean"},
+    "seq-mean-token-mean": {"aggregation": "seq-mean-token-mean"},
+    "seq-mean-token-sum": {"aggregation": "seq-mean-token-sum"},
+    "seq-mean-token-sum-norm": {"aggregation": "seq-mean-token-sum-norm", "max_tokens_norm": 16},
+    "gspo": {"sequence_level_importance_ratios": True, "aggregation": "seq-mean-token-mean"},
+    "cispo": {"policy_loss": "cispo", "clip_high": 0.28},
+    "entropy": {"entropy_coef": 0.05},
+}
+
+
+@pytest.mark.timeout(400)
+def test_two_ranks_train_each_loss_option_as_one_process_does(config_file) -> None:  # noqa: F811
+    import ray
+
+    from nemo_rl_ext.models.loading import load_model_and_tokenizer
+    from nemo_rl_ext.training.trainer import PolicyTrainer
+
+    cfg = load_config(config_file, ["trainer.workers=2", "optimizer.micro_batch_size=4", "optimizer.lr=1e-6",
+                                    "optimizer.minibatches_per_step=1", "loss.kl_coef=0.0"], GRPOConfig)
+    path = cfg.policy.model_name
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for i in range(11):  # 3 micro-batches of 4: rank 1 runs a dummy one; sample 4 trains no token
+        ids = torch.randint(0, 1000, (6 + 2 * i,), generator=g)
+        mask = torch.zeros(ids.numel())
+        mask[5:] = 0.0 if i == 4 else 1.0
+        items.append(CompletionTensors(ids, mask, -torch.rand(ids.numel(), generator=g) * mask))
+    advantages = torch.randn(11, generator=g)
+    model, _ = load_model_and_tokenizer(path)
+    first = ClippedPGLossConfig(kl_coef=0.0)
+    local = PolicyTrainer(model, optimizer=cfg.optimizer, loss=first, temperature=1.0, pad_token_id=0)
+    ranks = DistributedTrainer(dataclasses.replace(rank_spec(cfg, path, None, 0), loss=first), cfg.trainer,
+                               cfg.policy.cluster)
+    def set_loss(rank, loss) -> None:  # runs inside a rank (defined here: pickled by value, no module of this file)
+        rank.spec = __import__("dataclasses").replace(rank.spec, loss=loss)
+
+    try:
+        for name, option in OPTIONS.items():
+            loss = ClippedPGLossConfig(kl_coef=0.0, **option)
+            local.loss_config = ranks.loss_config = loss
+            ray.get([r.__ray_call__.remote(set_loss, loss) for r in ranks._ranks])
+            expected, got = local.train_step(items, advantages), ranks.train_step(items, advantages)
+            assert expected["optimizer_steps"] == 1.0 and expected["grad_norm"] > 0, name
+            assert got == pytest.approx(expected, rel=1e-4, abs=1e-7), name
+    finally:
+        ranks.close()
