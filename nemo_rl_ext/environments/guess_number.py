@@ -35,20 +35,20 @@ def parse_guess(text: str | None) -> int | None:
     return int(found[-1]) if found else None
 
 
-def secret_of(value: Any, index: int) -> int:
-    """The secret as an int ("7", 7), or a ValueError naming the rollout and the value."""
+def secret_of(value: Any, where: str) -> int:
+    """The secret as an int ("7", 7), or a ValueError naming where it came from and the value."""
     try:
         if isinstance(value, bool) or str(value).strip() != str(int(str(value).strip())):
             raise ValueError
         return int(str(value).strip())
     except ValueError:
-        raise ValueError(f"rollout {index}: the secret (ground_truth) must be a whole number, got {value!r}") from None
+        raise ValueError(f"{where}: the secret (ground_truth) must be a whole number, got {value!r}") from None
 
 
 def guess_row(row: Mapping[str, Any], *, question_key: str = "question", answer_key: str = "answer") -> RowPrompt:
     """Question/answer rows whose answer (the secret) is a whole number; another answer is refused."""
     prompt = qa_row(row, question_key=question_key, answer_key=answer_key)
-    secret_of(row[answer_key], 0)
+    secret_of(row[answer_key], f"answer {answer_key!r}")
     return prompt
 
 
@@ -76,7 +76,7 @@ class GuessNumberEnvironment(EnvironmentInterface):
     ) -> EnvironmentReturn:
         if len(message_logs) != len(metadata):
             raise ValueError(f"{len(message_logs)} message logs but {len(metadata)} metadata entries")
-        secrets = [secret_of(ground_truth_of(m, i), i) for i, m in enumerate(metadata)]
+        secrets = [secret_of(ground_truth_of(m, i), f"rollout {i}") for i, m in enumerate(metadata)]
         steps = [self._one(log, meta, secret) for log, meta, secret in zip(message_logs, metadata, secrets, strict=True)]
         return EnvironmentReturn(
             observations=[s[0] for s in steps],
