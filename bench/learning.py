@@ -4,6 +4,7 @@
     python bench/learning.py --recipe full_ft        # any config of examples/configs/recipes/
     python bench/learning.py --eval-size 500         # the whole held-out split (default: a seeded 200 of it)
     python bench/learning.py --device cuda --prompts-per-step 16 --generations 16   # every phase on the GPU
+    python bench/learning.py --task guess_number --steps 8 --prompts-per-step 4 --generations 8  # multi-turn
 
 1. a seeded task generator writes training and held-out problems (no problem in both) into OUT/data/;
 2. eval before: `examples/run_eval.py` on the held-out problems, greedy (T 0, 1 answer) and sampled (T 1,
