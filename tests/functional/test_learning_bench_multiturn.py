@@ -5,10 +5,10 @@ eval a `multi_turn` run of `run_eval.py`.
 
 What it shows beyond a gain: problems solved on the *second* guess, after the environment's reply (a single
 guess can solve at most the share of the most common secret). What it does not show: that the second guess
-depends on the reply. Two runs learned "2" then "3" after "Higher." and "2" after "Lower.", and "3" then "2"
+depends on the reply. Runs learned "2" then "3" after "Higher." and "2" after "Lower." (twice), or "3" then "2"
 after "Lower." (the first guess 3 never hears "Higher."); both score 2/3, what the best policy that ignores the
-reply also scores (docs/learning.md#multi-turn). Measured on 2 shared cores: 3.7 minutes at load ~7 (GRPO 150
-steps 73 s), 8.8 minutes at load ~11 (GRPO 311 s); held-out greedy pass@1 0.000 -> 0.667, control +0.000.
+reply also scores (docs/learning.md#multi-turn). Measured on 2 shared cores: 3.7 to 9.4 minutes (GRPO 150 steps
+73 to 311 s) at load 7 to 11; held-out greedy pass@1 0.000 -> 0.667 in each of three runs, control +0.000.
 """
 
 from __future__ import annotations
