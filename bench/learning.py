@@ -4,6 +4,7 @@
     python bench/learning.py --recipe full_ft        # any config of examples/configs/recipes/
     python bench/learning.py --eval-size 500         # the whole held-out split (default: a seeded 200 of it)
     python bench/learning.py --device cuda --prompts-per-step 16 --generations 16   # every phase on the GPU
+    python bench/learning.py --task guess_number --steps 8 --prompts-per-step 4 --generations 8  # multi-turn
 
 1. a seeded task generator writes training and held-out problems (no problem in both) into OUT/data/;
 2. eval before: `examples/run_eval.py` on the held-out problems, greedy (T 0, 1 answer) and sampled (T 1,
@@ -40,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine_line  # noqa: E402
 from learning_report import compare, markdown_table, plot_heldout, plot_rewards, read_rewards  # noqa: E402
-from learning_stats import ErrorSamplesLeft, read_scores  # noqa: E402
-from learning_task import TaskSpec, make_task, parse_ranges, write_jsonl  # noqa: E402
+from learning_stats import ErrorSamplesLeft, read_scores, turn_profile  # noqa: E402
+from learning_task import TaskSpec, make_task, parse_pair, parse_ranges, write_jsonl  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "examples" / "configs" / "recipes"
@@ -52,8 +53,18 @@ TASK_ENVS = {
                    "eval": {"name": "math", "system_prompt": SYSTEM_PROMPT}, "stop_strings": None},
     "say_yes": {"train": {"name": "string_match", "kwargs": {"mode": "similarity"}},
                 "eval": {"name": "string_match", "kwargs": {"mode": "exact"}}, "stop_strings": ["yes"]},
+    # multi-turn: training pays a right guess discount ** (guesses - 1), the held-out reading is "solved
+    # within the guesses" (discount 1); rollouts.max_rollout_turns is the guess count
+    "guess_number": {"train": {"name": "guess_number", "kwargs": {"max_guesses": 4, "discount": 0.8}},
+                     "eval": {"name": "guess_number", "kwargs": {"max_guesses": 4}}, "stop_strings": None,
+                     "turns": 4},
+    "guess_123": {"train": {"name": "guess_number", "kwargs": {"max_guesses": 2, "discount": 1.0},
+                            "system_prompt": "Guess."},
+                  "eval": {"name": "guess_number", "kwargs": {"max_guesses": 2}, "system_prompt": "Guess."},
+                  "stop_strings": list("0123456789"), "turns": 2},
 }
-"""Per task: the training environment (its reward), the held-out grader (the lenient reading) and stop strings."""
+"""Per task: the training environment (its reward), the held-out grader (the lenient reading), stop strings and
+(multi-turn tasks) the turn cap."""
 
 
 class PhaseError(Exception):
@@ -79,6 +90,10 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--ops", nargs="+", default=["+", "-", "*"], help="arithmetic operators")
     p.add_argument("--range", nargs="*", default=[], dest="ranges", metavar="OP:LOW:HIGH",
                    help="operand range of an operator (defaults +:10:99 -:10:99 *:1:9)")
+    p.add_argument("--guess-lows", default="1:60", metavar="LOW:HIGH",
+                   help="guess_number: range of a game's lowest number (default 1:60)")
+    p.add_argument("--guess-widths", default="3:10", metavar="LOW:HIGH",
+                   help="guess_number: range of a game's count of numbers (default 3:10)")
     p.add_argument("--samples", type=int, default=4, help="answers per problem of the sampled (T 1) eval; 0: none")
     p.add_argument("--steps", type=int, help="grpo.max_num_steps (default: the recipe's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -138,6 +153,8 @@ def grpo_config(recipe: dict, args: argparse.Namespace, train: Path, out: Path, 
         set_key(cfg, "rollouts.env", TASK_ENVS[args.task]["train"])
     if TASK_ENVS[args.task]["stop_strings"]:
         set_key(cfg, "policy.generation.stop_strings", TASK_ENVS[args.task]["stop_strings"])
+    if "turns" in TASK_ENVS[args.task]:
+        set_key(cfg, "rollouts.max_rollout_turns", TASK_ENVS[args.task]["turns"])
     set_key(cfg, "policy.device", args.device)
     if args.steps:
         set_key(cfg, "grpo.max_num_steps", args.steps)
@@ -169,7 +186,8 @@ def eval_config(grpo_cfg: dict, args: argparse.Namespace, data: Path, model: str
         generation["stop_strings"] = gen["stop_strings"]
     return {
         "eval": {"dataset_path": str(data), "ks": sorted({1, n}), "reward_threshold": 1.0, "save_path": str(save)},
-        "rollouts": {"mode": "native", "num_generations_per_prompt": n, "max_rollout_turns": 1,
+        "rollouts": {"mode": "native", "num_generations_per_prompt": n,
+                     "max_rollout_turns": TASK_ENVS[args.task].get("turns", 1),
                      "max_seq_len": grpo_cfg.get("rollouts", {}).get("max_seq_len", 512),
                      "env": TASK_ENVS[args.task]["eval"]},
         "policy": {"model_name": model, "backend": "hf", "device": args.device, "dtype": policy.get("dtype", "float32"),
@@ -271,7 +289,9 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict, list[dict], Path, Pat
     if args.control_steps < 0:
         raise ValueError(f"--control-steps must be >= 0 (0: no control), got {args.control_steps}")
     spec = TaskSpec(name=args.task, train_size=args.train_size, heldout_size=args.heldout_size, seed=args.seed,
-                    ops=tuple(args.ops), ranges=parse_ranges(args.ranges))
+                    ops=tuple(args.ops), ranges=parse_ranges(args.ranges),
+                    guess_lows=parse_pair(args.guess_lows, "--guess-lows"),
+                    guess_widths=parse_pair(args.guess_widths, "--guess-widths"))
     train, heldout = make_task(spec)
     write_jsonl(out / "data" / "heldout.jsonl", heldout)
     evaluated = heldout[:args.eval_size]  # the held-out rows are in seeded random order: a seeded subset
@@ -318,6 +338,9 @@ def run_bench(args: argparse.Namespace) -> dict:
         "run": run_cmp, "control": control_cmp, "reward_curve": curves, "timings_s": runner.timings,
         "export": exports,
     }
+    if "turns" in TASK_ENVS[args.task]:
+        tags = ["before", "after"] + (["control"] if control_cmp else [])
+        results["turns"] = {t: turn_profile(out / "evals" / f"{t}_greedy" / "completions.jsonl") for t in tags}
     (out / "timings.json").write_text(json.dumps(runner.timings, indent=1))
     results["plots"] = write_plots(curves, run_cmp, control_cmp, out)
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -337,7 +360,26 @@ def results_markdown(results: dict) -> str:
             f"({results['train_size']} training problems, none in both); sampled eval: {results['samples']} "
             f"answers at T 1. Intervals: 95% paired bootstrap over problems ({results['resamples']} resamples, "
             f"seed {results['seed']}).\n\n{markdown_table(results['run'], results['control'])}\n\n"
-            f"Wall-clock per phase: {timings}.\n")
+            f"{turns_markdown(results)}Wall-clock per phase: {timings}.\n")
+
+
+def _top(counts: dict[str, int], k: int) -> list[tuple[str, int]]:
+    return sorted(counts.items(), key=lambda mc: (-mc[1], mc[0]))[:k]
+
+
+def turns_markdown(results: dict) -> str:
+    """Multi-turn tasks: per greedy eval, the problems solved on the first guess and on a later one, and what the
+    model did after each environment reply (empty for single-turn tasks)."""
+    if not results.get("turns"):
+        return ""
+    lines = ["| greedy eval | solved on turn 1 | solved on a later turn | mean turns | next move after each reply |",
+             "|---|---|---|---|---|"]
+    for tag, p in results["turns"].items():
+        moves = "; ".join(f"{reply!r}: " + ", ".join(f"{m!r} x{c}" for m, c in _top(counts, 4))
+                          for reply, counts in sorted(p["next_move_after_reply"].items()))
+        lines.append(f"| {tag} | {p['solved_first_turn']:.3f} | {p['solved_later_turn']:.3f} | "
+                     f"{p['mean_turns']:.2f} | {moves or '-'} |")
+    return "\n".join(lines) + "\n\n"
 
 
 def control_words(results: dict) -> str:

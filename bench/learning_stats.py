@@ -142,3 +142,29 @@ def mean_interval(values: Sequence[float] | np.ndarray, *, seed: int = 0, resamp
     zeros, so the resampling is the paired one's, problem for problem (`after`, `diff`, `low`, `high`)."""
     v = np.asarray(values, dtype=np.float64)
     return paired_bootstrap(np.zeros_like(v), v, seed=seed, resamples=resamples, confidence=confidence)
+
+
+def turn_profile(completions: Path) -> dict[str, Any]:
+    """A multi-turn eval's turns: the share of samples solved on the first assistant turn and on a later one,
+    the mean assistant turns, and per environment reply (e.g. "Higher.") the count of each next assistant turn,
+    which shows whether the model's next move depends on what the environment said."""
+    first = later = turns = n = 0
+    after: dict[str, dict[str, int]] = {}
+    for raw in completions.read_text().splitlines():
+        if not raw.strip():
+            continue
+        line = json.loads(raw)
+        log = line.get("message_log") or []
+        assistant = [i for i, m in enumerate(log) if m.get("role") == "assistant"]
+        n, turns = n + 1, turns + len(assistant)
+        if line["reward"] >= 1.0:
+            first, later = first + (len(assistant) == 1), later + (len(assistant) > 1)
+        for i in assistant[1:]:
+            reply = (log[i - 1].get("content") or "").strip()
+            move = (log[i].get("content") or "").strip()
+            after.setdefault(reply, {})
+            after[reply][move] = after[reply].get(move, 0) + 1
+    if n == 0:
+        raise ValueError(f"{completions}: no completions")
+    return {"solved_first_turn": first / n, "solved_later_turn": later / n, "mean_turns": turns / n,
+            "next_move_after_reply": after}

@@ -7,6 +7,11 @@
   problems, the others filling what a small operator lacks (1-digit products have only 81).
 - `say_yes`: "Say yes. <word>", answer "yes" (the task a random tiny model learns in seconds; the functional
   test's). Training and held-out words are disjoint.
+- `guess_number` (multi-turn, the `guess_number` environment): "I am thinking of a whole number from L to H.
+  Guess it.", answer the secret. Every (L, H, secret) with L in `guess_lows` and H - L + 1 in `guess_widths` is
+  enumerated, shuffled with the seed and split in proportion held-out : training, so no game is in both.
+- `guess_123` (multi-turn, scripted for a random tiny model): "Guess 1, 2 or 3. <word>", the secret 1, 2 or 3 in
+  turn over the shuffled words; training and held-out words are disjoint.
 
 Each row: {"id", "question", "answer", "op"} (`op`: the operator, or "yes"), the JSONL the project's data loader
 reads (`question`/`answer`).
@@ -51,6 +56,10 @@ class TaskSpec:
     """Operators (arithmetic)."""
     ranges: tuple[tuple[str, int, int], ...] = tuple((op, lo, hi) for op, (lo, hi) in DEFAULT_RANGES.items())
     """(operator, low, high) inclusive operand ranges (arithmetic)."""
+    guess_lows: tuple[int, int] = (1, 60)
+    """Inclusive range of a game's lowest number (guess_number)."""
+    guess_widths: tuple[int, int] = (3, 10)
+    """Inclusive range of how many numbers a game has (guess_number)."""
 
 
 def _quota(pools: dict[str, list], size: int, split: str) -> dict[str, int]:
@@ -104,9 +113,37 @@ def _say_yes(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
     return rows[:spec.train_size], rows[spec.train_size:spec.train_size + spec.heldout_size]
 
 
+def _guess_number(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
+    (low_min, low_max), (w_min, w_max) = spec.guess_lows, spec.guess_widths
+    if w_min < 1 or w_max < w_min or low_max < low_min:
+        raise ValueError(f"guess_number: lows {spec.guess_lows} and widths {spec.guess_widths} must be LOW:HIGH "
+                         "ranges with widths >= 1")
+    games = [(lo, lo + w - 1, s) for lo in range(low_min, low_max + 1) for w in range(w_min, w_max + 1)
+             for s in range(lo, lo + w)]
+    if spec.train_size + spec.heldout_size > len(games):
+        raise ValueError(f"guess_number has {len(games)} distinct games with these lows and widths: train + "
+                         "held-out must not exceed that (widen --guess-lows / --guess-widths)")
+    rng = random.Random(spec.seed)
+    rng.shuffle(games)
+    rows = [{"question": f"I am thinking of a whole number from {lo} to {hi}. Guess it.", "answer": str(s),
+             "op": f"width {hi - lo + 1}"} for lo, hi, s in games]
+    return rows[spec.heldout_size:spec.heldout_size + spec.train_size], rows[:spec.heldout_size]
+
+
+def _guess_123(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
+    if spec.train_size + spec.heldout_size > len(YES_WORDS):
+        raise ValueError(f"guess_123 has {len(YES_WORDS)} words: train + held-out must not exceed that")
+    words = list(YES_WORDS)
+    random.Random(spec.seed).shuffle(words)
+    rows = [{"question": f"Guess 1, 2 or 3. {w}", "answer": str(i % 3 + 1), "op": f"secret {i % 3 + 1}"}
+            for i, w in enumerate(words)]
+    return rows[:spec.train_size], rows[spec.train_size:spec.train_size + spec.heldout_size]
+
+
 def make_task(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows), with ids, for the spec; no question is in both."""
-    makers = {"arithmetic": _arithmetic, "say_yes": _say_yes}
+    makers = {"arithmetic": _arithmetic, "say_yes": _say_yes, "guess_number": _guess_number,
+              "guess_123": _guess_123}
     if spec.name not in makers:
         raise ValueError(f"task {spec.name!r}: known tasks are {sorted(makers)}")
     train, heldout = makers[spec.name](spec)
@@ -133,3 +170,12 @@ def parse_ranges(text: Sequence[str]) -> tuple[tuple[str, int, int], ...]:
         except ValueError:
             raise ValueError(f"operand range {item!r}: write OP:LOW:HIGH, e.g. '+:10:99'") from None
     return tuple((op, lo, hi) for op, (lo, hi) in ranges.items())
+
+
+def parse_pair(text: str, option: str) -> tuple[int, int]:
+    """`"3:10"` -> (3, 10); anything else is a ValueError naming the option."""
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: write LOW:HIGH, e.g. '3:10'") from None
+    return lo, hi

@@ -1,10 +1,11 @@
 """Environments that score and continue rollouts, found by name through a registry.
 
-Importing this package registers the built-in environments: "math", "tool_calculator" and
-"string_match".
+Importing this package registers the built-in environments: "math", "tool_calculator",
+"string_match" and "guess_number".
 """
 
 from nemo_rl_ext.environments.grading_pool import GradingUnavailableError
+from nemo_rl_ext.environments.guess_number import GuessNumberEnvironment
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Observation
 from nemo_rl_ext.environments.math_env import MathEnvironment
 from nemo_rl_ext.environments.registry import (
@@ -22,6 +23,7 @@ __all__ = [
     "EnvironmentInterface",
     "EnvironmentReturn",
     "GradingUnavailableError",
+    "GuessNumberEnvironment",
     "MathEnvironment",
     "Observation",
     "StringMatchEnvironment",

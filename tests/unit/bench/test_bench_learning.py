@@ -21,6 +21,7 @@ from learning_stats import (  # noqa: E402
     paired_bootstrap,
     read_scores,
     strict_correct,
+    turn_profile,
 )
 from learning_task import TaskSpec, make_task, parse_ranges  # noqa: E402
 
@@ -237,3 +238,47 @@ def test_no_plots_without_matplotlib(monkeypatch, tmp_path, capsys):
     assert learning.write_plots({}, {}, {}, tmp_path) == []
     assert "matplotlib is not installed: no plots" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_guess_number_games_are_disjoint_and_in_range():
+    train, heldout = make_task(TaskSpec(name="guess_number", train_size=2000, heldout_size=500))
+    assert (len(train), len(heldout)) == (2000, 500)
+    assert not {(r["question"], r["answer"]) for r in train} & {(r["question"], r["answer"]) for r in heldout}
+    for row in train + heldout:
+        lo, hi = (int(w) for w in row["question"].removesuffix(". Guess it.").split()[-3::2])
+        assert lo <= int(row["answer"]) <= hi and 3 <= hi - lo + 1 <= 10 and row["op"] == f"width {hi - lo + 1}"
+    with pytest.raises(ValueError, match="distinct games"):
+        make_task(TaskSpec(name="guess_number", train_size=20, heldout_size=5, guess_lows=(1, 1),
+                           guess_widths=(3, 3)))
+
+
+def test_guess_123_words_are_disjoint_and_secrets_balanced():
+    train, heldout = make_task(TaskSpec(name="guess_123", train_size=32, heldout_size=36))
+    assert not {r["question"] for r in train} & {r["question"] for r in heldout}
+    assert sorted(r["answer"] for r in heldout) == sorted(["1", "2", "3"] * 12)
+
+
+def test_multi_turn_tasks_set_the_turn_cap_of_training_and_eval(tmp_path):
+    args = learning.parse_args(["--task", "guess_number", "--recipe", "lora"])
+    _, recipe = learning.load_recipe("lora")
+    cfg = GRPOConfig.model_validate(learning.grpo_config(recipe, args, tmp_path / "t.jsonl", tmp_path / "r",
+                                                         control=False))
+    assert cfg.rollouts.max_rollout_turns == 4 and cfg.rollouts.env.name == "guess_number"
+    assert cfg.rollouts.env.kwargs == {"max_guesses": 4, "discount": 0.8}
+    raw = learning.grpo_config(recipe, args, tmp_path / "t.jsonl", tmp_path / "r", control=False)
+    ev = EvalConfig.model_validate(learning.eval_config(raw, args, tmp_path / "h.jsonl", "smollm2", tmp_path / "e",
+                                                        sampled=False))
+    assert ev.rollouts.max_rollout_turns == 4 and ev.rollouts.env.kwargs == {"max_guesses": 4}
+
+
+def test_turn_profile_counts_solves_per_turn_and_the_moves_after_each_reply(tmp_path):
+    def line(reward, *contents):
+        roles = ["user"] + ["assistant", "user"] * 2
+        return json.dumps({"reward": reward, "message_log": [{"role": r, "content": c}
+                                                             for r, c in zip(roles, ("q", *contents), strict=False)]})
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join([line(1.0, "2"), line(1.0, "2", "Higher.", "3"), line(0.0, "2", "Lower.", "2")]))
+    profile = turn_profile(path)
+    assert profile["solved_first_turn"] == pytest.approx(1 / 3) and profile["solved_later_turn"] == pytest.approx(1 / 3)
+    assert profile["mean_turns"] == pytest.approx(5 / 3)
+    assert profile["next_move_after_reply"] == {"Higher.": {"3": 1}, "Lower.": {"2": 1}}
