@@ -253,15 +253,7 @@ class DistributedTrainer:
                 skipped += 1
             else:
                 grad_norms.append(norm)
-        metrics = sums.result()
-        for key in ("loss", "loss/pg", "loss/kl", "loss/entropy"):
-            metrics[key] /= n_mini
-        metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0
-        metrics["optimizer_steps"] = float(len(grad_norms))
-        metrics["skipped_minibatches"] = float(skipped)
-        metrics["zero_advantage_skipped"] = 0.0  # the ranks run every micro-batch (the in-process trainer's key)
-        metrics["lr"] = self._call([(self._ranks[0].lr, ())])[0]
-        return metrics
+        return sums.step_result(n_mini, grad_norms, skipped, self._call([(self._ranks[0].lr, ())])[0])
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next optimizer steps, on every rank (`optimizer.scheduler`)."""

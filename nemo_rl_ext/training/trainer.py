@@ -93,6 +93,19 @@ class _MetricSums:
         for key, value in add.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
 
+    def step_result(self, minibatches: int, grad_norms: Sequence[float], skipped: int, lr: float) -> dict[str, float]:
+        """A GRPO step's metrics (both trainers'): `result()` with the losses averaged over the step's minibatches,
+        the mean grad norm, the optimizer steps taken and skipped, and the lr."""
+        metrics = self.result()
+        for key in ("loss", "loss/pg", "loss/kl", "loss/entropy"):
+            metrics[key] = metrics.get(key, 0.0) / minibatches
+        metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0
+        metrics["optimizer_steps"] = float(len(grad_norms))
+        metrics["skipped_minibatches"] = float(skipped)
+        metrics.setdefault("zero_advantage_skipped", 0.0)  # the FSDP2 ranks run every micro-batch
+        metrics["lr"] = float(lr)
+        return metrics
+
     def result(self) -> dict[str, float]:
         out = dict(self.sums)
         masked = out.get("is/masked_tokens", 0.0)
@@ -220,15 +233,7 @@ class PolicyTrainer:
             else:
                 grad_norms.append(norm)
         self.model.eval()
-        metrics = sums.result()
-        for key in ("loss", "loss/pg", "loss/kl", "loss/entropy"):
-            metrics[key] /= n_mini
-        metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0
-        metrics["optimizer_steps"] = float(len(grad_norms))
-        metrics["skipped_minibatches"] = float(skipped)
-        metrics.setdefault("zero_advantage_skipped", 0.0)
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        return metrics
+        return sums.step_result(n_mini, grad_norms, skipped, self.optimizer.param_groups[0]["lr"])
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next optimizer steps (`optimizer.scheduler`)."""
