@@ -64,10 +64,10 @@ from nemo_rl_ext.grpo.build import (
 )
 from nemo_rl_ext.grpo.config import RESTART, GRPOConfig, async_wedge_warning
 from nemo_rl_ext.grpo.metrics_logger import MetricsLogger
-from nemo_rl_ext.grpo.trackers import sample_rows
 from nemo_rl_ext.grpo.prompt_stream import PromptStream
 from nemo_rl_ext.grpo.step_seeds import TRAIN_SALT, VAL_SALT
 from nemo_rl_ext.grpo.stopping import LoopStop, Stopped
+from nemo_rl_ext.grpo.trackers import sample_rows
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, InFlightPolicy
 from nemo_rl_ext.training.checkpoint import Checkpoint, discard_checkpoints, get_rng_state, save_checkpoint
 from nemo_rl_ext.training.schedule import scheduled_lr

@@ -161,4 +161,5 @@ def test_an_unreachable_tracking_server_is_one_warning_and_the_run_finishes(
             "grpo.max_num_steps=2", "grpo.save_period=0")
     warnings = [r.getMessage() for r in caplog.records if "logger.mlflow" in r.getMessage()]
     assert len(warnings) == 1 and "the run goes on without mlflow" in warnings[0], warnings
+    assert uri in warnings[0]  # the failure is the unreachable server (its requests name it)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
