@@ -15,16 +15,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from nemo_rl_ext.data.records import PromptGroupRecord
 from nemo_rl_ext.grpo.config import LoggerSettings
+from nemo_rl_ext.grpo.trackers.samples import SAMPLE_COLUMNS, sample_rows
+
+__all__ = ["SAMPLE_COLUMNS", "GuardedTracker", "missing_extras", "open_trackers", "sample_rows"]
 
 logger = logging.getLogger(__name__)
 
 RUN_IDS_FILE = "trackers.json"
 """In output_dir: {"wandb": run id, "mlflow": run id} of the trackers this run logs to."""
-
-SAMPLE_COLUMNS = ("prompt", "answer", "reward", "agent")
-"""The columns of the per-step table of sampled rollouts."""
 
 EXTRAS = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 """tracker -> (module it needs, the project's extra that installs it)."""
@@ -83,10 +82,12 @@ class GuardedTracker:
 def _openers(settings: LoggerSettings) -> dict[str, Callable[[Path, str | None], Tracker]]:
     openers: dict[str, Callable[[Path, str | None], Tracker]] = {}
     if settings.wandb_enabled:
+        # optional dependency: the module imports wandb, loaded only when the tracker is enabled
         from nemo_rl_ext.grpo.trackers.wandb_tracker import WandbTracker
 
         openers["wandb"] = lambda out, run_id: WandbTracker(settings.wandb, out, run_id)
     if settings.mlflow_enabled:
+        # optional dependency: the module imports mlflow, loaded only when the tracker is enabled
         from nemo_rl_ext.grpo.trackers.mlflow_tracker import MlflowTracker
 
         openers["mlflow"] = lambda out, run_id: MlflowTracker(settings.mlflow, out, run_id)
@@ -115,16 +116,3 @@ def open_trackers(settings: LoggerSettings, output_dir: Path, config: Mapping[st
     if trackers:
         ids_path.write_text(json.dumps(ids, indent=1) + "\n")
     return trackers
-
-
-def sample_rows(records: Sequence[PromptGroupRecord], count: int) -> list[list[Any]]:
-    """The first completion of each of the first `count` groups: [prompt, answer, reward, agent]."""
-    rows = []
-    for record in records[:count]:
-        if not record.completions:
-            continue
-        completion = record.completions[0]
-        prompt = record.prompt[-1].content if record.prompt else ""
-        answer = "".join(m.content for m in completion.message_log[len(record.prompt):])
-        rows.append([prompt, answer, float(completion.reward), completion.agent_name or record.agent_name])
-    return rows

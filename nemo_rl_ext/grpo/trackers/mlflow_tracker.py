@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_ext.grpo.config import MlflowSettings
+from nemo_rl_ext.grpo.trackers.samples import SAMPLE_COLUMNS
 
 MAX_BATCH = 1000
 """Most metrics MLflow takes in one log_batch call."""
@@ -44,7 +45,7 @@ class MlflowTracker:
         self._client.log_dict(self.run_id, dict(config), "config.json")
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # the mlflow extra (optional dependency)
 
         now = int(time.time() * 1000)
         values = [Metric(k, float(v), now, step) for k, v in metrics.items()
@@ -53,8 +54,6 @@ class MlflowTracker:
             self._client.log_batch(self.run_id, metrics=values[start:start + MAX_BATCH])
 
     def log_samples(self, step: int, rows: Sequence[Sequence[Any]]) -> None:
-        from nemo_rl_ext.grpo.trackers import SAMPLE_COLUMNS
-
         table = {"columns": list(SAMPLE_COLUMNS), "data": [list(r) for r in rows]}
         self._client.log_dict(self.run_id, table, f"rollouts/step_{step:06d}.json")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_ext.grpo.config import WandbSettings
+from nemo_rl_ext.grpo.trackers.samples import SAMPLE_COLUMNS
 
 
 class WandbTracker:
@@ -35,8 +36,6 @@ class WandbTracker:
         self._run.log(values, step=step)
 
     def log_samples(self, step: int, rows: Sequence[Sequence[Any]]) -> None:
-        from nemo_rl_ext.grpo.trackers import SAMPLE_COLUMNS
-
         table = self._wandb.Table(columns=list(SAMPLE_COLUMNS), data=[list(r) for r in rows])
         self._run.log({"rollouts/samples": table}, step=step)
 
