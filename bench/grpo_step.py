@@ -117,7 +117,7 @@ def worker_ours(steps: int, variant: str, workdir: Path) -> list[dict[str, float
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
         "optimizer": {"lr": LR, "micro_batch_size": PROMPTS * SAMPLES, "max_grad_norm": 1.0,
                       "share_prompt_prefix": variant in ("ours", "ours-async")},
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
         "output_dir": str(workdir / "run"),
     })
     out = []

@@ -161,7 +161,7 @@ def config(workdir: Path, workers: int, lora: bool, precision: str) -> Any:
         "optimizer": {"lr": LR, "micro_batch_size": MICRO_BATCH, "max_grad_norm": 1.0, "minibatches_per_step": 1},
         "loss": {"kl_coef": 0.0},
         "trainer": trainer,
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
         "output_dir": str(workdir / "run"),
     }
     path = workdir / "cfg.yaml"

@@ -9,7 +9,7 @@
   section, all now under `rollouts`.
 - GRPO (NeMo-RL's GRPO spelling, and this package's earlier one): `grpo.num_generations_per_prompt`,
   `grpo.max_rollout_turns`, `grpo.max_seq_len`, the `env` section and `data.system_prompt`, all now under
-  `rollouts`.
+  `rollouts`; `logger.tensorboard` is now `logger.tensorboard_enabled` (NeMo-RL's name).
 
 The warning's category is `DeprecationWarning`, attributed to the config module: a CLI's output stays as it is
 (Python shows it with `-W default` or `PYTHONWARNINGS=default`), tests and library callers see it.
@@ -190,6 +190,7 @@ def grpo_spellings(
         for name in list(data["env"]):  # unknown keys too: their error then names env.<key>
             problems += move_key(data, ("env", name), ("rollouts", "env", name), renames)
     problems += move_key(data, ("data", "system_prompt"), ("rollouts", "env", "system_prompt"), renames)
+    problems += move_key(data, ("logger", "tensorboard"), ("logger", "tensorboard_enabled"), renames)
     moves = [(old, new) for new, old in renames.items() if old[0] != "env"]
     if any(old[0] == "env" for old in renames.values()):  # a section moved whole is named once
         moves.append((("env",), ("rollouts", "env")))

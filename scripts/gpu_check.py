@@ -194,7 +194,7 @@ def grpo_config(device: str, model_dir: Path, work: Path, name: str, trainer: di
                  "seed": 42, "save_period": 0},
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
         "loss": {"kl_coef": 0.01},
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
         "trainer": trainer,
         "output_dir": str(work / name),
     }

@@ -366,7 +366,7 @@ def run_grpo(args) -> None:
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
         # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
-        "logger": {"progress": False, "tensorboard": False, "print_steps": True},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": True},
         "output_dir": str(work / "run"),
     }
     (work / "grpo_vllm.yaml").write_text(yaml.safe_dump(cfg))

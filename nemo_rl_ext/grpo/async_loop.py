@@ -30,6 +30,7 @@ from nemo_rl_ext.grpo.config import GRPOConfig
 from nemo_rl_ext.grpo.prompt_stream import PromptStream
 from nemo_rl_ext.grpo.step_seeds import TRAIN_SALT, SaltedGeneration
 from nemo_rl_ext.grpo.stopping import Stopped
+from nemo_rl_ext.grpo.trackers import sample_rows
 from nemo_rl_ext.models.generation.interfaces import InFlightPolicy
 
 T = TypeVar("T")
@@ -46,6 +47,7 @@ class SteppedRun(Protocol):
     train_data: PromptStream
     generation: SaltedGeneration
     _prompt_length_warning: PromptLengthWarning
+    _samples: list[list[Any]]
 
     def save(self, extra: Mapping[str, Any] | None = None) -> Path: ...
     def _stopping(self) -> bool: ...
@@ -114,6 +116,7 @@ class AsyncLoop:
         grpo = self.grpo
         rollout_done = time.perf_counter()
         records = [g.record for g in taken.groups]
+        grpo._samples = sample_rows(records, grpo.cfg.logger.num_sample_rollouts)
         metrics = batch_metrics(taken.generated, rollout_done - start)
         too_long, longest = count_prompts_too_long(taken.generated)
         grpo._prompt_length_warning(too_long, len(taken.generated), longest)

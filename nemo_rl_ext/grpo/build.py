@@ -30,6 +30,7 @@ from nemo_rl_ext.grpo.config import (
 )
 from nemo_rl_ext.grpo.metrics_logger import read_metrics
 from nemo_rl_ext.grpo.step_seeds import SaltedGeneration
+from nemo_rl_ext.grpo.trackers import missing_extras
 from nemo_rl_ext.models.loading import load_model_and_tokenizer, load_tokenizer
 from nemo_rl_ext.models.policy import resolve_model_path
 from nemo_rl_ext.training.checkpoint import (
@@ -65,6 +66,7 @@ def check_inputs(cfg: GRPOConfig, train_datums: Sequence[DatumSpec] | None,
                  val_datums: Sequence[DatumSpec] | None) -> None:
     """Raise one `ConfigError` naming every problem of the run's inputs (files, LoRA targets)."""
     problems = input_problems(cfg, train=train_datums is None, val=val_datums is None)
+    problems += missing_extras(cfg.logger)  # a tracker's package: before any model loads
     lora = cfg.trainer.lora
     if lora is not None and cfg.policy.model_folder_problem() is None:
         problems += [p for p in (lora_target_problem(lora, resolve_model_path(cfg.policy)),) if p]

@@ -232,10 +232,44 @@ class ValidationSettings(StrictModel):
     )
 
 
-class LoggerSettings(StrictModel):
-    """Where step metrics go."""
+class WandbSettings(StrictModel):
+    """The Weights & Biases run (`logger.wandb_enabled`; the `wandb` extra: `pip install -e '.[wandb]'`)."""
 
-    tensorboard: bool = Field(default=True, description="Also write TensorBoard events (if installed).")
+    project: str = Field(default="nemo-rl-ext", description="W&B project.")
+    name: str | None = Field(default=None, description="Run name shown in W&B; None: W&B picks one.")
+    entity: str | None = Field(default=None, description="W&B team or user; None: the logged-in default.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        default="online", description="online: stream to the server; offline: files under output_dir/wandb only "
+        "(`wandb sync` uploads them later; no network needed); disabled: nothing."
+    )
+
+
+class MlflowSettings(StrictModel):
+    """The MLflow run (`logger.mlflow_enabled`; the `mlflow` extra: `pip install -e '.[mlflow]'`)."""
+
+    experiment_name: str = Field(default="nemo-rl-ext", description="MLflow experiment (created if absent).")
+    run_name: str | None = Field(default=None, description="Run name; None: MLflow picks one.")
+    tracking_uri: str | None = Field(
+        default=None, description="Tracking server or store (http://..., sqlite:///..., file:...); None: "
+        "sqlite:///<output_dir>/mlflow.db with artifacts in output_dir/mlartifacts."
+    )
+
+
+class LoggerSettings(StrictModel):
+    """Where step metrics go: always `output_dir/metrics.jsonl`, and each tracker enabled here."""
+
+    tensorboard_enabled: bool = Field(
+        default=True, description="Also write TensorBoard events (if installed); `logger.tensorboard` is the "
+        "older spelling."
+    )
+    wandb_enabled: bool = Field(default=False, description="Also log to Weights & Biases (`logger.wandb`).")
+    wandb: WandbSettings = Field(default_factory=WandbSettings)
+    mlflow_enabled: bool = Field(default=False, description="Also log to MLflow (`logger.mlflow`).")
+    mlflow: MlflowSettings = Field(default_factory=MlflowSettings)
+    num_sample_rollouts: int = Field(
+        default=4, ge=0, description="Rollouts per step (prompt, answer, reward, agent) logged as a table to "
+        "the trackers (W&B, MLflow); 0: none."
+    )
     progress: bool = Field(default=True, description="Show a progress bar over steps.")
     print_steps: bool = Field(default=True, description="Print one summary line per step.")
 

@@ -68,6 +68,7 @@ from nemo_rl_ext.grpo.metrics_logger import MetricsLogger
 from nemo_rl_ext.grpo.prompt_stream import PromptStream
 from nemo_rl_ext.grpo.step_seeds import TRAIN_SALT, VAL_SALT
 from nemo_rl_ext.grpo.stopping import LoopStop, Stopped
+from nemo_rl_ext.grpo.trackers import sample_rows
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, InFlightPolicy
 from nemo_rl_ext.training.checkpoint import Checkpoint, discard_checkpoints, get_rng_state, save_checkpoint
 from nemo_rl_ext.training.schedule import scheduled_lr
@@ -131,7 +132,7 @@ class GRPO:
         self.step = 0
         self.schedule_steps = cfg.optimizer.scheduler.total_steps or cfg.grpo.max_num_steps
         """The horizon T of `optimizer.scheduler` (saved in checkpoints: a resumed run keeps its start's)."""
-        self.logger = MetricsLogger(self.output_dir, tensorboard=cfg.logger.tensorboard)
+        self.logger = MetricsLogger(self.output_dir, tensorboard=cfg.logger.tensorboard_enabled)
         self._prompt_length_warning = PromptLengthWarning()  # once per run: prompts that leave no room
         if checkpoint is not None:
             self._restore(checkpoint)
@@ -139,6 +140,9 @@ class GRPO:
             discard_checkpoints(self.checkpoint_root)
         self.logger.truncate_after(self.step if checkpoint is not None else -1)  # a fresh run starts empty
         (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+        self.logger.start_trackers(cfg.logger, cfg.model_dump(mode="json"), resumed=checkpoint is not None)
+        self._samples: list[list[Any]] = []
+        """Sampled rollouts of the step in progress (the trackers' table), logged with its metrics."""
         self._runner = asyncio.Runner()
         self._stop: LoopStop | None = None
         """Stopping on a signal, while `run` runs."""
@@ -218,6 +222,7 @@ class GRPO:
             generated.extend(records)
             kept.extend(r for r in records if has_reward_variance(r) or not dynamic.enabled)
         metrics = batch_metrics(generated, time.perf_counter() - start)
+        self._samples = sample_rows(kept[:n], self.cfg.logger.num_sample_rollouts)
         too_long, longest = count_prompts_too_long(generated)
         self._prompt_length_warning(too_long, len(generated), longest)
         if dynamic.enabled:
@@ -382,6 +387,8 @@ class GRPO:
         settings = self.cfg.grpo
         metrics["timing/step_s"] = time.perf_counter() - start
         self.logger.log(self.step, metrics)
+        self.logger.log_samples(self.step, self._samples)
+        self._samples = []
         history.append({"step": self.step, **metrics})
         self._print(self.step, metrics)
         self._rng_after_step = get_rng_state()

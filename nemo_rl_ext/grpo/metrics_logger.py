@@ -1,13 +1,18 @@
-"""Step metrics to `metrics.jsonl` (one JSON object per step) and, if installed, TensorBoard."""
+"""Step metrics to `metrics.jsonl` (one JSON object per step), TensorBoard (if installed) and the trackers
+of `logger.*_enabled` (`grpo.trackers`: W&B, MLflow)."""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
+
+from nemo_rl_ext.grpo.config import LoggerSettings
+from nemo_rl_ext.grpo.trackers import GuardedTracker, open_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,8 @@ class MetricsLogger:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / "metrics.jsonl"
         self._writer = None
+        self.trackers: list[GuardedTracker] = []
+        """The W&B / MLflow runs of `start_trackers` (a failed one is left out after one warning)."""
         if tensorboard:
             try:
                 # optional dependency (tensorboard), loaded only when asked for
@@ -45,6 +52,10 @@ class MetricsLogger:
     def tensorboard_enabled(self) -> bool:
         """True when events are also written to TensorBoard."""
         return self._writer is not None
+
+    def start_trackers(self, settings: LoggerSettings, config: Mapping[str, Any], *, resumed: bool) -> None:
+        """Start the trackers `settings` enables (`grpo.trackers.open_trackers`)."""
+        self.trackers = open_trackers(settings, self.output_dir, config, resumed=resumed)
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run re-logs the steps after its checkpoint)."""
@@ -63,11 +74,22 @@ class MetricsLogger:
                 if isinstance(value, int | float) and math.isfinite(value):
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
+        for tracker in self.trackers:
+            tracker.call("log_metrics", step, metrics)
+
+    def log_samples(self, step: int, rows: Sequence[Sequence[Any]]) -> None:
+        """A table of sampled rollouts (`trackers.SAMPLE_COLUMNS`) for the trackers; nothing when empty."""
+        if rows:
+            for tracker in self.trackers:
+                tracker.call("log_samples", step, rows)
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.call("close")
 
 
 def _finite_or_none(value: float) -> float | None:

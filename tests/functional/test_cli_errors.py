@@ -72,7 +72,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "data": {"train_path": str(data)},
         "grpo": {"num_prompts_per_step": 2, "max_num_steps": 1},
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},  # as before
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
         "output_dir": str(folder / "grpo_out"),
     }))
     bad_yaml = folder / "broken.yaml"

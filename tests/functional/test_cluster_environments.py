@@ -86,7 +86,7 @@ def grpo_config(model_dir: Path, out: Path, data: Path, remote: bool) -> GRPOCon
         "grpo": {"num_prompts_per_step": 2, "max_num_steps": 1, "seed": 42},
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 8},
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},  # as before
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
         "output_dir": str(out),
     })
 
@@ -177,7 +177,7 @@ def test_one_nemo_gym_grpo_step_on_a_two_replica_pool_refits_both(local_ray, gym
             "launch": {"gym_venv": str(gym_venv),
                        "config_paths": [str(REPO / "tests/functional/gym_configs/dense_arithmetic_agents.yaml")]},
             "row_timeout_s": 120}},
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
         "output_dir": str(tmp_path / "run"),
     })
     with GRPO(cfg) as grpo:

@@ -55,7 +55,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "data": {"train_path": str(folder / "no_prompt.parquet")},
         "grpo": {"num_prompts_per_step": 2, "max_num_steps": 1},
         "loss": {"kl_coef": 0.0},
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
         "output_dir": str(folder / "grpo_out"),
     }))
     return {"folder": folder, "eval": eval_cfg, "grpo": grpo_cfg}

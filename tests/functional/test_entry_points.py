@@ -244,7 +244,7 @@ def test_run_grpo_native(backend, soft_tiny_model, tmp_path):
             "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16},
             # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
             "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
-            "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+            "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
             "output_dir": str(tmp_path / "run"),
         }
     )

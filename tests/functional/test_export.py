@@ -78,7 +78,7 @@ def _train(folder: Path, model_dir: Path, *overrides: str) -> dict[str, Any]:
         "grpo": {"num_prompts_per_step": 2, "max_num_steps": 2, "seed": 42, "save_period": 1},
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
         "loss": {"kl_coef": 0.0},
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
         "keep_last_checkpoints": None,
         "output_dir": str(folder / "run"),
     }

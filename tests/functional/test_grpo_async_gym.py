@@ -63,7 +63,7 @@ def test_async_grpo_in_nemo_gym_mode_on_two_trainer_ranks_keeps_the_bound_and_th
                 "gym": {"launch": {"gym_venv": str(gym_venv), "config_paths": [
                     str(REPO / "tests/functional/gym_configs/dense_arithmetic_agents.yaml")]}, "row_timeout_s": 120},
             },
-            "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+            "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
             "output_dir": str(tmp_path / "run"),
         }
     )

@@ -65,7 +65,7 @@ def config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "optimizer": {"lr": 3.0e-3, "micro_batch_size": 16, "max_grad_norm": 1.0},
         # the loss these runs were measured with (before the defaults became NeMo-RL's: KL 0.01, IS off)
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
     }
     path = folder / "grpo_tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))

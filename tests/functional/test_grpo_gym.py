@@ -68,7 +68,7 @@ def gym_grpo_config(policy: dict, gym_venv: Path, tmp_path: Path, *, steps: int)
                     "row_timeout_s": 120,
                 },
             },
-            "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+            "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
             "output_dir": str(tmp_path / "run"),
         }
     )

@@ -46,7 +46,7 @@ def grpo_args(gym_venv: Path, model: Path, out: Path, gym_config: Path) -> list[
         "grpo": {"num_prompts_per_step": 2, "max_num_steps": 1},
         "rollouts": {"mode": "nemo_gym", "num_generations_per_prompt": 2, "max_seq_len": 256,
                      "gym": {"launch": {"gym_venv": str(gym_venv), "config_paths": [str(gym_config)]}}},
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
         "output_dir": str(out),
     }
     path = out.with_suffix(".yaml")

@@ -179,7 +179,7 @@ def grpo_config(tmp_path: Path, gym_venv: Path | None) -> Path:
         "optimizer": {"lr": 1.0e-3, "micro_batch_size": 8},
         # the loss before the defaults became NeMo-RL's (KL 0.01, IS off)
         "loss": {"kl_coef": 0.0, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
-        "logger": {"progress": False, "tensorboard": False, "print_steps": True},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": True},
         "keep_last_checkpoints": None,
     }
     if gym_venv is not None:

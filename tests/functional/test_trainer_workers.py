@@ -77,7 +77,7 @@ def config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "loss": {"kl_coef": 0.01, "importance_sampling_correction": True, "importance_sampling_cap": 2.0},
         "trainer": {"worker": {"num_cpus": 1}},
         "keep_last_checkpoints": None,
-        "logger": {"progress": False, "tensorboard": False, "print_steps": False},
+        "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
     }
     path = folder / "grpo_workers.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -116,7 +116,7 @@ def test_a_tiny_model_grpo_step_trains_on_two_components(tmp_path: Path, tiny_mo
         "rollouts.num_generations_per_prompt=4", "rollouts.max_seq_len=96", f"data.train_path={data}",
         "rollouts.env={name: string_match}", "grpo.num_prompts_per_step=2", "grpo.max_num_steps=1",
         "grpo.adv_estimator=gdpo", "grpo.reward_weights={short: 1.0, has_a: 0.5}", "loss.kl_coef=0.0",
-        f"output_dir={tmp_path / 'run'}", "logger.progress=false", "logger.tensorboard=false",
+        f"output_dir={tmp_path / 'run'}", "logger.progress=false", "logger.tensorboard_enabled=false",
         "logger.print_steps=false",
     ], GRPOConfig)
     env = ScriptedEnvironment(
