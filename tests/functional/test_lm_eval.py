@@ -41,6 +41,8 @@ pytest.importorskip("lm_eval", reason="lm-eval is the lmeval extra (make setup i
 REPO = Path(__file__).resolve().parents[2]
 QUESTIONS = [(2, 3), (7, 5), (11, 4), (9, 9), (1, 30)]
 MAX_GEN_TOKS = 10
+MAX_MODEL_LEN = 1024
+"""The server's context length, and lm-eval's `max_length` (docs/serving.md says to pass it)."""
 DEADLINE_S = 300
 """lm-eval's four evaluations together (about 15 s on an idle 2-core machine)."""
 
@@ -126,7 +128,7 @@ def run_lm_eval(tmp_path: Path, url: str, model_dir: Path) -> dict:
     runs = {
         "server": {"model": "local-completions", "tasks": ["lmeval_mc", "lmeval_plain_gen"],
                    "model_args": f"model=tiny,base_url={url}/completions,tokenizer={model_dir},"
-                                 "tokenizer_backend=huggingface,num_concurrent=4"},
+                                 f"tokenizer_backend=huggingface,num_concurrent=4,max_length={MAX_MODEL_LEN}"},
         "hf": {"model": "hf", "model_args": hf, "tasks": ["lmeval_mc", "lmeval_plain_gen"]},
         "server_chat": {"model": "local-chat-completions", "tasks": ["lmeval_chat_gen"], "apply_chat_template": True,
                         "model_args": f"model=tiny,base_url={url}/chat/completions,num_concurrent=4"},
@@ -149,7 +151,8 @@ def test_lm_eval_through_the_policy_server_equals_lm_evals_hf_backend(
     (tmp_path / "tasks").mkdir()
     reference = write_tasks(tmp_path / "tasks", model, tokenizer)
     cmd = [sys.executable, "-m", "nemo_rl_ext.serving.policy_server", "--model", str(tiny_model_dir), "--port", "0",
-           "--dtype", "float32", "--served-model-name", "tiny", "--log-level", "info"]
+           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny",
+           "--log-level", "info"]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
     with policy_server_cli(cmd, cwd=REPO, env=env, start_s=120, stop_s=60) as url:
