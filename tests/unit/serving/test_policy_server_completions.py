@@ -133,6 +133,36 @@ def test_echo_with_logprobs_scores_the_prompt_as_a_forward_pass(client, tiny_mod
     assert plain.choices[0].text.startswith(PROMPTS[0]) and plain.choices[0].logprobs is None
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(client, tiny_model_and_tokenizer) -> None:
+    """OpenAI's legacy way of scoring a prompt (older lm-eval and other harnesses send it): the prompt's text and
+    logprobs as `max_tokens: 1` gives them, without the token sampled after it."""
+    model, tokenizer = tiny_model_and_tokenizer
+    scored = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=0, temperature=0, echo=True,
+                                       logprobs=2)
+    one = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=1, temperature=0, echo=True,
+                                    logprobs=2)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == one.usage.prompt_tokens
+    for prompt, choice, other in zip(PROMPTS[:2], scored.choices, one.choices, strict=True):
+        ids = choice.model_extra["prompt_token_ids"]
+        assert choice.text == prompt and choice.finish_reason == "length" and choice.model_extra["stop_reason"] is None
+        assert choice.model_extra["generation_token_ids"] == choice.model_extra["generation_log_probs"] == []
+        lp, full = choice.logprobs, other.logprobs
+        assert lp.tokens == full.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        assert lp.text_offset == full.text_offset[: len(ids)] and lp.top_logprobs[0] is None
+        reference = forward_log_softmax(model, ids)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+        assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == approx(reference, ENGINE_LOGPROBS)
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=0, echo=True)
+    assert plain.choices[0].text == PROMPTS[0] and plain.choices[0].logprobs is None
+
+
+def test_the_neutral_values_of_other_servers_sampling_fields_are_accepted(client) -> None:
+    body = {"num_beams": 1, "ignore_eos": False, "min_tokens": 0, "use_beam_search": False, "typical_p": 1}
+    reply = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0, extra_body=body)
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    assert reply.choices[0].text == plain.choices[0].text
+    assert len(reply.choices[0].model_extra["generation_token_ids"]) == 3
+
+
 BAD = [
     ("/v1/completions", {"prompt": ["a question", [1, 2]]}, "prompt", "mixing"),
     ("/v1/completions", {"prompt": ["a question", 7]}, "prompt", "mixing"),
@@ -149,6 +179,15 @@ BAD = [
     ("/v1/completions", {"prompt": [10**6]}, "prompt", "outside [0,"),
     ("/v1/completions", {"prompt": ["a", [1]]}, "prompt", "mixing lists of token ids and strings"),
     ("/v1/chat/completions", {"messages": QUESTION, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "21"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "echo=true"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "echo": True, "stream": True}, "max_tokens", "stream=false"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", "-1"),
+    # fields other servers honour that would change the output (lm-eval passes a task's generation_kwargs on)
+    ("/v1/completions", {"prompt": "hi", "num_beams": 4}, "num_beams", "beam search"),
+    ("/v1/completions", {"prompt": "hi", "max_new_tokens": 5}, "max_new_tokens", "send max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": 1}, "ignore_eos", "send false"),
+    ("/v1/chat/completions", {"messages": QUESTION, "min_tokens": 3}, "min_tokens", "send 0"),
+    ("/v1/chat/completions", {"messages": QUESTION, "use_beam_search": True}, "use_beam_search", "beam search"),
 ]
 
 
