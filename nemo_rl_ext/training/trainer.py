@@ -103,6 +103,9 @@ class _MetricSums:
         metrics["optimizer_steps"] = float(len(grad_norms))
         metrics["skipped_minibatches"] = float(skipped)
         metrics.setdefault("zero_advantage_skipped", 0.0)  # the FSDP2 ranks run every micro-batch
+        for key in (*_MEAN_METRICS, *_MAX_METRICS, *_SUM_METRICS):  # every micro-batch skipped: nothing was
+            if key != "kl/mean":  # measured, 0.0 as over no trained token (kl/mean: only with a reference)
+                metrics.setdefault(key, 0.0)
         metrics["lr"] = float(lr)
         return metrics
 

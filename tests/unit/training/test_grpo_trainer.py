@@ -266,7 +266,8 @@ def test_zero_advantage_micro_batches_are_skipped_and_the_update_is_the_same(tin
     (every term of the loss is a multiple of the advantage when kl_coef is 0), so skipping its forward and backward
     leaves the update bit for bit the same as running it, over two Adam steps (the second with all-zero
     advantages: Adam's momentum still moves the weights, so the step must still be taken). With micro 3 the
-    zero-advantage samples share a micro-batch with a trained one: that micro-batch runs."""
+    zero-advantage samples share a micro-batch with a trained one: that micro-batch runs. A step whose every
+    micro-batch was skipped reports the same metric keys (0.0: measured over no trained token)."""
     model, tokenizer = tiny_model_and_tokenizer
     items = sample(model, tokenizer, 1.0, n=6)
     steps = [torch.tensor([0.0, 0.0, 1.0, -1.0, 0.0, 0.0]), torch.zeros(6)]
@@ -281,6 +282,7 @@ def test_zero_advantage_micro_batches_are_skipped_and_the_update_is_the_same(tin
     expect = [4.0 if micro == 2 else 0.0, 6.0]  # micro 2: [0,0] [1,-1] [0,0]; micro 3: [0,0,1] [-1,0,0]
     for p, s, n in zip(plain_m, skipped_m, expect, strict=True):
         assert s["zero_advantage_skipped"] == n and p["zero_advantage_skipped"] == 0.0
+        assert set(s) == set(p)  # every metric reported, also on a step whose every micro-batch was skipped
         assert s["optimizer_steps"] == p["optimizer_steps"] == 1.0
         for key in ("num_tokens", "num_sequences", "loss", "grad_norm"):
             assert s[key] == p[key], key
