@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -393,11 +394,13 @@ def device_line(results: dict) -> str:
     return str(results.get("device", "cpu"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_reporting(run: Callable[[argparse.Namespace], dict], args: argparse.Namespace) -> dict | int:
+    """`run(args)`'s results, or the exit status of its failure after one `error:` line: 2 a user error (an
+    option, a recipe, a phase that exited 2), 3 an infrastructure failure (a phase, or an eval's error samples,
+    never scored as the model's answer)."""
     try:
-        results = run_bench(args)
-    except ErrorSamplesLeft as err:  # an infrastructure failure in an eval, never scored as the model's answer
+        return run(args)
+    except ErrorSamplesLeft as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
     except ValueError as err:
@@ -406,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     except PhaseError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2 if err.rc == 2 else 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    results = run_reporting(run_bench, parse_args(argv))
+    if isinstance(results, int):
+        return results
     print("\n" + results_markdown(results))
     print(headline(results))
     return 0

@@ -40,9 +40,9 @@ from learning import (  # noqa: E402
     grpo_config,
     load_recipe,
     prepare,
+    run_reporting,
     set_key,
 )
-from learning_stats import ErrorSamplesLeft  # noqa: E402
 from learning_trl_report import curve_points, goal, plot_curves, results_markdown, trl_differences  # noqa: E402
 
 TRL_VERSION = "1.16.0"
@@ -220,18 +220,9 @@ def run_compare(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        results = run_compare(args)
-    except ErrorSamplesLeft as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except PhaseError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2 if err.rc == 2 else 3
+    results = run_reporting(run_compare, parse_args(argv))
+    if isinstance(results, int):
+        return results
     print("\n" + results_markdown(results))
     print(results["goal"]["line"])
     return 0

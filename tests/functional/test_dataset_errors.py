@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from script_main import script_main
+from test_cli_errors import assert_one_message
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,15 +23,6 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def main(capsys: pytest.CaptureFixture[str]) -> Callable[..., subprocess.CompletedProcess[str]]:
     return functools.partial(script_main, capsys)
-
-
-def assert_one_message(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    """Exit 2, stderr is one `error:` message holding every needle, and no traceback anywhere."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
-    assert proc.stderr.startswith("error: ") and proc.stderr.count("error:") == 1, proc.stderr
-    for needle in needles:
-        assert needle in proc.stderr, (needle, proc.stderr)
 
 
 @pytest.fixture(scope="module")

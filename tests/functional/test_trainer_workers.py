@@ -35,6 +35,7 @@ from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.grpo.config import GRPOConfig
 from nemo_rl_ext.grpo.loop import GRPO
 from nemo_rl_ext.grpo.metrics_logger import read_metrics
+from nemo_rl_ext.objectives.loss import CompletionTensors
 from nemo_rl_ext.training.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
 from nemo_rl_ext.training.distributed_trainer import DistributedTrainer, TrainerWorkerError
 from nemo_rl_ext.training.export import export_checkpoint
@@ -44,6 +45,19 @@ from nemo_rl_ext.training.sharded_checkpoint import SHARDS
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "local_ray")
 WORDS = ("apple", "river", "blue", "seven", "cat", "hello", "tree", "water")
+
+
+def uneven_items() -> tuple[list[CompletionTensors], torch.Tensor]:
+    """11 completions of lengths 6, 8, ..., 26 (seeded) and their advantages: in micro-batches of 4 on 2 ranks,
+    rank 1 runs a dummy third one; sample 4 trains no token."""
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for i in range(11):
+        ids = torch.randint(0, 1000, (6 + 2 * i,), generator=g)
+        mask = torch.zeros(ids.numel())
+        mask[5:] = 0.0 if i == 4 else 1.0
+        items.append(CompletionTensors(ids, mask, -torch.rand(ids.numel(), generator=g) * mask))
+    return items, torch.randn(11, generator=g)
 
 
 @pytest.fixture(scope="module")
@@ -353,21 +367,13 @@ def test_uneven_micro_batches_logprobs_and_optimizer_state_match_the_in_process_
     import ray
 
     from nemo_rl_ext.models.loading import load_model_and_tokenizer
-    from nemo_rl_ext.objectives.loss import CompletionTensors
     from nemo_rl_ext.training.distributed_trainer import rank_spec
     from nemo_rl_ext.training.trainer import PolicyTrainer
 
     cfg = load_config(config_file, ["trainer.workers=2", "optimizer.micro_batch_size=4",
                                     "optimizer.minibatches_per_step=1"], GRPOConfig)
     path = cfg.policy.model_name
-    g = torch.Generator().manual_seed(0)
-    items = []
-    for i in range(11):
-        ids = torch.randint(0, 1000, (6 + 2 * i,), generator=g)
-        mask = torch.zeros(ids.numel())
-        mask[5:] = 0.0 if i == 4 else 1.0
-        items.append(CompletionTensors(ids, mask, -torch.rand(ids.numel(), generator=g) * mask))
-    advantages = torch.randn(11, generator=g)
+    items, advantages = uneven_items()
     model, _ = load_model_and_tokenizer(path)
     reference, _ = load_model_and_tokenizer(path)
     local = PolicyTrainer(model, optimizer=cfg.optimizer, loss=cfg.loss.to_loss_config(), temperature=1.0,

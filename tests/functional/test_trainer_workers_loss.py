@@ -9,12 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
-from test_trainer_workers import config_file  # noqa: F401  (the module-scoped say-"yes" config fixture)
+from test_trainer_workers import config_file, uneven_items  # noqa: F401  (config_file: the module-scoped say-"yes" config fixture)
 
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.grpo.config import GRPOConfig
-from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors
+from nemo_rl_ext.objectives.loss import ClippedPGLossConfig
 from nemo_rl_ext.training.distributed_trainer import DistributedTrainer, rank_spec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "local_ray")
@@ -40,14 +39,7 @@ def test_two_ranks_train_each_loss_option_as_one_process_does(config_file) -> No
     cfg = load_config(config_file, ["trainer.workers=2", "optimizer.micro_batch_size=4", "optimizer.lr=1e-6",
                                     "optimizer.minibatches_per_step=1", "loss.kl_coef=0.0"], GRPOConfig)
     path = cfg.policy.model_name
-    g = torch.Generator().manual_seed(0)
-    items = []
-    for i in range(11):  # 3 micro-batches of 4: rank 1 runs a dummy one; sample 4 trains no token
-        ids = torch.randint(0, 1000, (6 + 2 * i,), generator=g)
-        mask = torch.zeros(ids.numel())
-        mask[5:] = 0.0 if i == 4 else 1.0
-        items.append(CompletionTensors(ids, mask, -torch.rand(ids.numel(), generator=g) * mask))
-    advantages = torch.randn(11, generator=g)
+    items, advantages = uneven_items()  # 3 micro-batches of 4: rank 1 runs a dummy one; sample 4 trains no token
     model, _ = load_model_and_tokenizer(path)
     first = ClippedPGLossConfig(kl_coef=0.0)
     local = PolicyTrainer(model, optimizer=cfg.optimizer, loss=first, temperature=1.0, pad_token_id=0)
