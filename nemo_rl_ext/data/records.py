@@ -26,9 +26,18 @@ class Message:
     generation_weight_versions: tuple[int, ...] | None = None
     """For assistant messages: the weight version each id was generated under (a message that crossed a
     weight update shows its spans); None otherwise."""
+    teacher_logprobs: tuple[float, ...] | None = None
+    """For assistant messages scored by a distillation teacher: the teacher's logprob of each id in
+    `token_ids` (the student's exact ids, in the full context before them); None otherwise."""
+    teacher_topk_ids: tuple[tuple[int, ...], ...] | None = None
+    """With `on_policy_distillation.top_k` > 0: the teacher's k most likely ids at each position of
+    `token_ids`; None otherwise."""
+    teacher_topk_logprobs: tuple[tuple[float, ...], ...] | None = None
+    """The teacher's logprobs of `teacher_topk_ids` (same shape); None otherwise."""
 
     def __post_init__(self) -> None:
-        for name in ("generation_logprobs", "generation_weight_versions"):
+        for name in ("generation_logprobs", "generation_weight_versions", "teacher_logprobs",
+                     "teacher_topk_ids", "teacher_topk_logprobs"):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.token_ids):
                 raise ValueError(

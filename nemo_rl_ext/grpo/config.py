@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from nemo_rl_ext.compat import grpo_spellings
 from nemo_rl_ext.config import INVALID, CheckedConfig, Renames, RuleProblem, StrictModel, raw_field
+from nemo_rl_ext.distillation.config import DistillationSettings
 from nemo_rl_ext.experience.config import EnvironmentSettings, RolloutsConfig, rollouts_rule_problems
 from nemo_rl_ext.experience.resume_keys import GRPO_RESUME_MAY_CHANGE
 from nemo_rl_ext.models.config import PolicyConfig
@@ -286,6 +287,7 @@ class GRPOConfig(CheckedConfig):
     rollouts: GRPORollouts = Field(default_factory=GRPORollouts)
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
     logger: LoggerSettings = Field(default_factory=LoggerSettings)
+    on_policy_distillation: DistillationSettings = Field(default_factory=DistillationSettings)
     output_dir: Path = Field(default=Path("results/grpo"), description="Metrics, config and checkpoints.")
     resume: bool | Literal["restart"] | Path = Field(
         default=False,

@@ -1,0 +1,61 @@
+"""The `on_policy_distillation` section (NeMo-RL's names): which teacher scores which agent's completions, and
+how the update combines the teacher's scores with the environment's reward."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from nemo_rl_ext.config import StrictModel
+
+
+class DistillationSettings(StrictModel):
+    """On-policy distillation: a frozen teacher scores every assistant token the student sampled."""
+
+    enabled: bool = Field(default=False, description="Score completions with a teacher and train toward it.")
+    teacher_model_by_agent_name: dict[str, str] = Field(
+        default_factory=dict,
+        description="Teacher per agent: a model name the loaders know, a model folder, or the http(s):// URL of "
+        "an OpenAI-compatible server that returns prompt logprobs (`/v1/completions` with echo).",
+    )
+    default_teacher_alias: str | None = Field(
+        default=None,
+        description="The teacher of agents not in teacher_model_by_agent_name (a model or URL as there, or one "
+        "of its agent names: that agent's teacher); None: such agents are refused (strict) or not distilled.",
+    )
+    strict_agent_name_match: bool = Field(
+        default=True,
+        description="An agent with no teacher (no entry and no default) is a config error listing every such "
+        "agent; false: its completions are trained on the reward alone.",
+    )
+    deduplicate_shared_teacher_checkpoints: bool = Field(
+        default=True, description="Agents whose teachers are the same model or URL share one loaded teacher."
+    )
+    kl_type: Literal["reverse", "forward", "mixed"] = Field(
+        default="reverse",
+        description="reverse: per-token advantage -(log pi_student - log pi_teacher) on the sampled tokens; "
+        "forward: KL(teacher || student) over the teacher's top-k (renormalised within k); mixed: "
+        "mixed_kl_weight * forward + (1 - mixed_kl_weight) * reverse.",
+    )
+    mixed_kl_weight: float = Field(
+        default=0.5, ge=0.0, le=1.0, description="The forward term's weight when kl_type is mixed."
+    )
+    top_k: int = Field(
+        default=0, ge=0, description="Teacher top-k logprobs kept per token (needed by forward and mixed); 0: none."
+    )
+    reward_weight: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Weight of the environment's (GRPO) advantage added to the distillation advantage; "
+        "0: pure distillation.",
+    )
+
+    @field_validator("enabled")
+    @classmethod
+    def _not_built_yet(cls, value: bool) -> bool:
+        """The section is the interface of work in progress: enabling it is refused until the teachers and the
+        update exist (so a config that asks for distillation never trains without it)."""
+        if value:
+            raise ValueError("on-policy distillation is not available in this version yet")
+        return value
