@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None):
     p = build_parser(__doc__)
     p.add_argument("--save-every", type=int, default=10,
                    help="checkpoint (and evaluate) both runs every this many steps; must divide the step count")
+    p.add_argument("--ours-steps", type=int, default=None,
+                   help="our GRPO steps (default: the recipe's, as TRL's): the same wall-clock budget may hold more "
+                   "of our steps than of TRL's; a multiple of --save-every")
+    p.add_argument("--trl-from", default=None, metavar="DIR",
+                   help="reuse the TRL training of an earlier run of this bench in DIR (its spec and data must be "
+                   "identical: checked); TRL's checkpoints are evaluated again in this run")
     p.add_argument("--trl-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="TRL GRPOConfig arguments over the ones derived from the recipe (e.g. loss_type=grpo)")
     for action in p._actions:  # greedy pass@1 only and no control here: the comparison is the point
@@ -63,10 +69,11 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
-def check(args, cfg: dict) -> list[int]:
-    """The save steps; a ValueError naming every setting this comparison cannot run with."""
+def check(args, cfg: dict) -> tuple[list[int], list[int]]:
+    """The save steps of ours and of TRL; a ValueError naming every setting this comparison cannot run with."""
     problems = []
     steps = cfg["grpo"].get("max_num_steps")
+    ours_steps = args.ours_steps or steps
     if not cfg.get("trainer", {}).get("lora"):
         problems.append("the recipe has no trainer.lora: the TRL side trains LoRA adapters (use a LoRA recipe)")
     if cfg.get("rollouts", {}).get("mode", "native") != "native" or cfg["grpo"].get("async", {}).get("enabled"):
@@ -75,9 +82,14 @@ def check(args, cfg: dict) -> list[int]:
         problems.append("optimizer.scheduler: the TRL side runs a constant lr; leave the schedule out here")
     if not isinstance(steps, int) or args.save_every < 1 or steps % args.save_every:
         problems.append(f"--save-every {args.save_every} must be >= 1 and divide grpo.max_num_steps ({steps})")
+    elif ours_steps < 1 or ours_steps % args.save_every:
+        problems.append(f"--ours-steps {ours_steps} must be >= 1 and a multiple of --save-every {args.save_every}")
+    if args.trl_from and not (Path(args.trl_from) / "trl" / "worker.json").is_file():
+        problems.append(f"--trl-from {args.trl_from}: no finished TRL run there (trl/worker.json is missing)")
     if problems:
         raise ValueError("bench/learning_trl.py cannot compare this run:\n  " + "\n  ".join(problems))
-    return list(range(args.save_every, steps + 1, args.save_every))
+    return (list(range(args.save_every, ours_steps + 1, args.save_every)),
+            list(range(args.save_every, steps + 1, args.save_every)))
 
 
 def trl_args(cfg: dict, overrides: list[str]) -> dict:
@@ -139,13 +151,30 @@ def run_trl(runner: Runner, cfg: dict, args, train_file: Path, saves: list[int])
             "save_every": args.save_every, "out": str(out), "trl_args": trl_args(cfg, args.trl_set)}
     path = runner.out / "configs" / "trl_spec.json"
     path.write_text(json.dumps(spec, indent=1))
-    runner.run("grpo_trl", "../bench/learning_trl_worker.py", str(path))
+    if args.trl_from:
+        out = reuse_trl(Path(args.trl_from), spec, runner.out)
+    else:
+        runner.run("grpo_trl", "../bench/learning_trl_worker.py", str(path))
     totals = json.loads((out / "worker.json").read_text())
     exports = {int(k): v for k, v in totals["exports"].items()}
     if sorted(exports) != saves:
         raise PhaseError(f"grpo_trl (checkpoints at steps {sorted(exports)}, expected {saves})", 3,
                          runner.out / "logs" / "grpo_trl.log")
     return exports, totals
+
+
+def reuse_trl(earlier: Path, spec: dict, out: Path) -> Path:
+    """The TRL folder of an earlier run whose spec and data equal this run's (paths aside): what TRL trained on,
+    with which settings, is then the same; a ValueError naming what differs otherwise."""
+    old = json.loads((earlier / "configs" / "trl_spec.json").read_text())
+    differ = sorted(k for k in set(old) | set(spec) if k not in ("out", "train_path") and old.get(k) != spec.get(k))
+    for name in ("train.jsonl", "heldout.jsonl"):
+        if (earlier / "data" / name).read_bytes() != (out / "data" / name).read_bytes():
+            differ.append(f"data/{name}")
+    if differ:
+        raise ValueError(f"--trl-from {earlier}: its TRL run differs from this one in {', '.join(differ)}")
+    (out / "trl_from.txt").write_text(f"TRL training reused from {earlier.resolve()}\n")
+    return earlier / "trl"
 
 
 def step_seconds(rows: list[dict], key: str) -> dict[int, float]:
@@ -181,14 +210,17 @@ def run_compare(args) -> dict:
     if not args.out:
         args.out = str(Path(__file__).resolve().parents[1] / "results" / "learning" / f"trl_{Path(args.recipe).stem}")
     # the settings are checked before anything is written
-    saves = check(args, grpo_config(load_recipe(args.recipe)[1], args, Path("train.jsonl"), Path("ours"), control=False))
+    saves, trl_saves = check(args, grpo_config(load_recipe(args.recipe)[1], args, Path("train.jsonl"), Path("ours"),
+                                               control=False))
     out, recipe, evaluated, train_file, eval_file = prepare(args)
     runner = Runner(out, args.threads, args.phase_timeout)
     cfg = grpo_config(recipe, args, train_file, out / "ours", control=False)
     expected = [r["answer"] for r in evaluated]
     before = evaluate(runner, cfg, args, eval_file, cfg["policy"]["model_name"], "before", expected)["greedy"]
-    ours_exports = run_ours(runner, cfg, saves)
-    trl_exports, totals = run_trl(runner, cfg, args, train_file, saves)
+    ours_cfg = json.loads(json.dumps(cfg))
+    set_key(ours_cfg, "grpo.max_num_steps", saves[-1])
+    ours_exports = run_ours(runner, ours_cfg, saves)
+    trl_exports, totals = run_trl(runner, cfg, args, train_file, trl_saves)
     scores, read = {"ours": {0: before}, "trl": {0: before}}, {}
     for side, exports in (("ours", ours_exports), ("trl", trl_exports)):
         for step, folder in exports.items():
@@ -201,7 +233,8 @@ def run_compare(args) -> dict:
     curves = {side: curve_points(scores[side], seconds[side], seed=args.seed, resamples=args.resamples)
               for side in scores}
     results = {
-        "recipe": args.recipe, "task": args.task, "model": cfg["policy"]["model_name"], "steps": saves[-1],
+        "recipe": args.recipe, "task": args.task, "model": cfg["policy"]["model_name"], "steps": trl_saves[-1],
+        "ours_steps": saves[-1], "trl_from": args.trl_from and str(Path(args.trl_from).resolve()),
         "save_every": args.save_every, "eval_size": len(evaluated), "heldout_size": args.heldout_size,
         "train_size": args.train_size, "seed": args.seed, "resamples": args.resamples, "trl_version": version,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine,

@@ -86,7 +86,8 @@ def goal(curves: Mapping[str, list[dict]], scores: Mapping[str, Mapping[int, Pro
     if trl_final["passed"] <= base["passed"]:
         line += (f" TRL's final pass@1 is not above the base model's ({base['lenient']['after']:.3f}): reaching it "
                  "shows nothing.")
-    line += (f" At the last step, ours - TRL: {final['diff']:+.3f} [{final['low']:+.3f}, {final['high']:+.3f}] "
+    line += (f" At each side's last step (ours {ours_final['step']}, TRL {trl_final['step']}), ours - TRL: "
+             f"{final['diff']:+.3f} [{final['low']:+.3f}, {final['high']:+.3f}] "
              f"(95% paired bootstrap); training seconds ours / TRL: "
              f"{ours_final['train_s'] / max(trl_final['train_s'], 1e-9):.2f}.")
     return {"met": met, "target": trl_final["lenient"]["after"], "budget_s": budget,
@@ -115,14 +116,23 @@ def results_markdown(results: Mapping[str, Any]) -> str:
     diffs = "\n".join(f"| {d['setting']} | {d['ours']} | {d['trl']} | {d['why']} |" for d in results["differences"])
     return (f"# Side by side with TRL: recipe `{results['recipe']}`, task `{results['task']}`\n\n"
             f"{results['date']}; {results['machine']}\n\n"
-            f"Model `{results['model']}`, {results['steps']} GRPO steps of {results['prompts_per_step']} prompts x "
-            f"{results['generations']} samples on each side (TRL {results['trl_version']}), a checkpoint every "
+            f"Model `{results['model']}`, {_steps(results)} GRPO steps of {results['prompts_per_step']} prompts x "
+            f"{results['generations']} samples (TRL {results['trl_version']}){_reused(results)}, a checkpoint every "
             f"{results['save_every']} steps, each evaluated by `run_eval.py` (greedy) on {results['eval_size']} of "
             f"{results['heldout_size']} held-out problems. Training seconds: the sum of the steps' wall-clock "
             f"(no saving, export, loading or eval). Intervals: 95% bootstrap over problems "
             f"({results['resamples']} resamples, seed {results['seed']}).\n\n{curve_table(results['curves'])}\n\n"
             f"{results['goal']['line']}\n\nWall-clock per phase: {timings}.\n\n"
             f"| setting | ours | TRL | why |\n|---|---|---|---|\n{diffs}\n")
+
+
+def _steps(results: Mapping[str, Any]) -> str:
+    ours = results.get("ours_steps", results["steps"])
+    return f"{results['steps']}" + (" on each side" if ours == results["steps"] else f" for TRL and {ours} for ours")
+
+
+def _reused(results: Mapping[str, Any]) -> str:
+    return f"; TRL's training reused from `{results['trl_from']}`" if results.get("trl_from") else ""
 
 
 def plot_curves(curves: Mapping[str, list[dict]], goal_result: Mapping[str, Any], path: Path) -> list[str]:

@@ -90,7 +90,7 @@ def lora_cfg(tmp_path: Path, *extra: str) -> tuple[argparse.Namespace, dict]:
 def test_trl_arguments_follow_the_lora_recipe(tmp_path):
     args, cfg = lora_cfg(tmp_path)
     assert (args.samples, args.control_steps, args.save_every) == (0, 0, 10)
-    assert learning_trl.check(args, cfg) == [10, 20, 30]
+    assert learning_trl.check(args, cfg) == ([10, 20, 30], [10, 20, 30])
     a = learning_trl.trl_args(cfg, ["loss_type=grpo", "scale_rewards=none"])
     # 8 prompts x 8 samples: one group per micro-batch, 8 accumulated micro-batches per optimizer step
     assert (a["per_device_train_batch_size"], a["gradient_accumulation_steps"], a["num_generations"]) == (8, 8, 8)
@@ -100,6 +100,32 @@ def test_trl_arguments_follow_the_lora_recipe(tmp_path):
     assert (a["loss_type"], a["scale_rewards"]) == ("grpo", "none")
     with pytest.raises(ValueError, match="--trl-set 'loss_type': write KEY=VALUE"):
         learning_trl.trl_args(cfg, ["loss_type"])
+
+
+def test_ours_may_run_more_steps_than_trl_in_multiples_of_the_save_interval(tmp_path):
+    args, cfg = lora_cfg(tmp_path, "--ours-steps", "60")
+    assert learning_trl.check(args, cfg) == ([10, 20, 30, 40, 50, 60], [10, 20, 30])
+    args, cfg = lora_cfg(tmp_path, "--ours-steps", "55", "--trl-from", str(tmp_path / "nothing"))
+    with pytest.raises(ValueError) as err:
+        learning_trl.check(args, cfg)
+    assert "--ours-steps 55 must be >= 1 and a multiple of --save-every 10" in str(err.value)
+    assert "no finished TRL run there" in str(err.value)
+
+
+def test_a_reused_trl_run_must_have_the_same_spec_and_data(tmp_path):
+    earlier, now = tmp_path / "earlier", tmp_path / "now"
+    spec = {"model": "m", "trl_args": {"learning_rate": 1e-4}, "out": str(earlier / "trl"), "train_path": "a"}
+    for folder, train in ((earlier, "x"), (now, "y")):
+        (folder / "configs").mkdir(parents=True)
+        (folder / "data").mkdir()
+        (folder / "data" / "train.jsonl").write_text(train)
+        (folder / "data" / "heldout.jsonl").write_text("h")
+    (earlier / "configs" / "trl_spec.json").write_text(learning_trl.json.dumps(spec))
+    with pytest.raises(ValueError, match="differs from this one in trl_args, data/train.jsonl"):
+        learning_trl.reuse_trl(earlier, {**spec, "trl_args": {"learning_rate": 3e-4}, "out": "o"}, now)
+    (now / "data" / "train.jsonl").write_text("x")
+    assert learning_trl.reuse_trl(earlier, {**spec, "out": "o", "train_path": "b"}, now) == earlier / "trl"
+    assert "reused from" in (now / "trl_from.txt").read_text()
 
 
 def test_a_yaml_float_spelled_without_a_dot_reaches_trl_as_a_float(tmp_path):
