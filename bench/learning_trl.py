@@ -142,8 +142,9 @@ def run_ours(runner: Runner, cfg: dict, saves: list[int]) -> dict[int, str]:
     return exports
 
 
-def run_trl(runner: Runner, cfg: dict, args, train_file: Path, saves: list[int]) -> tuple[dict[int, str], dict]:
-    """TRL's GRPOTrainer in its own process (bench/learning_trl_worker.py): {step: export folder}, its totals."""
+def run_trl(runner: Runner, cfg: dict, args, train_file: Path, saves: list[int]) -> tuple[dict[int, str], dict, Path]:
+    """TRL's GRPOTrainer in its own process (bench/learning_trl_worker.py), or an earlier run's (--trl-from):
+    {step: export folder}, its totals, its folder."""
     out = runner.out / "trl"
     spec = {"model": model_folder(cfg["policy"]["model_name"]), "train_path": str(train_file),
             "system_prompt": TASK_ENVS[args.task]["train"].get("system_prompt"), "env": TASK_ENVS[args.task]["train"],
@@ -160,7 +161,7 @@ def run_trl(runner: Runner, cfg: dict, args, train_file: Path, saves: list[int])
     if sorted(exports) != saves:
         raise PhaseError(f"grpo_trl (checkpoints at steps {sorted(exports)}, expected {saves})", 3,
                          runner.out / "logs" / "grpo_trl.log")
-    return exports, totals
+    return exports, totals, out
 
 
 def reuse_trl(earlier: Path, spec: dict, out: Path) -> Path:
@@ -220,14 +221,14 @@ def run_compare(args) -> dict:
     ours_cfg = json.loads(json.dumps(cfg))
     set_key(ours_cfg, "grpo.max_num_steps", saves[-1])
     ours_exports = run_ours(runner, ours_cfg, saves)
-    trl_exports, totals = run_trl(runner, cfg, args, train_file, trl_saves)
+    trl_exports, totals, trl_dir = run_trl(runner, cfg, args, train_file, trl_saves)
     scores, read = {"ours": {0: before}, "trl": {0: before}}, {}
     for side, exports in (("ours", ours_exports), ("trl", trl_exports)):
         for step, folder in exports.items():
             tag = f"{side}_step{step}"
             scores[side][step] = evaluate(runner, cfg, args, eval_file, folder, tag, expected)["greedy"]
             read[tag] = {"export": folder, "run_eval_read": eval_read(out / "evals" / f"{tag}_greedy")}
-    ours_rows, trl_rows = read_jsonl(out / "ours" / "metrics.jsonl"), read_jsonl(out / "trl" / "steps.jsonl")
+    ours_rows, trl_rows = read_jsonl(out / "ours" / "metrics.jsonl"), read_jsonl(trl_dir / "steps.jsonl")
     seconds = {"ours": {0: 0.0, **step_seconds([r for r in ours_rows if r.get("step", 0) > 0], "timing/step_s")},
                "trl": {0: 0.0, **step_seconds(trl_rows, "train_s")}}
     curves = {side: curve_points(scores[side], seconds[side], seed=args.seed, resamples=args.resamples)
