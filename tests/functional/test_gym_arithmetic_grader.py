@@ -1,7 +1,8 @@
 """The project's own NeMo Gym resources server, arithmetic_grader (nemo_rl_ext/gym/servers): started by the
 project's launcher from the shipped config (examples/configs/gym/arithmetic_grader.yaml) in real NeMo Gym 0.7.0
 on 127.0.0.1, found without NEMO_GYM_EXTRA_ROOTS and from a working directory that does not hold it; its /verify
-grades the number an answer gives (reward) and whether the whole answer is the number (strict)."""
+grades the number an answer gives (reward) and whether the whole answer is the number (strict), and refuses a
+row whose expected answer is no number."""
 
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ def test_the_shipped_grader_reads_the_number_and_the_strict_answer(gym_venv, tmp
                 got = resp.json()
                 assert (got["reward"], got["strict"], got["extracted_answer"]) == (reward, strict, read), answer
                 assert got["expected_answer"] == "-32"  # the row comes back, as Gym's servers return it
+            refused = http.post(f"{url}/verify", json=verify_body("-32", "minus 32"))
+            assert refused.status_code == 422, refused.text
+            assert "expected_answer 'minus 32' is not a number" in refused.json()["detail"]
     finally:
         gym.stop()
     assert gym.pids == {}

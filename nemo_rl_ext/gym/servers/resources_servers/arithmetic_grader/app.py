@@ -12,6 +12,7 @@ file's place in the project.
 - `strict`: 1.0 when the whole answer, stripped of surrounding whitespace, is the expected answer (bench/learning.py's
   strict reading), for `rollouts.gym.reward_components`;
 - `extracted_answer`: the number read, as text (None when the answer gives none).
+A row whose `expected_answer` is not a number is refused (HTTP 422 naming the value), not scored 0.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from fastapi import HTTPException
 from nemo_gym.base_resources_server import (
     BaseResourcesServerConfig,
     BaseRunRequest,
@@ -33,7 +35,13 @@ PROJECT_ROOT = Path(__file__).resolve().parents[5]
 if str(PROJECT_ROOT) not in sys.path:
     sys.path.insert(0, str(PROJECT_ROOT))
 
-from nemo_rl_ext.data.answers import answer_number, number_correct, strict_correct  # noqa: E402
+from nemo_rl_ext.data.answers import (  # noqa: E402
+    answer_number,
+    clean_answer,
+    number_correct,
+    parse_number,
+    strict_correct,
+)
 
 
 class ArithmeticGraderConfig(BaseResourcesServerConfig):
@@ -78,6 +86,9 @@ class ArithmeticGraderServer(SimpleResourcesServer):
     config: ArithmeticGraderConfig
 
     async def verify(self, body: ArithmeticVerifyRequest) -> ArithmeticVerifyResponse:
+        if parse_number(clean_answer(body.expected_answer)) is None:  # every answer would score 0: refuse the row
+            raise HTTPException(status_code=422, detail=f"arithmetic_grader: the row's expected_answer "
+                                f"{body.expected_answer!r} is not a number (e.g. '-12', '3.5', '7/2')")
         text = answer_text(body)
         value = answer_number(text)
         return ArithmeticVerifyResponse(
