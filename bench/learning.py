@@ -136,7 +136,7 @@ def load_recipe(recipe: str) -> tuple[Path, dict]:
 
 def gym_rows(rows: list[dict]) -> list[dict]:
     """The training rows in NeMo Gym's format (a developer message with the system prompt, the question, and
-    the expected answer that Gym's equivalence_rule server compares), alternating the two agents."""
+    the expected answer that the project's arithmetic_grader server compares), alternating the two agents."""
     return [{"responses_create_params": {"input": [{"role": "developer", "content": SYSTEM_PROMPT},
                                                    {"role": "user", "content": r["question"]}]},
              "agent_ref": {"name": ("agent_alpha", "agent_beta")[i % 2]}, "id": r["id"],

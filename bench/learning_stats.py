@@ -1,11 +1,12 @@
 """bench/learning.py's scoring and statistics: strict and lenient correctness of each held-out answer, per-prompt
 scores from an eval's completions.jsonl, and the paired bootstrap of after - before.
 
-- **strict**: the whole answer (the assistant's text, whitespace stripped) is the expected answer, nothing else.
+- **strict**: the whole answer (the assistant's text, whitespace stripped) is the expected answer, nothing else
+  (`strict_correct`, from `nemo_rl_ext/data/answers.py`: the project's Gym grader reports the same reading).
 - **lenient**: the eval's grader said so (the completion's reward >= the threshold; for arithmetic the `math`
   environment's math-verify reading, which finds the number inside "The answer is 44.").
 
-Standard library and numpy only (no torch), so the unit tests and the report import it cheaply.
+Standard library, numpy and that module only (no torch), so the unit tests and the report import it cheaply.
 """
 
 from __future__ import annotations
@@ -18,10 +19,7 @@ from typing import Any
 
 import numpy as np
 
-
-def strict_correct(answer_text: str | None, expected: str) -> bool:
-    """True when the answer, stripped of surrounding whitespace, is exactly the expected answer."""
-    return answer_text is not None and answer_text.strip() == expected.strip()
+from nemo_rl_ext.data.answers import strict_correct
 
 
 def lenient_correct(reward: float, threshold: float = 1.0) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,6 +20,10 @@ from typing import Any, Literal
 import mpmath
 import sympy
 from math_verify import parse, verify
+
+from nemo_rl_ext.data.answers import clean_answer as _cleaned
+from nemo_rl_ext.data.answers import extract_answer
+from nemo_rl_ext.data.answers import squashed as _squashed
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +45,6 @@ VOTE_KEY_DIGITS = 12
 
 GradingStatus = Literal["ok", "timeout"]
 
-_FINAL_ANSWER = re.compile(r"(?:final answer|answer is|answer:)\s*(?:is\s*)?:?\s*(.+)", re.IGNORECASE)
-_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?")
-_BOXED_OR_BRACE = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
-_SPECIAL_TOKEN = re.compile(r"<\|[^|<>\s]{1,40}\|>")
-_QUOTES = ('"', "'", "`")
-
 
 @dataclass(frozen=True)
 class Grade:
@@ -62,24 +59,6 @@ class Grade:
     status: GradingStatus = "ok"
     """ok; timeout: grading ran past its deadline and was killed (a grade that fails for any other reason is
     not a Grade: `grading_pool.GradingUnavailableError`, an error completion)."""
-
-
-def extract_answer(text: str) -> str | None:
-    """The answer a response gives: the last `\\boxed{}`, else a "final answer: ..." line, else the last number.
-
-    Only the text after the last `</think>` counts, so a reasoning block's scratch numbers are not answers;
-    special tokens decoded into the text (`<|im_end|>`) are ignored.
-    """
-    text = _SPECIAL_TOKEN.sub("", text.rsplit("</think>", 1)[-1])
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed
-    for match in reversed(list(_FINAL_ANSWER.finditer(text))):
-        answer = match.group(1).strip().strip("*$ ").rstrip(".").strip("*$ ")
-        if answer:
-            return answer
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
 
 
 def grade_answer(response: str, ground_truth: Any) -> Grade:
@@ -140,31 +119,6 @@ def _expression_key(expr: sympy.Basic) -> str:
     return str(expr)
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, stripped; one pass."""
-    opened: list[int | None] = []  # per open brace: where its box's content starts, or None for a plain `{`
-    best: tuple[int, int] | None = None
-    for match in _BOXED_OR_BRACE.finditer(text):
-        token = match.group()
-        if token == "}":
-            start = opened.pop() if opened else None
-            if start is not None and (best is None or start > best[0]):
-                best = (start, match.start())
-        else:
-            opened.append(match.end() if token != "{" else None)
-    return None if best is None else text[best[0] : best[1]].strip()
-
-
-def _cleaned(answer: str) -> str:
-    """The answer without surrounding spaces, quotes or `$`, or a trailing period (`"21."` -> `21`)."""
-    text = answer.strip().strip("$").strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in _QUOTES:
-        text = text[1:-1].strip()
-    if text.endswith(".") and not text.endswith(".."):
-        text = text[:-1].rstrip()
-    return text
-
-
 @lru_cache(maxsize=4096)
 def _parsed(text: str) -> tuple[Any, ...]:
     """math-verify's parse of an answer (boxed so that the whole string is the target), without signals."""
@@ -181,10 +135,6 @@ def _matches(answer: str, ground_truth: str) -> bool:
     if any(_is_too_large(p) for p in predicted):
         return False
     return verify(list(gold), list(predicted), timeout_seconds=None)
-
-
-def _squashed(text: str) -> str:
-    return re.sub(r"\s+|\$", "", text)
 
 
 def _is_too_large(expr: Any) -> bool:

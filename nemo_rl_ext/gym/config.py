@@ -43,7 +43,9 @@ class GymLaunchConfig(StrictModel):
     config_paths: tuple[Path, ...] = Field(
         min_length=1,
         description="Gym server config YAML files; a relative path not found from the CWD is looked up in the "
-        "Gym install (e.g. resources_servers/mcqa/configs/mcqa.yaml).",
+        "Gym install (e.g. resources_servers/mcqa/configs/mcqa.yaml). The servers they name are found in "
+        "NEMO_GYM_EXTRA_ROOTS, the CWD, the project's own servers (resources_servers/arithmetic_grader), then "
+        "the Gym install.",
     )
     head_server_port: int = Field(default=11000, ge=1, le=65535, description="Port of Gym's head server.")
     startup_timeout_s: float = Field(default=180.0, gt=0, description="Deadline for every server to be healthy.")

@@ -5,7 +5,8 @@ Two modes (docs/nemo_gym.md has the measurements behind them):
   the resolved config in its environment; a server without one, or whose script is not in its folder, is refused
   before anything starts (`entrypoint_problems`). No Ray and no head server; every socket is on 127.0.0.1; up in
   ~7 s on 2 cores. A server's folder is found as `ng_run` finds it: NEMO_GYM_EXTRA_ROOTS, then the caller's
-  working directory, then the Gym install (`resolve_gym_config.py`).
+  working directory, then the project's own servers (`servers/`, SHIPPED_SERVERS), then the Gym install
+  (`resolve_gym_config.py`).
 - `ng_run`: Gym's own launcher (`ng_run`, alias of `gym env start`) with a head server; it also starts
   a Ray cluster, which listens on every interface, and takes ~40 s. Stopped with SIGTERM, then SIGKILL
   of its process group (Ray's agents ignore SIGTERM).
@@ -43,6 +44,9 @@ from nemo_rl_ext.lifecycle import on_force_stop
 logger = logging.getLogger(__name__)
 
 RESOLVER = Path(__file__).with_name("resolve_gym_config.py")
+SHIPPED_SERVERS = Path(__file__).with_name("servers")
+"""The project's own Gym servers (`resources_servers/arithmetic_grader`), searched after the caller's working
+directory and before the Gym install."""
 WATCHDOG = Path(__file__).with_name("watchdog.py")
 DIRECT_TYPES = ("resources_servers", "responses_api_agents", "responses_api_models")
 _LOG_TAIL_CHARS = 3000
@@ -221,7 +225,8 @@ class GymLauncher:
     def _resolve(self) -> dict:
         cmd = [str(self.python), str(RESOLVER), "--policy-base-url", self.policy_base_url,
                "--policy-model-name", self.policy_model_name, "--policy-api-key", self.policy_api_key,
-               "--search-root", os.getcwd(), *[str(p) for p in self.config_paths]]
+               "--search-root", os.getcwd(), "--search-root", str(SHIPPED_SERVERS),
+               *[str(p) for p in self.config_paths]]
         deadline = time.monotonic() + 120
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=self.work_dir) as proc:
@@ -291,7 +296,9 @@ class GymLauncher:
         # a private Ray temp dir: never join (or hang on) another Ray cluster of this user
         self._ray_tmp = Path(tempfile.mkdtemp(prefix="ngray-", dir="/tmp"))
         # the server folders ng_run finds (run in work_dir): those the resolver found from the caller's cwd
-        roots = os.pathsep.join(r for r in (os.environ.get("NEMO_GYM_EXTRA_ROOTS", ""), os.getcwd()) if r)
+        roots = os.pathsep.join(
+            r for r in (os.environ.get("NEMO_GYM_EXTRA_ROOTS", ""), os.getcwd(), str(SHIPPED_SERVERS)) if r
+        )
         self._spawn("ng_run", cmd, cwd=str(self.work_dir),
                     env=os.environ | {"RAY_TMPDIR": str(self._ray_tmp), "NEMO_GYM_EXTRA_ROOTS": roots})
         head = f"http://127.0.0.1:{self.cfg.head_server_port}"

@@ -6,7 +6,7 @@ Prints one JSON object: {"yaml": <the resolved global config as YAML>, "servers"
 {"type", "impl", "dir", "entrypoint", "host", "port"}}}. Gym's own parser fills in hosts (127.0.0.1) and free
 ports. `dir` is found as `ng_run` finds it (`nemo_gym.cli.env._resolve_server_dir`): the first of the
 NEMO_GYM_EXTRA_ROOTS, then the `--search-root`s (the launcher's caller's working directory, which is `ng_run`'s
-cwd), then the Gym install, holding `<type>/<impl>/` with a requirements.txt or pyproject.toml; `entrypoint` is
+cwd, then the project's own servers), then the Gym install, holding `<type>/<impl>/` with a requirements.txt or pyproject.toml; `entrypoint` is
 the server's `entrypoint` key as written (None when absent), the script `ng_run` runs in that folder.
 """
 
