@@ -9,6 +9,7 @@ import torch
 
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.data.records import Completion, PromptGroupRecord, StopReason, check_reward_components
+from nemo_rl_ext.grpo.config import GRPOSettings
 from nemo_rl_ext.objectives.advantages import (
     Baseline,
     StdScope,
@@ -42,6 +43,37 @@ def has_reward_variance(record: PromptGroupRecord) -> bool:
     """True when the rewards of the group's valid completions are not all equal (it can teach something)."""
     rewards = [c.reward for c in record.completions if is_valid(c)]
     return len(rewards) > 1 and any(r != rewards[0] for r in rewards)
+
+
+def has_signal(record: PromptGroupRecord, grpo: GRPOSettings | None = None) -> bool:
+    """What dynamic sampling keeps: a group whose advantages (before GDPO's whitening over the step) are not all
+    zero. `grpo.adv_estimator` grpo (or `grpo` None): its valid rewards differ (`has_reward_variance`). gdpo:
+    sum_n w_n A_n of the group (each weighted component's group advantage under `grpo`'s baseline and std, as
+    `compute_gdpo_advantages` computes it) is not all zero, so tied scalar rewards over varying components are
+    kept and a varying scalar over constant components is not. A group whose valid completions do not all carry
+    every component is kept: building the batch then names the environment and the field."""
+    if grpo is None or grpo.adv_estimator != "gdpo":
+        return has_reward_variance(record)
+    done = [c for c in record.completions if is_valid(c)]
+    if len(done) < 2:
+        return False
+    weights = grpo.reward_weights or dict.fromkeys({n for c in done for n in c.reward_components}, 1.0)
+    if not all(name in c.reward_components for name in weights for c in done):
+        return True
+    settings = dict(baseline=grpo.baseline, normalize_std=grpo.normalize_std, std_scope=grpo.std_scope)
+    total = torch.zeros(len(done), dtype=torch.float64)
+    size = torch.zeros(len(done), dtype=torch.float64)
+    for name, weight in weights.items():
+        values = [[float(c.reward_components[name]) for c in done]]
+        part = float(weight) * compute_group_advantages(values, dtype=torch.float64, **settings)[0]
+        total, size = total + part, size + part.abs()
+    # terms that cancel in exact arithmetic leave float64 rounding: a few ulps of each term, summed
+    return bool((total.abs() > _CANCELLED * size).any())
+
+
+_CANCELLED = 64 * torch.finfo(torch.float64).eps
+"""A weighted sum of GDPO advantages this small against the sum of its terms' sizes is a cancellation to
+rounding (each term is a handful of float64 operations, each within an ulp; 64 ulps covers them)."""
 
 
 def build_training_batch(
