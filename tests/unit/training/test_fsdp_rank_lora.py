@@ -109,3 +109,43 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
+ABLATIONS = {  # an option's keys, set back to their defaults together
+    "sequence_level_importance_ratios": ("sequence_level_importance_ratios",),
+    "policy_loss": ("policy_loss",),
+    "aggregation": ("aggregation", "max_tokens_norm"),
+    "entropy_coef": ("entropy_coef",),
+    "truncated_importance_sampling_type": ("importance_sampling_correction", "truncated_importance_sampling_type",
+                                           "truncated_importance_sampling_ratio",
+                                           "truncated_importance_sampling_ratio_min"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("option", sorted(set(LOSS_OPTIONS) - {"default"}))
+def test_each_loss_option_changes_a_lora_step(tmp_path, option):
+    """Each option of a set takes effect with LoRA: the step's loss differs from the same set with that option
+    back at its default. Two minibatches, so the second one's policy ratio is not 1 (GSPO's ratio equals the
+    token-level one's gradient at ratio 1)."""
+    from nemo_rl_ext.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "model", seed=0, initializer_range=0.05, tie_word_embeddings=False)
+    lora = LoraSettings(r=4, alpha=8, target_modules=("q_proj", "lm_head"))
+    optimizer = OptimizerSettings(lr=1e-2, micro_batch_size=2, minibatches_per_step=2, share_prompt_prefix=False)
+    items, advantages = _items()
+
+    def step(settings: dict) -> dict[str, float]:
+        model, _ = load_model_and_tokenizer(path)
+        torch.manual_seed(SEED)
+        trainer = PolicyTrainer(with_lora(model, lora), optimizer=optimizer,
+                                loss=ClippedPGLossConfig(kl_coef=0.1, **settings), temperature=1.0, pad_token_id=0)
+        return trainer.train_step(items, advantages)
+
+    settings = LOSS_OPTIONS[option]
+    got = step(settings)
+    ablated = [key for key in ABLATIONS if key in settings]
+    assert ablated
+    for key in ablated:
+        without = {k: v for k, v in settings.items() if k not in ABLATIONS[key]}
+        assert step(without)["loss"] != got["loss"], (option, key)
