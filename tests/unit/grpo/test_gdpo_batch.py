@@ -131,12 +131,15 @@ def _two_components():
     )
 
 
-def test_a_tiny_model_grpo_step_trains_on_two_components(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_tiny_model_grpo_step_trains_on_two_components(tmp_path: Path, tiny_model_dir: Path, lora: bool) -> None:
     """A native environment (the scripted double) reports `short` and `has_a` for every reply: one GRPO step
-    on the tiny model logs both as reward/<name> and trains on GDPO's advantages of the records it made."""
+    on the tiny model logs both as reward/<name> and trains on GDPO's advantages of the records it made, with
+    LoRA too (its adapters alone train)."""
     from nemo_rl_ext.grpo.loop import GRPO
 
-    cfg = _tiny_gdpo_config(tmp_path, tiny_model_dir)
+    adapters = ("trainer.lora.r=4", "trainer.lora.alpha=8", "trainer.lora.target_modules=[q_proj,v_proj]")
+    cfg = _tiny_gdpo_config(tmp_path, tiny_model_dir, *(adapters if lora else ()))
     env = _two_components()
     seen: dict[str, object] = {}
     with GRPO(cfg, task_to_env={"string_match": env}) as grpo:
@@ -152,6 +155,9 @@ def test_a_tiny_model_grpo_step_trains_on_two_components(tmp_path: Path, tiny_mo
 
         grpo._train_records, grpo.trainer.train_step = spy_records, spy_step
         metrics = grpo.run()[-1]
+        trained = [name for name, p in grpo.trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all(("lora_" in name) == lora for name in trained), trained
+    assert metrics["train/grad_norm"] > 0
     records = seen["records"]
     comps = [[c.reward_components for c in r.completions] for r in records]
     assert all(set(c) == {"short", "has_a"} for g in comps for c in g), comps
