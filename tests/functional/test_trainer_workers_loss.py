@@ -1,5 +1,5 @@
-"""Two FSDP2 ranks against the in-process trainer for each loss aggregation mode, GSPO, CISPO and the entropy bonus: the global
-normalisation count the driver hands the ranks makes the step's metrics and gradient norm those of one process
+"""Two FSDP2 ranks against the in-process trainer for each loss aggregation mode, GSPO, CISPO, the entropy bonus
+and GDPO's advantages (computed on the driver, whitened over the step): the global normalisation count the driver hands the ranks makes the step's metrics and gradient norm those of one process
 (1e-4 relative, as `test_trainer_workers.py`). One pair of trainers runs the options one after another (the loss
 setting swapped on both sides between steps: one Ray start for all of them, suite time); lr 1e-6 keeps the
 weights of both sides within rounding of each other, so each step compares the gradients the option makes."""
@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from test_trainer_workers import config_file, uneven_items  # noqa: F401  (config_file: the module-scoped say-"yes" config fixture)
 
 from nemo_rl_ext.config import load_config
 from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.objectives.advantages import compute_gdpo_advantages
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig
 from nemo_rl_ext.training.distributed_trainer import DistributedTrainer, rank_spec
 
@@ -26,7 +28,19 @@ OPTIONS = {
     "gspo": {"sequence_level_importance_ratios": True, "aggregation": "seq-mean-token-mean"},
     "cispo": {"policy_loss": "cispo", "clip_high": 0.28},
     "entropy": {"entropy_coef": 0.05},
+    "gdpo": {},  # the default loss on GDPO's advantages (below)
 }
+
+
+def gdpo_advantages(n: int) -> torch.Tensor:
+    """GDPO's advantages (`compute_gdpo_advantages`: per component, weighted, whitened over the step) of `n`
+    samples in groups of 4 with two seeded 0/1 components: computed on the driver, so the ranks get them as
+    they get any advantages; the step checks they train as one process does."""
+    g = torch.Generator().manual_seed(1)
+    draws = torch.randint(0, 2, (n, 2), generator=g).tolist()
+    components = [{"correct": float(a), "format": float(b)} for a, b in draws]
+    groups = [components[i:i + 4] for i in range(0, n, 4)]
+    return torch.cat(compute_gdpo_advantages(groups, {"correct": 1.0, "format": 0.5})).to(torch.float32)
 
 
 @pytest.mark.timeout(400)
@@ -53,7 +67,8 @@ def test_two_ranks_train_each_loss_option_as_one_process_does(config_file) -> No
             loss = ClippedPGLossConfig(kl_coef=0.0, **option)
             local.loss_config = ranks.loss_config = loss
             ray.get([r.__ray_call__.remote(set_loss, loss) for r in ranks._ranks])
-            expected, got = local.train_step(items, advantages), ranks.train_step(items, advantages)
+            adv = gdpo_advantages(len(items)) if name == "gdpo" else advantages
+            expected, got = local.train_step(items, adv), ranks.train_step(items, adv)
             assert expected["optimizer_steps"] == 1.0 and expected["grad_norm"] > 0, name
             assert got == pytest.approx(expected, rel=1e-4, abs=1e-7), name
     finally:

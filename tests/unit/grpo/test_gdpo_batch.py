@@ -2,7 +2,7 @@
 
 GDPO's advantages are computed on the driver (`grpo/batch.build_training_batch`, called by `GRPO._train_records`
 for the synchronous and the asynchronous loop alike) and handed to the trainer, so trainer ranks only ever see
-finished advantages: two ranks against one adds nothing for GDPO that the rank tests of the loss do not cover.
+finished advantages (`functional/test_trainer_workers_loss.py` trains GDPO's on two ranks against one).
 """
 
 from __future__ import annotations
