@@ -1,8 +1,9 @@
 """Two FSDP2 ranks against the in-process trainer for each loss aggregation mode, GSPO, CISPO, the entropy bonus
-and GDPO's advantages (computed on the driver, whitened over the step): the global normalisation count the driver hands the ranks makes the step's metrics and gradient norm those of one process
-(1e-4 relative, as `test_trainer_workers.py`). One pair of trainers runs the options one after another (the loss
-setting swapped on both sides between steps: one Ray start for all of them, suite time); lr 1e-6 keeps the
-weights of both sides within rounding of each other, so each step compares the gradients the option makes."""
+and GDPO's advantages (computed on the driver, whitened over the step): the global normalisation count the
+driver hands the ranks makes the step's metrics and gradient norm those of one process (1e-4 relative, as
+`test_trainer_workers.py`). One pair of trainers runs the options one after another (the loss setting swapped on
+both sides between steps: one Ray start for all of them, suite time); lr 1e-6 keeps the weights of both sides
+within rounding of each other, so each step compares the gradients the option makes."""
 
 from __future__ import annotations
 
