@@ -14,8 +14,8 @@
   `grpo.baseline: leave_one_out`, false: `mean`) and the nested section `grpo.adv_estimator: {name,
   normalize_rewards, use_leave_one_out_baseline, reward_weights, minus_baseline}` (`name` is
   `grpo.adv_estimator`; its list of `reward_weights`, ordered by sorted component name, becomes the
-  `{name: weight}` of `grpo.reward_weights` over `rollouts.gym.reward_components`; `minus_baseline`, read
-  only by NeMo-RL's Reinforce++ estimator, is dropped). A key given in both spellings must agree.
+  `{name: weight}` of `grpo.reward_weights` over `rollouts.gym.reward_components`; `minus_baseline` is
+  `grpo.minus_baseline`). A key given in both spellings must agree.
 
 The warning's category is `DeprecationWarning`, attributed to the config module: a CLI's output stays as it is
 (Python shows it with `-W default` or `PYTHONWARNINGS=default`), tests and library callers see it.
@@ -210,8 +210,9 @@ ADV_ESTIMATOR_KEYS: dict[str, tuple[str, ...]] = {
     "normalize_rewards": ("grpo", "normalize_std"),
     "use_leave_one_out_baseline": ("grpo", "baseline"),
     "reward_weights": ("grpo", "reward_weights"),
+    "minus_baseline": ("grpo", "minus_baseline"),
 }
-"""NeMo-RL's nested `grpo.adv_estimator.<key>` -> today's key path (`minus_baseline` is dropped)."""
+"""NeMo-RL's nested `grpo.adv_estimator.<key>` -> today's key path."""
 
 
 def advantage_spellings(data: dict[str, Any], renames: Renames, *, base: Mapping[str, Any] | None = None
@@ -231,12 +232,9 @@ def advantage_spellings(data: dict[str, Any], renames: Renames, *, base: Mapping
     del grpo["adv_estimator"]
     for key, value in section.items():
         old = ("grpo", "adv_estimator", key)
-        if key == "minus_baseline":
-            warnings.warn("config key grpo.adv_estimator.minus_baseline is ignored: NeMo-RL reads it only in its "
-                          "Reinforce++ estimator; remove it", DeprecationWarning, stacklevel=4)
-        elif key not in ADV_ESTIMATOR_KEYS:
+        if key not in ADV_ESTIMATOR_KEYS:
             problems.append((old, f"is not a key of NeMo-RL's grpo.adv_estimator section that this package reads "
-                             f"(those are {', '.join(ADV_ESTIMATOR_KEYS)}, minus_baseline)", value))
+                             f"(those are {', '.join(ADV_ESTIMATOR_KEYS)})", value))
         elif key == "reward_weights" and isinstance(value, list | tuple):
             weights, problem = _weights_by_name(data, base, value)
             problems += [(old, problem, value)] if problem else _put(data, old, weights, renames)

@@ -17,6 +17,7 @@ from nemo_rl_ext.objectives.advantages import (
     compute_group_advantages,
     flatten_group_advantages,
 )
+from nemo_rl_ext.objectives.kl_reward import reinforce_pp_advantages, whiten_by_tokens
 from nemo_rl_ext.objectives.loss import CompletionTensors, completion_to_tensors
 
 
@@ -85,6 +86,8 @@ def build_training_batch(
     overlong_filtering: bool = False,
     adv_estimator: str = "grpo",
     reward_weights: Mapping[str, float] | None = None,
+    minus_baseline: bool = True,
+    kl_in_reward: bool = False,
 ) -> TrainingBatch:
     """Group-relative advantages of every completion (see `compute_group_advantages`), and its tensors.
 
@@ -93,19 +96,26 @@ def build_training_batch(
     `overlong_filtering`, truncated completions get an all-zero loss mask too, but keep their place in the
     baseline (as NeMo-RL's overlong filtering). `adv_estimator="gdpo"`: the advantages of the completions'
     `reward_components` (`compute_gdpo_advantages`, weights from `gdpo_weights`) instead of their `reward`.
+    `"reinforce_plus_plus"`: r - the group mean (`minus_baseline`), whitened over the step's trained tokens
+    (`objectives.kl_reward`); with `kl_in_reward` not yet whitened: the trainer subtracts the KL, then whitens.
     """
     valid = [[is_valid(c) for c in r.completions] for r in records]
     settings = dict(baseline=baseline, normalize_std=normalize_std, std_scope=std_scope, valid_per_group=valid)
+    items = tuple(
+        completion_to_tensors(c, overlong_filtering=overlong_filtering) for r in records for c in r.completions
+    )
+    rewards = [[c.reward for c in r.completions] for r in records]
     if adv_estimator == "gdpo":
         weights = gdpo_weights(records, reward_weights)
         components = [[c.reward_components for c in r.completions] for r in records]
         per_group = compute_gdpo_advantages(components, weights, **settings)
+    elif adv_estimator == "reinforce_plus_plus":
+        per_group = reinforce_pp_advantages(rewards, minus_baseline, valid_per_group=valid)
     else:
-        per_group = compute_group_advantages([[c.reward for c in r.completions] for r in records], **settings)
+        per_group = compute_group_advantages(rewards, **settings)
     advantages, group_ids = flatten_group_advantages(per_group)
-    items = tuple(
-        completion_to_tensors(c, overlong_filtering=overlong_filtering) for r in records for c in r.completions
-    )
+    if adv_estimator == "reinforce_plus_plus" and not kl_in_reward:
+        advantages = whiten_by_tokens(advantages, torch.tensor([float(x.loss_mask.sum()) for x in items]))
     return TrainingBatch(
         items=items,
         advantages=advantages.to(torch.float32),

@@ -267,6 +267,8 @@ class GRPO:
                 overlong_filtering=self.cfg.grpo.overlong_filtering,
                 adv_estimator=self.cfg.grpo.adv_estimator,
                 reward_weights=self.cfg.grpo.reward_weights,
+                minus_baseline=self.cfg.grpo.minus_baseline,
+                kl_in_reward=self.cfg.loss.use_kl_in_reward,
             )
             batch = weight_by_loss_multiplier(batch, records)
             metrics.update(training_batch_metrics(batch, records))

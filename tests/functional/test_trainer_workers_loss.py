@@ -74,3 +74,32 @@ def test_two_ranks_train_each_loss_option_as_one_process_does(config_file) -> No
             assert got == pytest.approx(expected, rel=1e-4, abs=1e-7), name
     finally:
         ranks.close()
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_subtract_the_kl_from_the_reward_as_one_process_does(config_file, tmp_path) -> None:  # noqa: F811
+    """Reinforce++ with `loss.use_kl_in_reward`: the driver subtracts the KL between the ranks' logprobs and the
+    reference's (another tiny model, so the KL is not 0) from the advantages and whitens them; the ranks train on
+    those per-token advantages as one process does."""
+    from nemo_rl_ext.models.loading import load_model_and_tokenizer
+    from nemo_rl_ext.models.tiny import build_tiny_model
+    from nemo_rl_ext.training.trainer import PolicyTrainer
+
+    cfg = load_config(config_file, ["trainer.workers=2", "optimizer.micro_batch_size=4", "optimizer.lr=1e-6",
+                                    "optimizer.minibatches_per_step=1", "loss.kl_coef=0.5",
+                                    "loss.use_kl_in_reward=true", "grpo.adv_estimator=reinforce_plus_plus"],
+                      GRPOConfig)
+    path = cfg.policy.model_name
+    reference = build_tiny_model(tmp_path / "reference", seed=1, initializer_range=0.05)
+    items, advantages = uneven_items()
+    model, _ = load_model_and_tokenizer(path)
+    ref_model, _ = load_model_and_tokenizer(reference)
+    local = PolicyTrainer(model, optimizer=cfg.optimizer, loss=cfg.loss.to_loss_config(), temperature=1.0,
+                          pad_token_id=0, reference_model=ref_model)
+    ranks = DistributedTrainer(rank_spec(cfg, path, reference, 0), cfg.trainer, cfg.policy.cluster)
+    try:
+        expected, got = local.train_step(items, advantages), ranks.train_step(items, advantages)
+    finally:
+        ranks.close()
+    assert expected["kl/mean"] > 0.0 and expected["loss/kl"] == 0.0 and expected["grad_norm"] > 0
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-7)

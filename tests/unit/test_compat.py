@@ -77,7 +77,7 @@ def test_an_unknown_rollout_mode_names_the_three_modes_of_the_older_spelling() -
 GYM = ["rollouts.mode=nemo_gym", "rollouts.gym={head_server_url: 'http://127.0.0.1:9', policy_port: 9, "
        "reward_components: [format, correct]}"]
 NESTED = ("grpo.adv_estimator={name: gdpo, normalize_rewards: false, use_leave_one_out_baseline: false, "
-          "reward_weights: [1.0, 0.5], minus_baseline: true}")  # NeMo-RL's section (grpo_math_1B.yaml's keys)
+          "reward_weights: [1.0, 0.5], minus_baseline: false}")  # NeMo-RL's section (grpo_math_1B.yaml's keys)
 
 
 def _grpo(*overrides: str) -> GRPOConfig:
@@ -93,11 +93,13 @@ def test_nemo_rls_nested_adv_estimator_loads_as_todays_keys_with_a_warning_per_k
     assert moves == sorted([("grpo.adv_estimator.name", "grpo.adv_estimator"),
                             ("grpo.adv_estimator.normalize_rewards", "grpo.normalize_std"),
                             ("grpo.adv_estimator.use_leave_one_out_baseline", "grpo.baseline"),
-                            ("grpo.adv_estimator.reward_weights", "grpo.reward_weights")])
-    assert any("grpo.adv_estimator.minus_baseline is ignored" in m for m in messages)
+                            ("grpo.adv_estimator.reward_weights", "grpo.reward_weights"),
+                            ("grpo.adv_estimator.minus_baseline", "grpo.minus_baseline")])
+    assert len(messages) == len(moves)
     # the list is by sorted component name (NeMo-RL's order): correct < format
     assert cfg.grpo == _grpo("grpo.adv_estimator=gdpo", "grpo.normalize_std=false", "grpo.baseline=mean",
-                             "grpo.reward_weights={correct: 1.0, format: 0.5}", *GYM).grpo
+                             "grpo.reward_weights={correct: 1.0, format: 0.5}", "grpo.minus_baseline=false",
+                             *GYM).grpo
 
 
 def test_nemo_rls_flat_keys_and_the_section_that_repeats_them_load() -> None:
@@ -121,7 +123,8 @@ def test_nemo_rls_flat_keys_and_the_section_that_repeats_them_load() -> None:
      "grpo.adv_estimator.reward_weights: a list of weights is ordered by the components' sorted names"),
     (["grpo.adv_estimator={name: gdpo, reward_weights: [1.0]}", *GYM],
      "grpo.adv_estimator.reward_weights: has 1 weights for the 2 components"),
-    (["grpo.adv_estimator={name: reinforce_plus_plus}"], "grpo.adv_estimator.name: Input should be 'grpo' or 'gdpo'"),
+    (["grpo.adv_estimator={name: gae}"], "grpo.adv_estimator.name: Input should be 'grpo', 'gdpo' or "
+     "'reinforce_plus_plus'"),
     (["grpo.adv_estimator={name: grpo, gae_lambda: 0.9}"], "grpo.adv_estimator.gae_lambda: is not a key"),
     (["grpo.adv_estimator={use_leave_one_out_baseline: maybe}"],
      "grpo.adv_estimator.use_leave_one_out_baseline: must be true or false"),
