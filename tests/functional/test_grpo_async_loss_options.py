@@ -36,6 +36,8 @@ OPTION_SETS = {  # every option at least once; options that exclude each other a
                                      "truncated_importance_sampling_type": "icepop",
                                      "truncated_importance_sampling_ratio": 2.0,
                                      "truncated_importance_sampling_ratio_min": 0.5},
+    "reinforce-pp-kl-in-reward": {"grpo.adv_estimator": "reinforce_plus_plus", "kl_coef": 0.05,
+                                  "use_kl_in_reward": True},
     "seq-mask-tis-token-sum": {"aggregation": "seq-mean-token-sum", "truncated_importance_sampling_type":
                                "seq-mask-tis", "truncated_importance_sampling_ratio": 1.25,
                                "truncated_importance_sampling_ratio_min": 0.8},
@@ -44,12 +46,13 @@ ABLATIONS = {  # an option (its keys together) set back to the default, for the 
     "sequence_level_importance_ratios": ("sequence_level_importance_ratios",),
     "policy_loss": ("policy_loss",),
     "aggregation": ("aggregation", "max_tokens_norm"),
+    "use_kl_in_reward": ("use_kl_in_reward",),
 }
 
 
 def _run(path: Path, tmp_path: Path, loss: dict) -> tuple[GRPOConfig, list[tuple], list[dict]]:
     """Two asynchronous steps; returns the config, each step's trainer inputs (items, advantages) and metrics."""
-    overrides = [f"loss.{k}={v}" for k, v in loss.items()]
+    overrides = [f"{k}={v}" if k.startswith("grpo.") else f"loss.{k}={v}" for k, v in loss.items()]
     cfg = load_config(path, [f"output_dir={tmp_path}", "grpo.max_num_steps=2", *ASYNC, "grpo.async.max_lag=1",
                                     "optimizer.minibatches_per_step=2", "optimizer.micro_batch_size=8",
                                     "loss.importance_sampling_cap=null", *overrides], GRPOConfig)
@@ -70,8 +73,10 @@ def _replay(cfg: GRPOConfig, inputs: list[tuple], losses: list[LossSettings]) ->
     """The trainer's metrics of each recorded step, replayed in process from the initial weights, step i under
     `losses[i]`."""
     model, _ = load_model_and_tokenizer(cfg.policy.model_name, dtype=torch.float32, device="cpu")
+    reference = load_model_and_tokenizer(cfg.policy.model_name, dtype=torch.float32, device="cpu")[0] if any(
+        loss.kl_coef > 0 for loss in losses) else None
     trainer = PolicyTrainer(model, optimizer=cfg.optimizer, loss=losses[0].to_loss_config(8),
-                            temperature=cfg.policy.generation.temperature, pad_token_id=0)
+                            temperature=cfg.policy.generation.temperature, pad_token_id=0, reference_model=reference)
     out = []
     for (items, advantages), loss in zip(inputs, losses, strict=True):
         trainer.loss_config = loss.to_loss_config(cfg.policy.generation.max_new_tokens)
@@ -91,12 +96,14 @@ def test_each_loss_option_takes_effect_in_asynchronous_grpo(config_file: Path, t
             k: v for k, v in step.items() if k.startswith("train/") and k != "train/lr"}
     got = {k.removeprefix("train/"): v for k, v in history[-1].items() if k.startswith("train/")}
     option = OPTION_SETS[name]
-    kind = option["truncated_importance_sampling_type"]
+    kind = option.get("truncated_importance_sampling_type")
     if kind == "tis":  # a metric only the truncation moves: some weights truncated, not all
         assert 0.0 < got["is_weight/truncated_fraction"] < 1.0, got
-    else:  # icepop, seq-mask-tis: some tokens (whole samples) masked, not all
+    elif kind is not None:  # icepop, seq-mask-tis: some tokens (whole samples) masked, not all
         assert 0.0 < got["is/masked_tokens"] < got["num_tokens"], got
         assert (got["is/masked_sequences"] > 0) == (kind == "seq-mask-tis"), got
+    if option.get("use_kl_in_reward"):  # the KL is measured (the policy moved at step 1), not in the loss
+        assert got["kl/mean"] > 0.0 and got["loss/kl"] == 0.0, got
     assert (got["loss/entropy"] != 0.0) == ("entropy_coef" in option)  # only the entropy bonus has that term
     for keys in (keys for key, keys in ABLATIONS.items() if key in option):
         default = {k: LossSettings.model_fields[k].default for k in keys}
