@@ -9,7 +9,13 @@
   section, all now under `rollouts`.
 - GRPO (NeMo-RL's GRPO spelling, and this package's earlier one): `grpo.num_generations_per_prompt`,
   `grpo.max_rollout_turns`, `grpo.max_seq_len`, the `env` section and `data.system_prompt`, all now under
-  `rollouts`; `logger.tensorboard` is now `logger.tensorboard_enabled` (NeMo-RL's name).
+  `rollouts`; `logger.tensorboard` is now `logger.tensorboard_enabled` (NeMo-RL's name). NeMo-RL's advantage
+  keys: `grpo.normalize_rewards` (`grpo.normalize_std`), `grpo.use_leave_one_out_baseline` (true:
+  `grpo.baseline: leave_one_out`, false: `mean`) and the nested section `grpo.adv_estimator: {name,
+  normalize_rewards, use_leave_one_out_baseline, reward_weights, minus_baseline}` (`name` is
+  `grpo.adv_estimator`; its list of `reward_weights`, ordered by sorted component name, becomes the
+  `{name: weight}` of `grpo.reward_weights` over `rollouts.gym.reward_components`; `minus_baseline` is
+  `grpo.minus_baseline`). A key given in both spellings must agree.
 
 The warning's category is `DeprecationWarning`, attributed to the config module: a CLI's output stays as it is
 (Python shows it with `-W default` or `PYTHONWARNINGS=default`), tests and library callers see it.
@@ -191,8 +197,86 @@ def grpo_spellings(
             problems += move_key(data, ("env", name), ("rollouts", "env", name), renames)
     problems += move_key(data, ("data", "system_prompt"), ("rollouts", "env", "system_prompt"), renames)
     problems += move_key(data, ("logger", "tensorboard"), ("logger", "tensorboard_enabled"), renames)
+    problems += advantage_spellings(data, renames, base=base)
     moves = [(old, new) for new, old in renames.items() if old[0] != "env"]
     if any(old[0] == "env" for old in renames.values()):  # a section moved whole is named once
         moves.append((("env",), ("rollouts", "env")))
     warn_older_spellings(moves)
     return renames, problems
+
+
+ADV_ESTIMATOR_KEYS: dict[str, tuple[str, ...]] = {
+    "name": ("grpo", "adv_estimator"),
+    "normalize_rewards": ("grpo", "normalize_std"),
+    "use_leave_one_out_baseline": ("grpo", "baseline"),
+    "reward_weights": ("grpo", "reward_weights"),
+    "minus_baseline": ("grpo", "minus_baseline"),
+}
+"""NeMo-RL's nested `grpo.adv_estimator.<key>` -> today's key path."""
+
+
+def advantage_spellings(data: dict[str, Any], renames: Renames, *, base: Mapping[str, Any] | None = None
+                        ) -> list[RuleProblem]:
+    """NeMo-RL's advantage keys (module docstring) rewritten in `data` in place, recording each move in
+    `renames`; returns the problems (values that cannot move, a key given twice with different values)."""
+    grpo = data.get("grpo")
+    if not isinstance(grpo, dict):
+        return []
+    problems: list[RuleProblem] = []
+    for name in ("normalize_rewards", "use_leave_one_out_baseline"):
+        if name in grpo:
+            problems += _put(data, ("grpo", name), grpo.pop(name), renames)
+    section = grpo.get("adv_estimator")
+    if not isinstance(section, dict):
+        return problems
+    del grpo["adv_estimator"]
+    for key, value in section.items():
+        old = ("grpo", "adv_estimator", key)
+        if key not in ADV_ESTIMATOR_KEYS:
+            problems.append((old, f"is not a key of NeMo-RL's grpo.adv_estimator section that this package reads "
+                             f"(those are {', '.join(ADV_ESTIMATOR_KEYS)})", value))
+        elif key == "reward_weights" and isinstance(value, list | tuple):
+            weights, problem = _weights_by_name(data, base, value)
+            problems += [(old, problem, value)] if problem else _put(data, old, weights, renames)
+        else:
+            problems += _put(data, old, value, renames)
+    return problems
+
+
+def _put(data: dict[str, Any], old: tuple[str, ...], value: Any, renames: Renames) -> list[RuleProblem]:
+    """Set NeMo-RL's advantage key `old` (already taken out of `data`) at today's key, converting the value of
+    `use_leave_one_out_baseline`; a problem when today's key holds a different value."""
+    new = ADV_ESTIMATOR_KEYS[old[-1]]
+    if old[-1] == "use_leave_one_out_baseline":
+        if not isinstance(value, bool):
+            return [(old, "must be true or false", value)]
+        value = "leave_one_out" if value else "mean"
+    grpo = data["grpo"]
+    if new[-1] in grpo and grpo[new[-1]] != value:
+        return [(old, f"is the older spelling of {'.'.join(new)}, which is also given with another value "
+                 f"({grpo[new[-1]]!r}); give only one", value)]
+    grpo[new[-1]] = value
+    if new in renames:  # NeMo-RL's flat key and the section's both: the first is warned here, the last below
+        warn_older_spellings([(renames[new], new)])
+    renames[new] = old  # warned with the other moves by `grpo_spellings`
+    return []
+
+
+def _weights_by_name(data: Mapping[str, Any], base: Mapping[str, Any] | None, weights: Sequence[Any]
+                     ) -> tuple[dict[str, Any], str | None]:
+    """NeMo-RL's list of GDPO weights (ordered by sorted component name) as {name: weight}, over the names of
+    `rollouts.gym.reward_components` (of `data`, else of `base`); ({}, the problem) when that cannot be done."""
+    names = None
+    for source in (data, base):
+        rollouts = source.get("rollouts") if isinstance(source, Mapping) else None
+        gym = rollouts.get("gym") if isinstance(rollouts, Mapping) else None
+        if isinstance(gym, Mapping) and isinstance(gym.get("reward_components"), list | tuple):
+            names = sorted(str(n) for n in gym["reward_components"])
+            break
+    if names is None:
+        return {}, ("a list of weights is ordered by the components' sorted names, which this config does not "
+                    "list: write grpo.reward_weights as {name: weight}")
+    if len(names) != len(weights):
+        return {}, (f"has {len(weights)} weights for the {len(names)} components of rollouts.gym.reward_components "
+                    f"{names} (one per component, in sorted name order)")
+    return dict(zip(names, weights, strict=True)), None

@@ -11,7 +11,8 @@ One task per group (`RolloutManager.run_rollout`), each inside a `RequestScope` 
 weight version its outputs came back with). Admission follows `staleness.admission_budget` (AReaL's rule);
 `queue_size` also stops it while that many finished groups wait. What happens to a group:
 
-- finished, within the lag bound: waits in the queue (dynamic sampling drops a zero-variance one on arrival);
+- finished, within the lag bound: waits in the queue (dynamic sampling drops one without signal on arrival,
+  `batch.has_signal`);
 - finished, but its oldest token is more than `max_lag` versions behind the weights that would train it:
   dropped and counted (`async/groups/dropped_stale`), also while it waits, at each version change; one
   that finished within the bound but went stale waiting (steps took other groups first) was surplus and
@@ -42,8 +43,8 @@ from typing import Any, TypeVar
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
-from nemo_rl_ext.grpo.batch import has_reward_variance
-from nemo_rl_ext.grpo.config import AsyncSettings, DynamicSamplingSettings
+from nemo_rl_ext.grpo.batch import has_signal
+from nemo_rl_ext.grpo.config import AsyncSettings, DynamicSamplingSettings, GRPOSettings
 from nemo_rl_ext.grpo.prompt_stream import PromptStream
 from nemo_rl_ext.grpo.step_seeds import REQUEST_SCOPE, RequestScope
 from nemo_rl_ext.objectives.staleness import admission_budget, group_version, lag_metrics
@@ -114,6 +115,7 @@ class AsyncCollector:
         salt_prefix: int,
         dynamic: DynamicSamplingSettings | None = None,
         measures_tokens: bool = True,
+        advantages: GRPOSettings | None = None,
     ) -> None:
         self.manager = manager
         self.stream = stream
@@ -125,6 +127,8 @@ class AsyncCollector:
         self.salt_prefix = salt_prefix
         self.dynamic = dynamic if dynamic is not None and dynamic.enabled else None
         self.measures_tokens = measures_tokens
+        self.advantages = advantages
+        """The run's advantage settings, by which dynamic sampling judges a group (`batch.has_signal`)."""
         """False when the records carry no token versions (NeMo Gym): lag is then judged by start version."""
         self._in_flight: dict[asyncio.Task[Any], _InFlight] = {}
         self._ready: list[FinishedGroup] = []
@@ -324,7 +328,7 @@ class AsyncCollector:
             version = group_version(record, offset=self.offset, start_version=group.start_version)
             if self.version - version > self.settings.max_lag:
                 self._counts["dropped_stale"] += 1
-            elif self.dynamic is not None and not has_reward_variance(record):
+            elif self.dynamic is not None and not has_signal(record, self.advantages):
                 self._filtered.append(record)
             else:
                 self._ready.append(FinishedGroup(group.position, record, version))

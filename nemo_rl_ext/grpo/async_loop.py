@@ -75,7 +75,7 @@ class AsyncLoop:
         self.collector = AsyncCollector(
             grpo.manager, grpo.train_data, self.knobs, per_step=settings.num_prompts_per_step, version=grpo.step,
             offset=grpo.step - grpo.generation.weight_version, salt_prefix=TRAIN_SALT,
-            dynamic=settings.dynamic_sampling, measures_tokens=grpo.manager.records_token_versions,
+            dynamic=settings.dynamic_sampling, measures_tokens=grpo.manager.records_token_versions, advantages=settings,
         )
         grpo.generation.salt = (TRAIN_SALT, grpo.step + 1, 0)  # requests outside a group's scope (nemo_gym)
         self.loop = asyncio.get_running_loop()

@@ -9,6 +9,7 @@ import torch
 
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.data.records import Completion, PromptGroupRecord, StopReason, check_reward_components
+from nemo_rl_ext.grpo.config import GRPOSettings
 from nemo_rl_ext.objectives.advantages import (
     Baseline,
     StdScope,
@@ -16,6 +17,7 @@ from nemo_rl_ext.objectives.advantages import (
     compute_group_advantages,
     flatten_group_advantages,
 )
+from nemo_rl_ext.objectives.kl_reward import reinforce_pp_advantages, whiten_by_tokens
 from nemo_rl_ext.objectives.loss import CompletionTensors, completion_to_tensors
 
 
@@ -44,6 +46,37 @@ def has_reward_variance(record: PromptGroupRecord) -> bool:
     return len(rewards) > 1 and any(r != rewards[0] for r in rewards)
 
 
+def has_signal(record: PromptGroupRecord, grpo: GRPOSettings | None = None) -> bool:
+    """What dynamic sampling keeps: a group whose advantages (before GDPO's whitening over the step) are not all
+    zero. `grpo.adv_estimator` grpo (or `grpo` None): its valid rewards differ (`has_reward_variance`). gdpo:
+    sum_n w_n A_n of the group (each weighted component's group advantage under `grpo`'s baseline and std, as
+    `compute_gdpo_advantages` computes it) is not all zero, so tied scalar rewards over varying components are
+    kept and a varying scalar over constant components is not. A group whose valid completions do not all carry
+    every component is kept: building the batch then names the environment and the field."""
+    if grpo is None or grpo.adv_estimator != "gdpo":
+        return has_reward_variance(record)
+    done = [c for c in record.completions if is_valid(c)]
+    if len(done) < 2:
+        return False
+    weights = grpo.reward_weights or dict.fromkeys({n for c in done for n in c.reward_components}, 1.0)
+    if not all(name in c.reward_components for name in weights for c in done):
+        return True
+    settings = dict(baseline=grpo.baseline, normalize_std=grpo.normalize_std, std_scope=grpo.std_scope)
+    total = torch.zeros(len(done), dtype=torch.float64)
+    size = torch.zeros(len(done), dtype=torch.float64)
+    for name, weight in weights.items():
+        values = [[float(c.reward_components[name]) for c in done]]
+        part = float(weight) * compute_group_advantages(values, dtype=torch.float64, **settings)[0]
+        total, size = total + part, size + part.abs()
+    # terms that cancel in exact arithmetic leave float64 rounding: a few ulps of each term, summed
+    return bool((total.abs() > _CANCELLED * size).any())
+
+
+_CANCELLED = 64 * torch.finfo(torch.float64).eps
+"""A weighted sum of GDPO advantages this small against the sum of its terms' sizes is a cancellation to
+rounding (each term is a handful of float64 operations, each within an ulp; 64 ulps covers them)."""
+
+
 def build_training_batch(
     records: Sequence[PromptGroupRecord],
     *,
@@ -53,6 +86,8 @@ def build_training_batch(
     overlong_filtering: bool = False,
     adv_estimator: str = "grpo",
     reward_weights: Mapping[str, float] | None = None,
+    minus_baseline: bool = True,
+    kl_in_reward: bool = False,
 ) -> TrainingBatch:
     """Group-relative advantages of every completion (see `compute_group_advantages`), and its tensors.
 
@@ -61,19 +96,26 @@ def build_training_batch(
     `overlong_filtering`, truncated completions get an all-zero loss mask too, but keep their place in the
     baseline (as NeMo-RL's overlong filtering). `adv_estimator="gdpo"`: the advantages of the completions'
     `reward_components` (`compute_gdpo_advantages`, weights from `gdpo_weights`) instead of their `reward`.
+    `"reinforce_plus_plus"`: r - the group mean (`minus_baseline`), whitened over the step's trained tokens
+    (`objectives.kl_reward`); with `kl_in_reward` not yet whitened: the trainer subtracts the KL, then whitens.
     """
     valid = [[is_valid(c) for c in r.completions] for r in records]
     settings = dict(baseline=baseline, normalize_std=normalize_std, std_scope=std_scope, valid_per_group=valid)
+    items = tuple(
+        completion_to_tensors(c, overlong_filtering=overlong_filtering) for r in records for c in r.completions
+    )
+    rewards = [[c.reward for c in r.completions] for r in records]
     if adv_estimator == "gdpo":
         weights = gdpo_weights(records, reward_weights)
         components = [[c.reward_components for c in r.completions] for r in records]
         per_group = compute_gdpo_advantages(components, weights, **settings)
+    elif adv_estimator == "reinforce_plus_plus":
+        per_group = reinforce_pp_advantages(rewards, minus_baseline, valid_per_group=valid)
     else:
-        per_group = compute_group_advantages([[c.reward for c in r.completions] for r in records], **settings)
+        per_group = compute_group_advantages(rewards, **settings)
     advantages, group_ids = flatten_group_advantages(per_group)
-    items = tuple(
-        completion_to_tensors(c, overlong_filtering=overlong_filtering) for r in records for c in r.completions
-    )
+    if adv_estimator == "reinforce_plus_plus" and not kl_in_reward:
+        advantages = whiten_by_tokens(advantages, torch.tensor([float(x.loss_mask.sum()) for x in items]))
     return TrainingBatch(
         items=items,
         advantages=advantages.to(torch.float32),

@@ -120,12 +120,18 @@ class GRPOSettings(StrictModel):
         default="baseline",
         description="Std of the rewards the baseline averages (NeMo-RL), or of the whole group for every sample.",
     )
-    adv_estimator: Literal["grpo", "gdpo"] = Field(
+    adv_estimator: Literal["grpo", "gdpo", "reinforce_plus_plus"] = Field(
         default="grpo",
         description="grpo: advantages of the scalar reward; gdpo (NeMo-RL's, multi-reward): A_n = each named reward "
         "component's group advantage (same baseline and std as grpo), A = sum_n reward_weights[n] * A_n, then "
         "A = (A - mean) / std over the step's valid samples. Needs an environment that reports two or more "
-        "components (rollouts.gym.reward_components for nemo_gym).",
+        "components (rollouts.gym.reward_components for nemo_gym). reinforce_plus_plus (NeMo-RL's): A = r - the "
+        "group mean (minus_baseline), minus kl_coef * KL per token with loss.use_kl_in_reward, then whitened over "
+        "the step's trained tokens (baseline, normalize_std and std_scope are not read).",
+    )
+    minus_baseline: bool = Field(
+        default=True, description="reinforce_plus_plus: subtract the group's mean reward (NeMo-RL's "
+        "adv_estimator.minus_baseline); false: the raw reward, whitened."
     )
     reward_weights: dict[str, float] | None = Field(
         default=None,
@@ -363,10 +369,23 @@ class GRPOConfig(CheckedConfig):
                 )
             )
         problems += gdpo_rule_problems(data)
+        problems += kl_in_reward_rule_problems(data)
         device = raw_field(PolicyConfig, policy, "device") if isinstance(policy, Mapping) or policy is None else "cpu"
         problems += trainer_rule_problems(data, "cpu" if device is INVALID else device)
         problems += optimizer_rule_problems(data)
         return problems
+
+
+def kl_in_reward_rule_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
+    """`loss.use_kl_in_reward` only with `grpo.adv_estimator: reinforce_plus_plus` (NeMo-RL's grpo and gdpo
+    estimators ignore it while its loss drops the KL term: the KL would vanish without a word)."""
+    loss, grpo = data.get("loss"), data.get("grpo")
+    in_reward = raw_field(LossSettings, loss, "use_kl_in_reward")
+    estimator = raw_field(GRPOSettings, grpo, "adv_estimator")
+    if in_reward is True and estimator not in (INVALID, "reinforce_plus_plus"):
+        return [(("loss", "use_kl_in_reward"), f"is read by grpo.adv_estimator: reinforce_plus_plus only (here "
+                 f"{estimator!r}, whose advantages have no KL: NeMo-RL's would train without any KL term)", True)]
+    return []
 
 
 def gdpo_rule_problems(data: Mapping[str, Any]) -> list[RuleProblem]:

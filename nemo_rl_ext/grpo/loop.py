@@ -53,7 +53,7 @@ from nemo_rl_ext.grpo.async_loop import AsyncLoop
 from nemo_rl_ext.grpo.batch import (
     TrainingBatch,
     build_training_batch,
-    has_reward_variance,
+    has_signal,
     training_batch_metrics,
 )
 from nemo_rl_ext.grpo.build import (
@@ -220,7 +220,7 @@ class GRPO:
             records, _ = await self.manager.run_rollouts(self.train_data.next(n), progress=False)
             batches += 1
             generated.extend(records)
-            kept.extend(r for r in records if has_reward_variance(r) or not dynamic.enabled)
+            kept.extend(r for r in records if not dynamic.enabled or has_signal(r, settings))
         metrics = batch_metrics(generated, time.perf_counter() - start)
         self._samples = sample_rows(kept[:n], self.cfg.logger.num_sample_rollouts)
         too_long, longest = count_prompts_too_long(generated)
@@ -267,6 +267,8 @@ class GRPO:
                 overlong_filtering=self.cfg.grpo.overlong_filtering,
                 adv_estimator=self.cfg.grpo.adv_estimator,
                 reward_weights=self.cfg.grpo.reward_weights,
+                minus_baseline=self.cfg.grpo.minus_baseline,
+                kl_in_reward=self.cfg.loss.use_kl_in_reward,
             )
             batch = weight_by_loss_multiplier(batch, records)
             metrics.update(training_batch_metrics(batch, records))

@@ -105,7 +105,8 @@ def clipped_pg_loss(
       pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), then for A < 0: pg = min(pg, -A * clip_c)
       (policy_loss cispo: pg = -A * sg(clip(r, 1 - clip_low, 1 + clip_high)) * logprobs)
       kl = clamp(u * k(clamp(log ref - log pi, +-kl_input_clamp_value)), +-kl_output_clamp_value)  (k: estimator)
-      loss_token = w * pg + kl_coef * kl - entropy_coef * H   (w weights only the pg term, as in NeMo-RL)
+      loss_token = w * pg + kl_coef * kl - entropy_coef * H   (w weights only the pg term, as in NeMo-RL;
+                   no KL term with use_kl_in_reward: it is in the advantages, `objectives.kl_reward`)
     with H = `entropy` ([B, T] entropies under the generation temperature; with its gradient if entropy_coef).
     u carries a gradient (kl_gradient "score_function", NeMo-RL's since 2026: d kl/d logp gains u * k, the
     sampled token's score function) unless kl_gradient is "pathwise"; where a clamp bites, no KL gradient.
@@ -127,9 +128,9 @@ def clipped_pg_loss(
     iw = importance_weights(pg.old, generation_logprobs, valid, cfg)
     kl = _kl_terms(logprobs, generation_logprobs, reference_logprobs, valid, cfg)
     count = global_normalization_count
-    pg_loss = aggregate(iw.weight * pg.pg, valid, cfg, count)
-    # the IS weight multiplies only the pg term (as NeMo-RL's)
-    kl_loss = aggregate(cfg.kl_coef * kl, valid, cfg, count) if kl is not None and cfg.kl_coef != 0.0 else None
+    pg_loss = aggregate(iw.weight * pg.pg, valid, cfg, count)  # the IS weight: the pg term only (as NeMo-RL's)
+    in_loss = kl is not None and cfg.kl_coef != 0.0 and not cfg.use_kl_in_reward  # else in the advantages
+    kl_loss = aggregate(cfg.kl_coef * kl, valid, cfg, count) if in_loss else None
     # the entropy bonus: `entropy` carries its gradient when entropy_coef != 0 (the trainer computes it so)
     entropy_loss = -cfg.entropy_coef * aggregate(entropy, valid, cfg, count) if cfg.entropy_coef != 0.0 else None
     loss = sum(x for x in (kl_loss, entropy_loss) if x is not None) + pg_loss

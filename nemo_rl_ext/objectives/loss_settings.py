@@ -64,6 +64,11 @@ class LossSettings(StrictModel):
         default=0.01, ge=0.0, description="KL penalty to the initial policy (NeMo-RL's reference_policy_kl_penalty); "
         "> 0 loads a frozen copy of the initial policy as the reference, 0 disables it and saves that copy."
     )
+    use_kl_in_reward: bool = Field(
+        default=False, description="Reinforce++ (NeMo-RL's use_kl_in_reward; needs grpo.adv_estimator: "
+        "reinforce_plus_plus and kl_coef > 0): the loss has no KL term; each trained token's advantage is "
+        "A_i - kl_coef * kl(pi_old, ref), then whitened over the step's trained tokens."
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         default="k3", description="Per-token KL(pi || ref) estimator of x = log ref - log pi: k1 = -x; "
         "k2 = x^2 / 2; k3 = exp(x) - x - 1."
@@ -148,6 +153,9 @@ def loss_problems(s: Any) -> list[str]:
         problems.append(f"entropy_coef must be finite and >= 0, got {s.entropy_coef}")
     if not math.isfinite(s.kl_coef):
         problems.append(f"kl_coef must be finite, got {s.kl_coef}")
+    elif s.use_kl_in_reward and not s.kl_coef > 0.0:
+        problems.append(f"use_kl_in_reward subtracts kl_coef * KL from the reward: it needs kl_coef > 0 (and so "
+                        f"the reference policy), got kl_coef {s.kl_coef}")
     if s.kl_gradient not in ("score_function", "pathwise"):
         problems.append(f"kl_gradient must be 'score_function' or 'pathwise', got {s.kl_gradient!r}")
     if s.importance_sampling_cap is not None and not s.importance_sampling_cap > 0.0:

@@ -33,6 +33,7 @@ import torch
 from nemo_rl_ext.cluster import ClusterConfig, init_ray
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.objectives.aggregation import minibatch_count
+from nemo_rl_ext.objectives.kl_reward import kl_in_reward_advantages
 from nemo_rl_ext.training.config import TrainerSettings
 from nemo_rl_ext.training.fsdp_workers import RankSpec, TrainerRank
 from nemo_rl_ext.training.fsdp_wrap import WrapSettings
@@ -232,9 +233,15 @@ class DistributedTrainer:
         """One GRPO update (as `PolicyTrainer.train_step`), its micro-batches spread over the ranks."""
         bounds = minibatch_bounds(len(items), advantages, self.settings.minibatches_per_step)
         n_mini = len(bounds) - 1
-        old = self.logprobs(items) if n_mini > 1 else None
+        in_reward = self.loss_config.use_kl_in_reward
+        old = self.logprobs(items) if n_mini > 1 or in_reward else None
         has_reference = self.spec.reference_path is not None or (self.lora and self.loss_config.kl_coef != 0.0)
         ref = self.logprobs(items, reference=True) if has_reference else None
+        if in_reward:  # Reinforce++: the KL moves from the loss into the advantages, per token (on the driver)
+            if ref is None:
+                raise ValueError("loss.use_kl_in_reward needs the reference policy's logprobs (kl_coef > 0)")
+            advantages = kl_in_reward_advantages(advantages, [x.loss_mask for x in items], old, ref,
+                                                 self.loss_config)
         sums, grad_norms, skipped = _MetricSums(), [], 0
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             masks = [items[i].loss_mask for i in range(lo, hi)]

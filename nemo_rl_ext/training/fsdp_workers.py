@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from nemo_rl_ext.models.loading import enable_activation_checkpointing, load_model_and_tokenizer
+from nemo_rl_ext.objectives.kl_reward import fit_to
 from nemo_rl_ext.objectives.logprobs import right_pad
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
 from nemo_rl_ext.training.config import LoraSettings, OptimizerSettings
@@ -238,8 +239,9 @@ class TrainerRank:
                 continue
             old_lp = right_pad(old, 0.0, torch.float32).to(self.device) if old else logprobs.detach()
             ref_lp = right_pad(ref, 0.0, torch.float32).to(self.device) if ref else None
+            adv = fit_to(advantages, mask).to(self.device)
             loss, metrics = clipped_pg_loss(
-                logprobs, old_lp, advantages.to(self.device), mask, self.spec.loss, generation_logprobs=gen,
+                logprobs, old_lp, adv, mask, self.spec.loss, generation_logprobs=gen,
                 reference_logprobs=ref_lp, global_normalization_count=count, entropy=entropy,
             )
             metrics["gen_kl/mean"] = _gen_kl(old_lp, gen, mask)

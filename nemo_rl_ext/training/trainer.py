@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from nemo_rl_ext.models.loading import enable_activation_checkpointing
 from nemo_rl_ext.objectives.aggregation import minibatch_count
+from nemo_rl_ext.objectives.kl_reward import fit_to, kl_in_reward_advantages
 from nemo_rl_ext.objectives.logprobs import right_pad, shared_prefix_logprobs, token_logprobs
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
 from nemo_rl_ext.training.config import OptimizerSettings
@@ -52,10 +53,17 @@ _MAX_METRICS = ("policy_ratio/max", "importance_ratio/max")
 _SUM_METRICS = ("loss", "loss/pg", "loss/kl", "loss/entropy", "num_tokens", "num_sequences", "is/masked_tokens", "is/masked_sequences")
 
 
+def _needed(ref: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """The reference logprobs `loss.use_kl_in_reward` subtracts the KL with (its config rule: kl_coef > 0)."""
+    if ref is None:
+        raise ValueError("loss.use_kl_in_reward needs the reference policy's logprobs (kl_coef > 0)")
+    return ref
+
+
 def minibatch_bounds(num_items: int, advantages: torch.Tensor, minibatches_per_step: int) -> list[int]:
     """The item index where each of a step's minibatches starts, then `num_items` (as even as rounding allows);
     ValueError unless there is one advantage per item and at least one item."""
-    if num_items != advantages.numel():
+    if num_items != advantages.shape[0]:
         raise ValueError(f"{num_items} completions but {advantages.numel()} advantages")
     if not num_items:
         raise ValueError("train_step needs at least one completion")
@@ -224,9 +232,13 @@ class PolicyTrainer:
         """
         bounds = minibatch_bounds(len(items), advantages, self.settings.minibatches_per_step)
         n_mini = len(bounds) - 1
-        old = self.logprobs(items) if n_mini > 1 else None
+        in_reward = self.loss_config.use_kl_in_reward
+        old = self.logprobs(items) if n_mini > 1 or in_reward else None
         has_reference = self.reference_model is not None or (self.lora and self.loss_config.kl_coef != 0.0)
         ref = self.reference_logprobs(items) if has_reference else None
+        if in_reward:  # Reinforce++: the KL moves from the loss into the advantages, per token
+            advantages = kl_in_reward_advantages(advantages, [x.loss_mask for x in items], old, _needed(ref),
+                                                 self.loss_config)
         self.model.train()
         sums, grad_norms, skipped = _MetricSums(), [], 0
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
@@ -270,7 +282,7 @@ class PolicyTrainer:
             loss, metrics = clipped_pg_loss(
                 logprobs,
                 old_lp,
-                advantages[chunk].to(self.device),
+                fit_to(advantages[chunk], mask).to(self.device),
                 mask,
                 self.loss_config,
                 generation_logprobs=gen,

@@ -2,13 +2,14 @@
 
 GDPO's advantages are computed on the driver (`grpo/batch.build_training_batch`, called by `GRPO._train_records`
 for the synchronous and the asynchronous loop alike) and handed to the trainer, so trainer ranks only ever see
-finished advantages: two ranks against one adds nothing for GDPO that the rank tests of the loss do not cover.
+finished advantages (`functional/test_trainer_workers_loss.py` trains GDPO's on two ranks against one).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,13 @@ import torch
 
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.data.records import Completion, Message, PromptGroupRecord, RewardComponentError, StopReason
-from nemo_rl_ext.grpo.batch import build_training_batch, training_batch_metrics
-from nemo_rl_ext.grpo.config import GRPOConfig
+from nemo_rl_ext.grpo.batch import (
+    build_training_batch,
+    has_reward_variance,
+    has_signal,
+    training_batch_metrics,
+)
+from nemo_rl_ext.grpo.config import GRPOConfig, GRPOSettings
 from nemo_rl_ext.grpo.metrics_logger import read_metrics
 from nemo_rl_ext.objectives.advantages import compute_gdpo_advantages
 
@@ -103,25 +109,38 @@ def test_config_rules_name_the_key_before_any_model_loads() -> None:
     assert any("grpo.adv_estimator" in p for p in _cfg("grpo.adv_estimator=gdpoo"))
 
 
-def test_a_tiny_model_grpo_step_trains_on_two_components(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """A native environment (the scripted double) reports `short` and `has_a` for every reply: one GRPO step
-    on the tiny model logs both as reward/<name> and trains on GDPO's advantages of the records it made."""
-    from nemo_rl_ext.grpo.loop import GRPO
-    from nemo_rl_ext.testing import ScriptedEnvironment
-
+def _tiny_gdpo_config(tmp_path: Path, tiny_model_dir: Path, *overrides: str) -> GRPOConfig:
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"question": f"Say {w}.", "answer": "yes"}) + "\n" for w in "abcd"))
-    cfg = load_config(None, [
+    return load_config(None, [
         f"policy.model_name={tiny_model_dir}", "policy.max_model_len=128", "policy.generation.max_new_tokens=6",
         "rollouts.num_generations_per_prompt=4", "rollouts.max_seq_len=96", f"data.train_path={data}",
         "rollouts.env={name: string_match}", "grpo.num_prompts_per_step=2", "grpo.max_num_steps=1",
         "grpo.adv_estimator=gdpo", "grpo.reward_weights={short: 1.0, has_a: 0.5}", "loss.kl_coef=0.0",
         f"output_dir={tmp_path / 'run'}", "logger.progress=false", "logger.tensorboard_enabled=false",
-        "logger.print_steps=false",
+        "logger.print_steps=false", *overrides,
     ], GRPOConfig)
-    env = ScriptedEnvironment(
+
+
+def _two_components():
+    """The scripted double scoring every reply on `short` and `has_a`; its scalar reward is always 0."""
+    from nemo_rl_ext.testing import ScriptedEnvironment
+
+    return ScriptedEnvironment(
         reward_components=lambda s: {"short": float(len(s.reply) < 8), "has_a": float("a" in s.reply)},
     )
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_tiny_model_grpo_step_trains_on_two_components(tmp_path: Path, tiny_model_dir: Path, lora: bool) -> None:
+    """A native environment (the scripted double) reports `short` and `has_a` for every reply: one GRPO step
+    on the tiny model logs both as reward/<name> and trains on GDPO's advantages of the records it made, with
+    LoRA too (its adapters alone train)."""
+    from nemo_rl_ext.grpo.loop import GRPO
+
+    adapters = ("trainer.lora.r=4", "trainer.lora.alpha=8", "trainer.lora.target_modules=[q_proj,v_proj]")
+    cfg = _tiny_gdpo_config(tmp_path, tiny_model_dir, *(adapters if lora else ()))
+    env = _two_components()
     seen: dict[str, object] = {}
     with GRPO(cfg, task_to_env={"string_match": env}) as grpo:
         train_records, train_step = grpo._train_records, grpo.trainer.train_step
@@ -136,6 +155,9 @@ def test_a_tiny_model_grpo_step_trains_on_two_components(tmp_path: Path, tiny_mo
 
         grpo._train_records, grpo.trainer.train_step = spy_records, spy_step
         metrics = grpo.run()[-1]
+        trained = [name for name, p in grpo.trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all(("lora_" in name) == lora for name in trained), trained
+    assert metrics["train/grad_norm"] > 0
     records = seen["records"]
     comps = [[c.reward_components for c in r.completions] for r in records]
     assert all(set(c) == {"short", "has_a"} for g in comps for c in g), comps
@@ -146,3 +168,65 @@ def test_a_tiny_model_grpo_step_trains_on_two_components(tmp_path: Path, tiny_mo
     for name in ("short", "has_a"):
         values = [c[name] for g, ok in zip(comps, valid, strict=True) for c, v in zip(g, ok, strict=True) if v]
         assert metrics[f"reward/{name}"] == logged[f"reward/{name}"] == sum(values) / len(values)
+
+
+# ---- dynamic sampling under GDPO: a group is kept for its components' signal, not its scalar's ---------------
+
+
+def _with_rewards(record: PromptGroupRecord, rewards: list[float]) -> PromptGroupRecord:
+    completions = tuple(replace(c, reward=r) for c, r in zip(record.completions, rewards, strict=True))
+    return replace(record, completions=completions)
+
+
+def test_dynamic_sampling_judges_a_gdpo_group_by_its_weighted_component_advantages() -> None:
+    grpo, gdpo = GRPOSettings(), GRPOSettings(adv_estimator="gdpo")
+    # one point each for a, b or c: the scalar ties at 1. Leave-one-out, by hand: a sample's own component
+    # gets 1 (its others (0, 0): std 0, undivided), each other one -0.5 / std(1, 0) = -0.5 / sqrt(0.5); the sum
+    # 1 - 2 sqrt(0.5) = -0.414 is not 0 (with baseline mean and no std it would be: sum_n (x_n - mean) = 0)
+    swapped = group([{"a": 1.0, "b": 0.0, "c": 0.0}, {"a": 0.0, "b": 1.0, "c": 0.0}, {"a": 0.0, "b": 0.0, "c": 1.0}])
+    assert not has_signal(swapped, grpo)  # the scalar ties: DAPO's rule drops it
+    assert has_signal(swapped, gdpo)
+    assert not has_signal(swapped, gdpo.model_copy(update={"baseline": "mean", "normalize_std": False}))
+    # two components that always sum to 1 and equal weights: A_b = -A_a exactly, the sum is 0
+    pair = group([{"a": 1.0, "b": 0.0}, {"a": 0.0, "b": 1.0}, {"a": 0.0, "b": 1.0}])
+    assert not has_signal(pair, gdpo)
+    assert has_signal(pair, gdpo.model_copy(update={"reward_weights": {"a": 1.0, "b": 0.5}}))
+    # the scalar varies while no component does: GDPO's advantages are all zero, the group goes
+    flat = _with_rewards(group([{"a": 1.0, "b": 0.0}] * 3), [1.0, 0.0, 0.0])
+    assert has_signal(flat, grpo) and not has_signal(flat, gdpo)
+    # a zero-weight component's variance is no signal; an incomplete group is kept for the batch to name
+    assert not has_signal(swapped, gdpo.model_copy(update={"reward_weights": {"a": 0.0, "b": 0.0, "c": 0.0}}))
+    assert has_signal(group([{"a": 1.0, "b": 0.0}, {"a": 1.0}]), gdpo)
+    # failed rollouts are in no advantage: one valid sample left is no signal
+    assert not has_signal(group([{"a": 1.0, "b": 0.0}, {}], failed=(1,)), gdpo)
+
+
+def test_a_tiny_model_step_with_dynamic_sampling_keeps_gdpo_groups_whose_scalar_ties(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The scripted double's scalar reward is always 0, so DAPO's rule on the scalar would keep nothing; under
+    GDPO the step keeps exactly the generated groups whose components carry signal, and trains on them."""
+    from nemo_rl_ext.grpo.loop import GRPO
+
+    cfg = _tiny_gdpo_config(tmp_path, tiny_model_dir, "grpo.dynamic_sampling.enabled=true",
+                            "grpo.dynamic_sampling.max_gen_batches=1")
+    generated: list[PromptGroupRecord] = []
+    trained: list[PromptGroupRecord] = []
+    with GRPO(cfg, task_to_env={"string_match": _two_components()}) as run:
+        rollouts, train_records = run.manager.run_rollouts, run._train_records
+
+        async def spy_rollouts(*args, **kwargs):
+            records, metrics = await rollouts(*args, **kwargs)
+            generated.extend(records)
+            return records, metrics
+
+        def spy_records(records, metrics):
+            trained.extend(records)
+            return train_records(records, metrics)
+
+        run.manager.run_rollouts, run._train_records = spy_rollouts, spy_records
+        metrics = run.run()[-1]
+    assert len(generated) == 2 and not any(has_reward_variance(r) for r in generated)
+    kept = [r for r in generated if has_signal(r, cfg.grpo)]
+    assert kept and [r.prompt_idx for r in trained] == [r.prompt_idx for r in kept]
+    assert metrics["dynamic_sampling/kept_groups"] == float(len(kept))

@@ -19,6 +19,7 @@ from nemo_rl_ext.grpo.config import (
     AsyncSettings,
     DynamicSamplingSettings,
     GRPOConfig,
+    GRPOSettings,
     async_wedge_warning,
 )
 from nemo_rl_ext.grpo.prompt_stream import PromptStream
@@ -375,3 +376,26 @@ def test_a_group_dropped_in_take_wakes_admission() -> None:
     first, second = asyncio.run(go())
     assert [g.position for g in first.groups] == [0, 1] and [g.position for g in second.groups] == [3, 4]
     assert second.metrics["async/groups/dropped_stale"] == 1.0
+
+
+@pytest.mark.timeout(30)
+def test_dynamic_sampling_keeps_a_gdpo_group_for_its_components_when_its_scalar_ties() -> None:
+    # every scalar reward is 0 (no variance: the grpo estimator's dynamic sampling drops every group); the
+    # components differ between a group's two samples, so GDPO's advantages do not vanish and the groups train
+    calls: dict[str, int] = {}
+
+    def components(s) -> dict[str, float]:  # a group's first sample scores on a, its second on b
+        calls[s.question] = calls.get(s.question, 0) + 1
+        return {"a": float(calls[s.question] % 2), "b": float(1 - calls[s.question] % 2)}
+
+    env = ScriptedEnvironment(reward=0.0, reward_components=components)
+    dynamic = DynamicSamplingSettings(enabled=True, max_gen_batches=2)
+    kept = {}
+    for estimator in ("grpo", "gdpo"):
+        engine, manager, stream = _setup(env)
+        advantages = GRPOSettings(adv_estimator=estimator, reward_weights={"a": 1.0, "b": 0.5} if estimator ==
+                                  "gdpo" else None)
+        collector = AsyncCollector(manager, stream, AsyncSettings(enabled=True, max_lag=1), per_step=2, version=0,
+                                   offset=0, salt_prefix=1, dynamic=dynamic, advantages=advantages)
+        kept[estimator] = asyncio.run(_train(collector, engine, 1))[0]["dynamic_sampling/kept_groups"]
+    assert kept == {"grpo": 0.0, "gdpo": 2.0}

@@ -202,6 +202,7 @@ NEMO_RL_LOSS_DEFAULTS = {
     "sequence_level_importance_ratios": False,
     "entropy_coef": 0.0,  # NeMo-RL has no entropy term
     "kl_coef": 0.01,  # reference_policy_kl_penalty
+    "use_kl_in_reward": False,  # use_kl_in_reward
     "kl_estimator": "k3",  # reference_policy_kl_type
     "kl_input_clamp_value": 20.0,
     "kl_output_clamp_value": 10.0,

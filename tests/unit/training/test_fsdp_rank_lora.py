@@ -109,3 +109,67 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
+ABLATIONS = {  # an option's keys, set back to their defaults together
+    "sequence_level_importance_ratios": ("sequence_level_importance_ratios",),
+    "policy_loss": ("policy_loss",),
+    "aggregation": ("aggregation", "max_tokens_norm"),
+    "entropy_coef": ("entropy_coef",),
+    "truncated_importance_sampling_type": ("importance_sampling_correction", "truncated_importance_sampling_type",
+                                           "truncated_importance_sampling_ratio",
+                                           "truncated_importance_sampling_ratio_min"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("option", sorted(set(LOSS_OPTIONS) - {"default"}))
+def test_each_loss_option_changes_a_lora_step(tmp_path, option):
+    """Each option of a set takes effect with LoRA: the step's loss differs from the same set with that option
+    back at its default. Two minibatches, so the second one's policy ratio is not 1 (GSPO's ratio equals the
+    token-level one's gradient at ratio 1)."""
+    from nemo_rl_ext.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "model", seed=0, initializer_range=0.05, tie_word_embeddings=False)
+    lora = LoraSettings(r=4, alpha=8, target_modules=("q_proj", "lm_head"))
+    optimizer = OptimizerSettings(lr=1e-2, micro_batch_size=2, minibatches_per_step=2, share_prompt_prefix=False)
+    items, advantages = _items()
+
+    def step(settings: dict) -> dict[str, float]:
+        model, _ = load_model_and_tokenizer(path)
+        torch.manual_seed(SEED)
+        trainer = PolicyTrainer(with_lora(model, lora), optimizer=optimizer,
+                                loss=ClippedPGLossConfig(kl_coef=0.1, **settings), temperature=1.0, pad_token_id=0)
+        return trainer.train_step(items, advantages)
+
+    settings = LOSS_OPTIONS[option]
+    got = step(settings)
+    ablated = [key for key in ABLATIONS if key in settings]
+    assert ablated
+    for key in ablated:
+        without = {k: v for k, v in settings.items() if k not in ABLATIONS[key]}
+        assert step(without)["loss"] != got["loss"], (option, key)
+
+
+@pytest.mark.timeout(120)
+def test_the_kl_in_the_reward_takes_effect_with_lora(tmp_path):
+    """Reinforce++'s KL in the reward with LoRA (the reference: the policy with its adapters off): no KL term in
+    the loss, and a step that differs from the one with the KL in the loss and from the one without any KL."""
+    from nemo_rl_ext.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "model", seed=0, initializer_range=0.05, tie_word_embeddings=False)
+    lora = LoraSettings(r=4, alpha=8, target_modules=("q_proj", "lm_head"))
+    optimizer = OptimizerSettings(lr=1e-2, micro_batch_size=2, share_prompt_prefix=False)
+    items, advantages = _items()
+
+    def steps(loss: ClippedPGLossConfig) -> list[dict[str, float]]:
+        model, _ = load_model_and_tokenizer(path)
+        torch.manual_seed(SEED)
+        trainer = PolicyTrainer(with_lora(model, lora), optimizer=optimizer, loss=loss, temperature=1.0, pad_token_id=0)
+        return [trainer.train_step(items, advantages) for _ in range(2)]  # step 2: the adapters moved, KL != 0
+
+    in_reward = steps(ClippedPGLossConfig(kl_coef=0.5, use_kl_in_reward=True))[-1]
+    in_loss = steps(ClippedPGLossConfig(kl_coef=0.5))[-1]
+    without = steps(ClippedPGLossConfig(kl_coef=0.0))[-1]
+    assert in_reward["loss/kl"] == 0.0 and in_reward["kl/mean"] > 0.0 and in_loss["loss/kl"] > 0.0
+    assert in_reward["loss"] not in (in_loss["loss"], without["loss"])

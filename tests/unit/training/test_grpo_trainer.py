@@ -320,3 +320,31 @@ def test_a_step_whose_every_token_is_masked_trains_on_nothing_and_says_so(tiny_m
     assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
     assert all(torch.equal(v, start[k]) for k, v in trainer.state_dict().items())
     assert "trained on nothing" in caplog.text
+
+
+def test_kl_in_the_reward_trains_on_the_advantages_with_the_kl_subtracted(tiny_model_and_tokenizer):
+    # Reinforce++ (use_kl_in_reward): the step must be the plain policy-gradient step (no KL term) on the
+    # per-token advantages `kl_in_reward_advantages` makes from the trainer's and the reference's logprobs
+    from nemo_rl_ext.objectives.kl_reward import kl_in_reward_advantages
+
+    model, tokenizer = tiny_model_and_tokenizer
+    items = sample(model, tokenizer, 1.0, n=4)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():  # a reference away from the policy, so the KL is not 0
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    advantages = torch.tensor([1.0, -0.5, 0.25, -0.75])
+    loss = ClippedPGLossConfig(kl_coef=0.5, kl_estimator="k3", use_kl_in_reward=True)
+    in_reward = PolicyTrainer(copy.deepcopy(model), optimizer=OptimizerSettings(lr=1e-3, minibatches_per_step=2),
+                              loss=loss, temperature=1.0, pad_token_id=0, reference_model=reference)
+    plain = make_trainer(copy.deepcopy(model), minibatches_per_step=2)
+    tokens = kl_in_reward_advantages(advantages, [x.loss_mask for x in items], plain.logprobs(items),
+                                     in_reward.reference_logprobs(items), loss)
+    assert tokens.shape[0] == 4 and float(tokens.abs().sum()) > 0
+    got, expected = in_reward.train_step(items, advantages), plain.train_step(items, tokens)
+    assert got["loss/kl"] == 0.0 and got["kl/mean"] > 0.0  # no KL term; the KL is measured all the same
+    # the same kernels on the same inputs (both take their old logprobs from a no-grad pass): equal to the bit
+    assert {k: got[k] for k in expected} == expected
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in in_reward.state_dict().items())
+    kept = make_trainer(copy.deepcopy(model), minibatches_per_step=2).train_step(items, advantages)
+    assert kept["loss"] != got["loss"]  # the KL changed the advantages
