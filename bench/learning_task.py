@@ -43,6 +43,8 @@ YES_WORDS = (
     "one two three four five six eight nine ten hundred please thank"
 ).split()
 """The words of the say_yes task's prompts (split between training and held-out)."""
+SIGNALS = (("Woof.", "dog"), ("Meow.", "cat"))
+"""What the signal_word task's environment says, and the answer each asks for."""
 
 
 @dataclass(frozen=True)
@@ -146,14 +148,14 @@ def _guess_123(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
 
 
 def _signal_word(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
-    if spec.train_size + spec.heldout_size > len(YES_WORDS):
-        raise ValueError(f"signal_word has {len(YES_WORDS)} words: train + held-out must not exceed that")
-    words = list(YES_WORDS)
+    words = [w for w in YES_WORDS if w not in {a for _, a in SIGNALS}]  # no prompt names an answer
+    if spec.train_size + spec.heldout_size > len(words):
+        raise ValueError(f"signal_word has {len(words)} words: train + held-out must not exceed that")
     random.Random(spec.seed).shuffle(words)
     train, heldout = words[:spec.train_size], words[spec.train_size:spec.train_size + spec.heldout_size]
 
     def rows(split: list[str]) -> list[dict]:
-        return [{"question": f"Woof: dog. Meow: cat. {w}", "answer": ("dog", "cat")[i % 2], "op": ("woof", "meow")[i % 2]}
+        return [{"question": f"Woof: dog. Meow: cat. {w}", "answer": SIGNALS[i % 2][1], "op": SIGNALS[i % 2][0]}
                 for i, w in enumerate(split)]
 
     return rows(train), rows(heldout)

@@ -288,11 +288,13 @@ def test_signal_word_prompts_are_disjoint_balanced_and_never_name_the_answer():
     train, heldout = make_task(TaskSpec(name="signal_word", train_size=31, heldout_size=32))
     assert not {r["question"] for r in train} & {r["question"] for r in heldout}
     assert sorted(r["answer"] for r in heldout) == sorted(["dog", "cat"] * 16)
-    assert {(r["op"], r["answer"]) for r in train + heldout} == {("woof", "dog"), ("meow", "cat")}
-    # the prompt is the same for both answers but for its word: only the environment's reply says which
+    assert {(r["op"], r["answer"]) for r in train + heldout} == {("Woof.", "dog"), ("Meow.", "cat")}
+    # the prompt is the same for both answers but for its word, never a signal: only the environment's reply
+    # says which
     assert {r["question"].rsplit(" ", 1)[0] for r in train + heldout} == {"Woof: dog. Meow: cat."}
-    with pytest.raises(ValueError, match="signal_word has"):
-        make_task(TaskSpec(name="signal_word", train_size=60, heldout_size=32))
+    assert not {r["question"].rsplit(" ", 1)[1] for r in train + heldout} & {"dog", "cat"}
+    with pytest.raises(ValueError, match="signal_word has 66 words"):
+        make_task(TaskSpec(name="signal_word", train_size=35, heldout_size=32))
 
 
 def test_signal_word_trains_on_similarity_and_evaluates_the_exact_answer_over_two_turns(tmp_path):
