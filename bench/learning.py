@@ -49,6 +49,9 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "examples" / "configs" / "recipes"
 SYSTEM_PROMPT = "Answer the arithmetic question with just the final number."
 
+ANIMALS = {"Woof.": "dog", "Meow.": "cat"}
+"""The signal_word task's signals: the environment's reply -> the answer it asks for."""
+
 TASK_ENVS = {
     "arithmetic": {"train": {"name": "math", "system_prompt": SYSTEM_PROMPT},
                    "eval": {"name": "math", "system_prompt": SYSTEM_PROMPT}, "stop_strings": None},
@@ -63,6 +66,14 @@ TASK_ENVS = {
                             "system_prompt": "Guess."},
                   "eval": {"name": "guess_number", "kwargs": {"max_guesses": 2}, "system_prompt": "Guess."},
                   "stop_strings": list("0123456789"), "turns": 2},
+    # multi-turn: the answer is in the environment's reply only; training pays the answer's similarity (dense,
+    # for a random model), the held-out reading is the exact answer
+    # (dog and cat: whole tokens of the tiny model's vocabulary that are no other token's part, unlike "no" in "now")
+    "signal_word": {"train": {"name": "signal_word", "kwargs": {"signals": ANIMALS, "mode": "similarity"},
+                              "system_prompt": "Animal."},
+                    "eval": {"name": "signal_word", "kwargs": {"signals": ANIMALS, "mode": "exact"},
+                             "system_prompt": "Animal."},
+                    "stop_strings": ["dog", "cat"], "turns": 2},
 }
 """Per task: the training environment (its reward), the held-out grader (the lenient reading), stop strings and
 (multi-turn tasks) the turn cap."""

@@ -12,6 +12,11 @@
   enumerated, shuffled with the seed and split in proportion held-out : training, so no game is in both.
 - `guess_123` (multi-turn, scripted for a random tiny model): "Guess 1, 2 or 3. <word>", the secret 1, 2 or 3 in
   turn over the shuffled words; training and held-out words are disjoint.
+- `signal_word` (multi-turn, scripted for a random tiny model, the `signal_word` environment): "Woof: dog. Meow:
+  cat. <word>"; the model's first turn is free, the environment then says "Woof." or "Meow." (drawn per problem:
+  alternating over the seeded shuffle of the words, so each split is balanced), and the answer is "dog" or "cat"
+  accordingly. The prompt does not say which: only the environment's reply does. Training and held-out words
+  are disjoint (disjoint prompts; the two signals and answers are the task, in both splits).
 
 Each row: {"id", "question", "answer", "op"} (`op`: the operator, or "yes"), the JSONL the project's data loader
 reads (`question`/`answer`).
@@ -38,6 +43,8 @@ YES_WORDS = (
     "one two three four five six eight nine ten hundred please thank"
 ).split()
 """The words of the say_yes task's prompts (split between training and held-out)."""
+SIGNALS = (("Woof.", "dog"), ("Meow.", "cat"))
+"""What the signal_word task's environment says, and the answer each asks for."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,7 @@ class TaskSpec:
     """Which task, how many problems, and (arithmetic) which operators and operand ranges."""
 
     name: str
-    """"arithmetic" or "say_yes"."""
+    """The task: "arithmetic", "say_yes", "guess_number", "guess_123" or "signal_word"."""
     train_size: int
     """Training problems."""
     heldout_size: int
@@ -140,10 +147,24 @@ def _guess_123(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
     return rows[:spec.train_size], rows[spec.train_size:spec.train_size + spec.heldout_size]
 
 
+def _signal_word(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
+    words = [w for w in YES_WORDS if w not in {a for _, a in SIGNALS}]  # no prompt names an answer
+    if spec.train_size + spec.heldout_size > len(words):
+        raise ValueError(f"signal_word has {len(words)} words: train + held-out must not exceed that")
+    random.Random(spec.seed).shuffle(words)
+    train, heldout = words[:spec.train_size], words[spec.train_size:spec.train_size + spec.heldout_size]
+
+    def rows(split: list[str]) -> list[dict]:
+        return [{"question": f"Woof: dog. Meow: cat. {w}", "answer": SIGNALS[i % 2][1], "op": SIGNALS[i % 2][0]}
+                for i, w in enumerate(split)]
+
+    return rows(train), rows(heldout)
+
+
 def make_task(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows), with ids, for the spec; no question is in both."""
     makers = {"arithmetic": _arithmetic, "say_yes": _say_yes, "guess_number": _guess_number,
-              "guess_123": _guess_123}
+              "guess_123": _guess_123, "signal_word": _signal_word}
     if spec.name not in makers:
         raise ValueError(f"task {spec.name!r}: known tasks are {sorted(makers)}")
     train, heldout = makers[spec.name](spec)

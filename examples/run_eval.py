@@ -36,7 +36,7 @@ import sys
 
 from nemo_rl_ext.config import ConfigError, load_config
 from nemo_rl_ext.evals.config import EvalConfig, check_inputs
-from nemo_rl_ext.gym.launcher import GymLaunchError
+from nemo_rl_ext.gym.errors import GymLaunchError
 from nemo_rl_ext.lifecycle import freeze_startup_heap, stop_on_signals
 from nemo_rl_ext.plugins import add_import_argument, load_plugins
 

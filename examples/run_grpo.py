@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from nemo_rl_ext.config import ConfigError, load_config
-from nemo_rl_ext.gym.launcher import GymLaunchError
+from nemo_rl_ext.gym.errors import GymLaunchError
 from nemo_rl_ext.lifecycle import freeze_startup_heap, stop_on_signals
 from nemo_rl_ext.plugins import add_import_argument, load_plugins
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from nemo_rl_ext.data.records import Message
+
+if TYPE_CHECKING:  # annotations only: importing transformers takes seconds, which `--help` and config checks skip
+    from transformers import PreTrainedTokenizerBase
 
 TURN_MARK = "@@NEMO_RL_EXT_ASSISTANT_TURN_5b1e9c@@"
 """Content that stands in for an assistant turn while rendering (no whitespace: templates trim)."""

@@ -7,15 +7,17 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
-from transformers import PreTrainedTokenizerBase
 
 from nemo_rl_ext.data.chat import tokenize_prompt
 from nemo_rl_ext.data.columns import CHAT_KEY, TOOLS_KEY
 from nemo_rl_ext.data.jsonl import json_lines, listed
 from nemo_rl_ext.data.records import DatumSpec
+
+if TYPE_CHECKING:  # annotations only: importing transformers takes seconds, which `--help` and config checks skip
+    from transformers import PreTrainedTokenizerBase
 
 SHIPPED_ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "data" / "arithmetic.jsonl"
 

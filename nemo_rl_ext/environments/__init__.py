@@ -1,7 +1,7 @@
 """Environments that score and continue rollouts, found by name through a registry.
 
 Importing this package registers the built-in environments: "math", "tool_calculator",
-"string_match" and "guess_number".
+"string_match", "guess_number" and "signal_word".
 """
 
 from nemo_rl_ext.environments.grading_pool import GradingUnavailableError
@@ -15,6 +15,7 @@ from nemo_rl_ext.environments.registry import (
     environment_entry,
     register_environment,
 )
+from nemo_rl_ext.environments.signal_word import SignalWordEnvironment
 from nemo_rl_ext.environments.string_match import StringMatchEnvironment
 from nemo_rl_ext.environments.tool_env import ToolCalculatorEnvironment
 
@@ -26,6 +27,7 @@ __all__ = [
     "GuessNumberEnvironment",
     "MathEnvironment",
     "Observation",
+    "SignalWordEnvironment",
     "StringMatchEnvironment",
     "ToolCalculatorEnvironment",
     "available_environments",

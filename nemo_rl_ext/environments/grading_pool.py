@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 from pebble import ProcessExpired, ProcessPool
 
-from nemo_rl_ext.environments.math_grading import Grade, grade_answer, math_vote_key
+from nemo_rl_ext.environments.math_grading import GRADER_MODULES, Grade, grade_answer, math_vote_key
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,13 +77,14 @@ _FORKSERVER_LOCK = threading.Lock()
 
 
 def _forkserver() -> forkserver.ForkServer:
-    """This process's grading forkserver (its own, not multiprocessing's shared one): it preloads this module
-    only, never `__main__`; it starts on first use and exits when this process does."""
+    """This process's grading forkserver (its own, not multiprocessing's shared one): it preloads this module and
+    the grader's modules (sympy, math-verify: imported once for every worker), never `__main__`; it starts on
+    first use and exits when this process does."""
     global _FORKSERVER
     with _FORKSERVER_LOCK:
         if _FORKSERVER is None or _FORKSERVER[0] != os.getpid():
             server = forkserver.ForkServer()
-            server.set_forkserver_preload([__name__])
+            server.set_forkserver_preload([__name__, *GRADER_MODULES])
             _FORKSERVER = (os.getpid(), server)
         return _FORKSERVER[1]
 

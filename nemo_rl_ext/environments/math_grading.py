@@ -15,11 +15,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import mpmath
-import sympy
-from math_verify import parse, verify
+if TYPE_CHECKING:
+    import sympy
+
+# sympy, mpmath and math-verify (about 0.3 s to import) are imported by the functions that parse, not with this
+# module: a process that never grades math (a string_match eval, the CLIs' start-up) does without them. A
+# grading pool's forkserver preloads them once for its workers (GRADER_MODULES).
+GRADER_MODULES = ("sympy", "mpmath", "math_verify")
+"""The modules grading imports on first use."""
 
 from nemo_rl_ext.data.answers import clean_answer as _cleaned
 from nemo_rl_ext.data.answers import extract_answer
@@ -95,6 +100,8 @@ def math_vote_key(answer: str | None) -> str | None:
     text = _cleaned(answer)
     if len(text) > MAX_ANSWER_CHARS:
         return _squashed(text)
+    import sympy  # lazy: GRADER_MODULES load on first grading
+
     try:
         parsed = _parsed(text)
         if not parsed or not isinstance(parsed[0], sympy.Basic) or _is_too_large(parsed[0]):
@@ -106,6 +113,8 @@ def math_vote_key(answer: str | None) -> str | None:
 
 
 def _expression_key(expr: sympy.Basic) -> str:
+    import sympy  # lazy: GRADER_MODULES load on first grading
+
     if isinstance(expr, sympy.Eq) and isinstance(expr.lhs, sympy.Symbol):
         return _expression_key(expr.rhs)
     if isinstance(expr, sympy.Rational):
@@ -122,6 +131,8 @@ def _expression_key(expr: sympy.Basic) -> str:
 @lru_cache(maxsize=4096)
 def _parsed(text: str) -> tuple[Any, ...]:
     """math-verify's parse of an answer (boxed so that the whole string is the target), without signals."""
+    from math_verify import parse  # lazy: GRADER_MODULES load on first grading
+
     boxed = text if "\\boxed" in text else f"\\boxed{{{text}}}"
     result = parse(boxed, parsing_timeout=None) or parse(text, parsing_timeout=None)
     return tuple(result)
@@ -134,6 +145,8 @@ def _matches(answer: str, ground_truth: str) -> bool:
         return _squashed(answer) == _squashed(ground_truth)
     if any(_is_too_large(p) for p in predicted):
         return False
+    from math_verify import verify  # lazy: GRADER_MODULES load on first grading
+
     return verify(list(gold), list(predicted), timeout_seconds=None)
 
 
@@ -142,6 +155,8 @@ def _is_too_large(expr: Any) -> bool:
 
     Checks inner nodes first and stops at the first huge one, so every value evaluated here is of bounded size.
     """
+    import sympy  # lazy: GRADER_MODULES load on first grading
+
     if not isinstance(expr, sympy.Basic):
         return False
     for node in sympy.postorder_traversal(expr):
@@ -163,6 +178,9 @@ def _is_too_large(expr: Any) -> bool:
 
 def _log10_abs(expr: sympy.Basic) -> float | None:
     """log10 |expr| (-inf for zero), or None when `expr` does not evaluate to a finite real number."""
+    import mpmath  # lazy: GRADER_MODULES load on first grading
+    import sympy  # lazy: GRADER_MODULES load on first grading
+
     try:
         value = expr.evalf(15)
         if not isinstance(value, sympy.Float) or not value.is_finite:

@@ -38,6 +38,7 @@ import httpx
 import yaml
 
 from nemo_rl_ext.gym.config import GymLaunchConfig, gym_site_packages, resolve_gym_path
+from nemo_rl_ext.gym.errors import GymLaunchError
 from nemo_rl_ext.gym.health import GymServer, servers_from_config
 from nemo_rl_ext.lifecycle import on_force_stop
 
@@ -126,16 +127,6 @@ def entrypoint_problems(servers: dict[str, dict]) -> list[str]:
             problems.append(f"NeMo Gym server {name!r}: {key}={entrypoint!r}: no such file in the server's folder "
                             f"{server['dir']}")
     return problems
-
-
-class GymLaunchError(RuntimeError):
-    """Gym could not be started; the message is one line naming the servers, their log files and the error
-    their logs end with (`log_tails`: the logs' last lines)."""
-
-    def __init__(self, message: str, log_tails: str = "") -> None:
-        super().__init__(message)
-        self.log_tails = log_tails
-        """The last lines of the logs of the servers concerned ("" when none)."""
 
 
 class GymLauncher:

@@ -18,12 +18,20 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+
+def is_peft_model(model: object) -> bool:
+    """`model` is a peft `PeftModel`, without importing peft for the answer (a peft model means peft is imported
+    already; a run without LoRA, or an export, then starts without peft's import, about half a second)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")

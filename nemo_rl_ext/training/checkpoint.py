@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft import PeftModel
 
 from nemo_rl_ext.config import ConfigError
+from nemo_rl_ext.models.adapters import is_peft_model
 from nemo_rl_ext.training.sharded_checkpoint import SHARDS, is_sharded
 
 logger = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def save_checkpoint(
 def write_whole_state(folder: Path, model: Any, optimizer: torch.optim.Optimizer) -> None:
     """One process's weights (`policy/`: a Hugging Face folder, or a LoRA policy's adapters) and optimizer state
     (`optimizer.pt`) into the checkpoint `folder`."""
-    if isinstance(model, PeftModel):  # the adapters alone: never the base's embeddings or LM head
+    if is_peft_model(model):  # the adapters alone: never the base's embeddings or LM head
         model.save_pretrained(folder / "policy", save_embedding_layers=False)
     else:
         model.save_pretrained(folder / "policy")

@@ -11,15 +11,20 @@ module, computed one module at a time.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from nemo_rl_ext.models.adapters import peft_reads_a_deprecated_alias
 from nemo_rl_ext.training.config import LoraSettings
 from nemo_rl_ext.training.streamed_weights import StreamedWeights
+
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
+
+# peft is imported where a LoRA model is made or read (with_lora, _lora_layer), not with this module: a run
+# without LoRA (and the GRPO CLI's start-up) does without peft's import
 
 ADAPTER = "default"
 """The name of the one adapter peft creates."""
@@ -70,6 +75,8 @@ def lora_target_problem(settings: LoraSettings, model_path: str | Path) -> str |
 def with_lora(model: PreTrainedModel, settings: LoraSettings, adapter_dir: str | Path | None = None) -> PeftModel:
     """`model` with trainable LoRA adapters on the target modules: new ones (B = 0, so the policy starts as the
     base model), or those saved in `adapter_dir` (a checkpoint's policy folder). Every base weight is frozen."""
+    from peft import PeftModel, get_peft_model  # lazy: peft loads only for a LoRA model
+
     with peft_reads_a_deprecated_alias():
         if adapter_dir is not None:
             return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
@@ -77,6 +84,8 @@ def with_lora(model: PreTrainedModel, settings: LoraSettings, adapter_dir: str |
 
 
 def _lora_config(settings: LoraSettings) -> LoraConfig:
+    from peft import LoraConfig  # lazy: peft loads only for a LoRA model
+
     return LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
@@ -85,6 +94,13 @@ def _lora_config(settings: LoraSettings) -> LoraConfig:
         bias="none",
         task_type="CAUSAL_LM",
     )
+
+
+def _lora_layer() -> type:
+    """peft's LoRA layer class (a LoRA model exists, so peft is imported already: the import is a lookup)."""
+    from peft.tuners.lora import LoraLayer  # lazy: peft loads only for a LoRA model
+
+    return LoraLayer
 
 
 @torch.no_grad()
@@ -98,8 +114,9 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
         for key, value in base.state_dict().items()
         if ".lora_" not in key
     }
+    lora_layer = _lora_layer()
     for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
+        if isinstance(module, lora_layer):
             weight = module.get_base_layer().weight
             out[f"{name}.weight"] = weight.detach() + module.get_delta_weight(ADAPTER).to(weight.dtype)
     return out
@@ -108,8 +125,9 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
 def streamed_merged_weights(model: PeftModel) -> StreamedWeights:
     """Each target module's merged weight alone, under its transformers name, made one module at a time as the
     engine reads it (`StreamedWeights`): never a copy of every target at once."""
+    lora_layer = _lora_layer()
     modules = {f"{name}.weight": module for name, module in model.get_base_model().named_modules()
-               if isinstance(module, LoraLayer)}
+               if isinstance(module, lora_layer)}
 
     @torch.no_grad()
     def merge(names: list[str]) -> dict[str, torch.Tensor]:
@@ -126,4 +144,5 @@ def streamed_merged_weights(model: PeftModel) -> StreamedWeights:
 
 def lora_modules(model: PeftModel) -> list[str]:
     """The dotted names of the modules that carry an adapter."""
-    return [name for name, module in model.get_base_model().named_modules() if isinstance(module, LoraLayer)]
+    lora_layer = _lora_layer()
+    return [name for name, module in model.get_base_model().named_modules() if isinstance(module, lora_layer)]

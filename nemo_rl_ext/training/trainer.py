@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from peft import PeftModel
 from transformers import PreTrainedModel
 
+from nemo_rl_ext.models.adapters import is_peft_model
 from nemo_rl_ext.models.loading import enable_activation_checkpointing
 from nemo_rl_ext.objectives.aggregation import minibatch_count
 from nemo_rl_ext.objectives.kl_reward import fit_to, kl_in_reward_advantages
@@ -144,7 +144,7 @@ class PolicyTrainer:
         mixed_precision: str | None = None,
         activation_checkpointing: bool = False,
     ) -> None:
-        self.lora = isinstance(model, PeftModel)
+        self.lora = is_peft_model(model)
         """The model is a LoRA policy: adapters train, its reference is itself with the adapters disabled."""
         self.refit_partial = self.lora
         """`refit_weights` holds only the tensors training changes (the engine keeps the others)."""

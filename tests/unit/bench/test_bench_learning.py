@@ -282,3 +282,29 @@ def test_turn_profile_counts_solves_per_turn_and_the_moves_after_each_reply(tmp_
     assert profile["solved_first_turn"] == pytest.approx(1 / 3) and profile["solved_later_turn"] == pytest.approx(1 / 3)
     assert profile["mean_turns"] == pytest.approx(5 / 3)
     assert profile["next_move_after_reply"] == {"Higher.": {"3": 1}, "Lower.": {"2": 1}}
+
+
+def test_signal_word_prompts_are_disjoint_balanced_and_never_name_the_answer():
+    train, heldout = make_task(TaskSpec(name="signal_word", train_size=31, heldout_size=32))
+    assert not {r["question"] for r in train} & {r["question"] for r in heldout}
+    assert sorted(r["answer"] for r in heldout) == sorted(["dog", "cat"] * 16)
+    assert {(r["op"], r["answer"]) for r in train + heldout} == {("Woof.", "dog"), ("Meow.", "cat")}
+    # the prompt is the same for both answers but for its word, never a signal: only the environment's reply
+    # says which
+    assert {r["question"].rsplit(" ", 1)[0] for r in train + heldout} == {"Woof: dog. Meow: cat."}
+    assert not {r["question"].rsplit(" ", 1)[1] for r in train + heldout} & {"dog", "cat"}
+    with pytest.raises(ValueError, match="signal_word has 66 words"):
+        make_task(TaskSpec(name="signal_word", train_size=35, heldout_size=32))
+
+
+def test_signal_word_trains_on_similarity_and_evaluates_the_exact_answer_over_two_turns(tmp_path):
+    args = learning.parse_args(["--task", "signal_word", "--recipe", "full_ft"])
+    _, recipe = learning.load_recipe("full_ft")
+    raw = learning.grpo_config(recipe, args, tmp_path / "t.jsonl", tmp_path / "r", control=False)
+    cfg = GRPOConfig.model_validate(raw)
+    assert cfg.rollouts.max_rollout_turns == 2 and cfg.rollouts.env.name == "signal_word"
+    assert cfg.rollouts.env.kwargs == {"signals": {"Woof.": "dog", "Meow.": "cat"}, "mode": "similarity"}
+    ev = EvalConfig.model_validate(learning.eval_config(raw, args, tmp_path / "h.jsonl", "tiny", tmp_path / "e",
+                                                        sampled=False))
+    assert ev.rollouts.max_rollout_turns == 2 and ev.rollouts.env.kwargs["mode"] == "exact"
+    assert list(ev.policy.generation.stop_strings) == ["dog", "cat"]
