@@ -33,6 +33,7 @@ from nemo_rl_ext.grpo.step_seeds import SaltedGeneration
 from nemo_rl_ext.grpo.trackers import missing_extras
 from nemo_rl_ext.models.loading import load_model_and_tokenizer, load_tokenizer
 from nemo_rl_ext.models.policy import resolve_model_path
+from nemo_rl_ext.objectives.distillation import distillation_loss
 from nemo_rl_ext.training.checkpoint import (
     MARKER_FILE,
     Checkpoint,
@@ -189,6 +190,7 @@ def build_policy_parts(cfg: GRPOConfig, checkpoint: Checkpoint | None) -> Policy
         reference_model=reference,
         mixed_precision=cfg.trainer.mixed_precision,
         activation_checkpointing=cfg.trainer.activation_checkpointing,
+        distillation=distillation_loss(cfg.on_policy_distillation),
     )
     return PolicyParts(tokenizer, trainer, generation)
 
