@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, model_validator
 
 from nemo_rl_ext.config import StrictModel
 
@@ -51,11 +51,9 @@ class DistillationSettings(StrictModel):
         "0: pure distillation.",
     )
 
-    @field_validator("enabled")
-    @classmethod
-    def _not_built_yet(cls, value: bool) -> bool:
-        """The section is the interface of work in progress: enabling it is refused until the teachers and the
-        update exist (so a config that asks for distillation never trains without it)."""
-        if value:
-            raise ValueError("on-policy distillation is not available in this version yet")
-        return value
+    @model_validator(mode="after")
+    def _coherent(self) -> DistillationSettings:
+        """A kl_type the teacher's scores cannot serve is refused before any model loads."""
+        if self.kl_type in ("forward", "mixed") and self.top_k == 0:
+            raise ValueError(f"kl_type {self.kl_type} is computed over the teacher's top-k: set top_k > 0")
+        return self

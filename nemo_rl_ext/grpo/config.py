@@ -362,11 +362,23 @@ class GRPOConfig(CheckedConfig):
                     correction,
                 )
             )
-        problems += gdpo_rule_problems(data)
+        problems += gdpo_rule_problems(data) + distillation_rule_problems(data)
         device = raw_field(PolicyConfig, policy, "device") if isinstance(policy, Mapping) or policy is None else "cpu"
         problems += trainer_rule_problems(data, "cpu" if device is INVALID else device)
         problems += optimizer_rule_problems(data)
         return problems
+
+
+def distillation_rule_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
+    """Dynamic sampling drops the groups whose rewards are all equal, which a distillation teacher still scores
+    token by token: the two together would throw away most of the teacher's signal."""
+    grpo, section = data.get("grpo"), data.get("on_policy_distillation")
+    dynamic = grpo.get("dynamic_sampling") if isinstance(grpo, Mapping) else None
+    enabled = raw_field(DistillationSettings, section, "enabled") if isinstance(section, Mapping) else False
+    if enabled is True and raw_field(DynamicSamplingSettings, dynamic, "enabled") is True:
+        return [(("grpo", "dynamic_sampling", "enabled"), "must be false with on_policy_distillation (it drops the "
+                 "groups without reward variance, which the teacher still scores per token)", True)]
+    return []
 
 
 def gdpo_rule_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
