@@ -50,6 +50,24 @@ class DistillationSettings(StrictModel):
         description="Weight of the environment's (GRPO) advantage added to the distillation advantage; "
         "0: pure distillation.",
     )
+    max_batch_tokens: int = Field(
+        default=16384, ge=1, description="A local teacher's forward passes: most padded tokens per batch."
+    )
+    request_timeout_s: float = Field(
+        default=120.0, gt=0, description="A teacher over HTTP: the deadline of one scoring request."
+    )
+    request_retries: int = Field(
+        default=2, ge=0, description="A teacher over HTTP: extra attempts of a failed or timed-out request."
+    )
+    retry_backoff_s: float = Field(
+        default=0.5, ge=0, description="A teacher over HTTP: the first retry's delay; doubles each retry."
+    )
+    max_concurrent_requests: int = Field(
+        default=16, ge=1, description="A teacher over HTTP: most scoring requests in flight at once."
+    )
+    health_timeout_s: float = Field(
+        default=10.0, gt=0, description="A teacher over HTTP: the deadline of the checks before any model loads."
+    )
 
     @model_validator(mode="after")
     def _coherent(self) -> DistillationSettings:

@@ -20,6 +20,7 @@ from nemo_rl_ext.data.datasets import gym_datums, load_jsonl, prompt_datum, qa_d
 from nemo_rl_ext.data.hf_source import RowTable, is_table_source
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.data.sources import LazyDatums, load_rows
+from nemo_rl_ext.distillation.scoring import TeacherScorer
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.config import EnvironmentSettings, RolloutsConfig
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
@@ -159,6 +160,7 @@ def build_rollouts(
     question_key: str = "question",
     answer_key: str = "answer",
     more_envs: Sequence[EnvironmentSettings] = (),
+    teachers: TeacherScorer | None = None,
 ) -> tuple[Sequence[DatumSpec], RolloutManager]:
     """The datums of `rows` and the RolloutManager of `cfg.mode` (a registered rollout mode).
 
@@ -166,7 +168,8 @@ def build_rollouts(
     `rollouts.env.remote`, on `cluster`'s Ray) and the manager owns it (its `shutdown` stops it); a given
     `task_to_env` is used instead and stays the caller's. `more_envs`: environments built (and owned) beside it
     (the environments of GRPO's `data.datasets`; one per name). A rollout's tokens are capped by the engine's
-    `max_model_len` as well as by `rollouts.max_seq_len`.
+    `max_model_len` as well as by `rollouts.max_seq_len`. `teachers`: on-policy distillation's teachers, which
+    score every finished record (`distillation.teachers.build_scorer`); the manager closes them at shutdown.
     """
     datums = make_datums(cfg, tokenizer, rows, question_key=question_key, answer_key=answer_key)
     common: dict[str, Any] = dict(
@@ -176,6 +179,7 @@ def build_rollouts(
         policy_generation=generation,
         generation_config=generation_config,
         fault_policy=cfg.fault_policy,
+        teachers=teachers,
     )
     if cfg.mode == "nemo_gym":
         return datums, RolloutManager(**common, task_to_env=None, mode=cfg.mode, gym_config=cfg.gym)

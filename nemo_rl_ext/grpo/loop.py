@@ -46,6 +46,7 @@ from nemo_rl_ext.config import ConfigError, dump_config
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
+from nemo_rl_ext.distillation.teachers import build_scorer
 from nemo_rl_ext.experience.build import build_rollouts
 from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, count_prompts_too_long
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
@@ -175,6 +176,7 @@ class GRPO:
             cluster=cfg.policy.cluster,
             task_to_env=task_to_env,
             more_envs=[e.env for e in cfg.data.datasets if e.env is not None],
+            teachers=build_scorer(cfg.on_policy_distillation),  # None unless distilling; the manager closes it
             **keys,
         )
         if train_datums is not None:
