@@ -2,67 +2,21 @@
 config): a student distilled from a teacher that says "yes" learns to say it in fewer steps than GRPO on the same
 reward, counted in steps, not seconds.
 
-The GRPO run from scratch is both the baseline and the teacher: its model after 30 steps (reward ~1.0, measured in
-`test_grpo.py`) scores the student's completions. Until the rollout layer's teachers land (issue 36, part 1), the
-test scores each step's records itself, by a forward pass of the teacher over each completion's exact token ids, and
-attaches the scores to the assistant messages as the rollout layer will (`Message.teacher_logprobs`); the update is
-the real one (`on_policy_distillation.enabled`, reward_weight 0: pure distillation)."""
+The GRPO run from scratch is both the baseline and the teacher: its checkpoint after 30 steps (reward ~1.0, measured
+in `test_grpo.py`; a `policy/` folder with the model and tokenizer) is the local teacher the rollout layer loads
+(`on_policy_distillation.default_teacher_alias`) and scores every completion with; the students get no reward at all
+(reward_weight 0)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 from test_grpo import config_file, run, soft_tiny_model  # noqa: F401  (module-scoped fixtures of the say-"yes" task)
-from transformers import AutoModelForCausalLM
 
-from nemo_rl_ext.config import load_config
-from nemo_rl_ext.data.records import Completion, PromptGroupRecord
-from nemo_rl_ext.grpo.config import GRPOConfig
-from nemo_rl_ext.grpo.loop import GRPO
-from nemo_rl_ext.grpo.metrics_logger import read_metrics
 from nemo_rl_ext.training.checkpoint import checkpoint_dir, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@torch.no_grad()
-def scored(completion: Completion, teacher, temperature: float, top_k: int = 0) -> Completion:
-    """The completion with the teacher's logprob of every generated assistant token (its exact ids, in context), and
-    with `top_k` its k most likely ids and their logprobs at each of those tokens."""
-    ids = torch.tensor([completion.token_ids])
-    logits = teacher(input_ids=ids).logits[0].float() / (temperature if temperature > 0 else 1.0)
-    full = torch.cat([torch.zeros(1, logits.shape[-1]), torch.log_softmax(logits, dim=-1)[:-1]])  # row t: token t
-    lp = full.gather(-1, ids[0, :, None])[:, 0].tolist()
-    top = full.topk(top_k, dim=-1) if top_k else None
-    messages, start = [], 0
-    for m in completion.message_log:
-        n = len(m.token_ids)
-        if m.generation_logprobs is not None:
-            extra = {}
-            if top is not None:
-                extra = dict(teacher_topk_ids=tuple(map(tuple, top.indices[start : start + n].tolist())),
-                             teacher_topk_logprobs=tuple(map(tuple, top.values[start : start + n].tolist())))
-            m = dataclasses.replace(m, teacher_logprobs=tuple(lp[start : start + n]), **extra)
-        messages.append(m)
-        start += n
-    return dataclasses.replace(completion, message_log=tuple(messages))
-
-
-def with_teacher(grpo: GRPO, teacher, temperature: float, top_k: int = 0) -> None:
-    """Every record the loop's rollouts return comes back scored by `teacher` (stands in for the rollout layer's)."""
-    roll = grpo.manager.run_rollouts
-
-    async def run_rollouts(*args, **kwargs):
-        records, metrics = await roll(*args, **kwargs)
-        out = [dataclasses.replace(r, completions=tuple(scored(c, teacher, temperature, top_k) for c in r.completions))
-               for r in records]
-        assert all(isinstance(r, PromptGroupRecord) for r in out)
-        return out, metrics
-
-    grpo.manager.run_rollouts = run_rollouts
 
 
 def steps_to(rewards: list[float], target: float = 0.9, window: int = 3) -> int:
@@ -81,16 +35,14 @@ def grpo_run(config_file: Path, tmp_path_factory: pytest.TempPathFactory):  # no
     rewards = [m["rollout/reward/mean"] for m in metrics if m["step"] > 0]
     assert sum(rewards[-5:]) / 5 > 0.9, rewards  # the teacher says "yes"
     model_dir = load_checkpoint(checkpoint_dir(out / "checkpoints", 30)).model_dir
-    return rewards, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return rewards, model_dir
 
 
-def distill(config: Path, out: Path, teacher, *overrides: str) -> list[dict]:
-    """A pure-distillation run (reward_weight 0) of the say-"yes" config, its records scored by `teacher`."""
-    cfg = load_config(config, [f"output_dir={out}", "on_policy_distillation.enabled=true", *overrides], GRPOConfig)
-    with GRPO(cfg) as grpo:
-        with_teacher(grpo, teacher, cfg.policy.generation.temperature, cfg.on_policy_distillation.top_k)
-        grpo.run()
-    return [m for m in read_metrics(Path(cfg.output_dir) / "metrics.jsonl") if m["step"] > 0]
+def distill(config: Path, out: Path, teacher: Path, *overrides: str) -> list[dict]:
+    """A pure-distillation run (reward_weight 0) of the say-"yes" config, every agent's teacher the model `teacher`."""
+    metrics = run(config, f"output_dir={out}", "on_policy_distillation.enabled=true",
+                  f"on_policy_distillation.default_teacher_alias={teacher}", *overrides)
+    return [m for m in metrics if m["step"] > 0]
 
 
 def check_learns_from_the_teacher(metrics: list[dict], grpo_rewards: list[float], name: str) -> list[float]:
@@ -103,6 +55,7 @@ def check_learns_from_the_teacher(metrics: list[dict], grpo_rewards: list[float]
     # the student starts where GRPO started (same seed, same model) and gets no reward signal at all
     assert rewards[0] == grpo_rewards[0]
     assert metrics[0]["train/distill/reverse_kl"] > 1.0  # the untrained student disagrees with the teacher
+    assert metrics[0]["distill/scored_tokens"] > 0  # the rollout layer's teacher scored the records
     assert metrics[-1]["train/distill/reverse_kl"] < metrics[0]["train/distill/reverse_kl"] / 4
     return rewards
 
