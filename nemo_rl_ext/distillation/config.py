@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, model_validator
 
 from nemo_rl_ext.config import StrictModel
 
@@ -50,12 +50,28 @@ class DistillationSettings(StrictModel):
         description="Weight of the environment's (GRPO) advantage added to the distillation advantage; "
         "0: pure distillation.",
     )
+    max_batch_tokens: int = Field(
+        default=16384, ge=1, description="A local teacher's forward passes: most padded tokens per batch."
+    )
+    request_timeout_s: float = Field(
+        default=120.0, gt=0, description="A teacher over HTTP: the deadline of one scoring request."
+    )
+    request_retries: int = Field(
+        default=2, ge=0, description="A teacher over HTTP: extra attempts of a failed or timed-out request."
+    )
+    retry_backoff_s: float = Field(
+        default=0.5, ge=0, description="A teacher over HTTP: the first retry's delay; doubles each retry."
+    )
+    max_concurrent_requests: int = Field(
+        default=16, ge=1, description="A teacher over HTTP: most scoring requests in flight at once."
+    )
+    health_timeout_s: float = Field(
+        default=10.0, gt=0, description="A teacher over HTTP: the deadline of the checks before any model loads."
+    )
 
-    @field_validator("enabled")
-    @classmethod
-    def _not_built_yet(cls, value: bool) -> bool:
-        """The section is the interface of work in progress: enabling it is refused until the teachers and the
-        update exist (so a config that asks for distillation never trains without it)."""
-        if value:
-            raise ValueError("on-policy distillation is not available in this version yet")
-        return value
+    @model_validator(mode="after")
+    def _coherent(self) -> DistillationSettings:
+        """A kl_type the teacher's scores cannot serve is refused before any model loads."""
+        if self.kl_type in ("forward", "mixed") and self.top_k == 0:
+            raise ValueError(f"kl_type {self.kl_type} is computed over the teacher's top-k: set top_k > 0")
+        return self

@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
+from nemo_rl_ext.data.answers import clean_answer as _cleaned
+from nemo_rl_ext.data.answers import extract_answer
+from nemo_rl_ext.data.answers import squashed as _squashed
+
 if TYPE_CHECKING:
     import sympy
 
@@ -25,10 +29,6 @@ if TYPE_CHECKING:
 # grading pool's forkserver preloads them once for its workers (GRADER_MODULES).
 GRADER_MODULES = ("sympy", "mpmath", "math_verify")
 """The modules grading imports on first use."""
-
-from nemo_rl_ext.data.answers import clean_answer as _cleaned
-from nemo_rl_ext.data.answers import extract_answer
-from nemo_rl_ext.data.answers import squashed as _squashed
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from nemo_rl_ext.data.datasets import gym_datums, load_jsonl, prompt_datum, qa_d
 from nemo_rl_ext.data.hf_source import RowTable, is_table_source
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.data.sources import LazyDatums, load_rows
+from nemo_rl_ext.distillation.scoring import TeacherScorer
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.config import EnvironmentSettings, RolloutsConfig
 from nemo_rl_ext.experience.rollout_manager import RolloutManager
@@ -147,6 +148,29 @@ def make_datums(
     )
 
 
+def _build_environments(
+    settings_list: Sequence[EnvironmentSettings], cluster: ClusterConfig | None
+) -> tuple[dict[str, EnvironmentInterface], list[EnvironmentInterface]]:
+    """One environment per name of `settings_list` (in this process or a Ray actor); all shut down if one fails."""
+    # local: no cycle; cluster adds no heavy import here (build loads torch already); could move up
+    from nemo_rl_ext.cluster import build_environment
+
+    task_to_env: dict[str, EnvironmentInterface] = {}
+    owned: list[EnvironmentInterface] = []
+    try:
+        for settings in settings_list:
+            if settings.resolved_name not in task_to_env:
+                task_to_env[settings.resolved_name] = build_environment(
+                    settings.resolved_name, settings.kwargs, remote=settings.remote,
+                    step_timeout_s=settings.step_timeout_s, cluster=cluster)
+                owned.append(task_to_env[settings.resolved_name])
+    except BaseException:
+        for env in owned:
+            env.shutdown()
+        raise
+    return task_to_env, owned
+
+
 def build_rollouts(
     cfg: RolloutsConfig,
     tokenizer: TokenizerType,
@@ -159,14 +183,17 @@ def build_rollouts(
     question_key: str = "question",
     answer_key: str = "answer",
     more_envs: Sequence[EnvironmentSettings] = (),
+    teachers: TeacherScorer | None = None,
 ) -> tuple[Sequence[DatumSpec], RolloutManager]:
     """The datums of `rows` and the RolloutManager of `cfg.mode` (a registered rollout mode).
 
-    Native mode (and any other mode but nemo_gym: rows, environment and turn cap as native's) builds the configured environment (in this process, or in a Ray actor with
+    Native mode (and any other mode but nemo_gym: rows, environment and turn cap as native's) builds the
+    configured environment (in this process, or in a Ray actor with
     `rollouts.env.remote`, on `cluster`'s Ray) and the manager owns it (its `shutdown` stops it); a given
     `task_to_env` is used instead and stays the caller's. `more_envs`: environments built (and owned) beside it
     (the environments of GRPO's `data.datasets`; one per name). A rollout's tokens are capped by the engine's
-    `max_model_len` as well as by `rollouts.max_seq_len`.
+    `max_model_len` as well as by `rollouts.max_seq_len`. `teachers`: on-policy distillation's teachers, which
+    score every finished record (`distillation.teachers.build_scorer`); the manager closes them at shutdown.
     """
     datums = make_datums(cfg, tokenizer, rows, question_key=question_key, answer_key=answer_key)
     common: dict[str, Any] = dict(
@@ -176,26 +203,13 @@ def build_rollouts(
         policy_generation=generation,
         generation_config=generation_config,
         fault_policy=cfg.fault_policy,
+        teachers=teachers,
     )
     if cfg.mode == "nemo_gym":
         return datums, RolloutManager(**common, task_to_env=None, mode=cfg.mode, gym_config=cfg.gym)
     owned: list[EnvironmentInterface] = []
     if task_to_env is None:
-        # local: no cycle; cluster adds no heavy import here (build loads torch already); could move up
-        from nemo_rl_ext.cluster import build_environment
-
-        task_to_env = {}
-        try:
-            for settings in (cfg.env, *more_envs):
-                if settings.resolved_name not in task_to_env:
-                    task_to_env[settings.resolved_name] = build_environment(
-                        settings.resolved_name, settings.kwargs, remote=settings.remote,
-                        step_timeout_s=settings.step_timeout_s, cluster=cluster)
-                    owned.append(task_to_env[settings.resolved_name])
-        except BaseException:
-            for env in owned:
-                env.shutdown()
-            raise
+        task_to_env, owned = _build_environments((cfg.env, *more_envs), cluster)
     try:
         manager = RolloutManager(
             **common, mode=cfg.mode, task_to_env=task_to_env, max_rollout_turns=cfg.max_rollout_turns,

@@ -9,11 +9,13 @@ model loaded. Rows are read as `build.load_rollout_rows` reads them for the run 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from nemo_rl_ext.data.generation_counts import GenerationCountError, GenerationCounts
+from nemo_rl_ext.distillation.config import DistillationSettings
 from nemo_rl_ext.experience.config import RolloutsConfig
+from nemo_rl_ext.models.config import PolicyConfig
 
 
 def rollouts_problems(rollouts: RolloutsConfig) -> list[str]:
@@ -64,3 +66,39 @@ def dataset_problems(
     except GenerationCountError as exc:
         return [f"{counts_key}: rows of {path}: {str(exc).replace('num_generations_per_prompt', counts_key)}"]
     return []
+
+
+def dataset_agents(path: str | Path, rollouts: RolloutsConfig, *, limit: int | None = None,
+                   question_key: str = "question", answer_key: str = "answer", subset: str | None = None,
+                   split: str | None = None) -> list[str]:
+    """The agent of each row of the dataset at `path` (empty when it cannot be read: `dataset_problems` names
+    why)."""
+    # lazy: build loads torch and the backends; input checks stay light for config validation
+    from nemo_rl_ext.experience.build import load_rollout_rows, row_agents
+
+    try:
+        rows = load_rollout_rows(rollouts, path, question_key=question_key, answer_key=answer_key,
+                                 subset=subset, split=split)[:limit]
+        return row_agents(rollouts, rows)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return []
+
+
+def distillation_input_problems(settings: DistillationSettings, policy: PolicyConfig,
+                                agents: Iterable[str]) -> list[str]:
+    """Every problem of on-policy distillation's `settings` for a run of `policy` over rows of `agents`, before
+    any model loads: unmapped agents, missing teachers, a teacher whose tokenizer is not the student's, a
+    teacher URL that does not answer or returns no prompt logprobs (`distillation.checks`)."""
+    if not settings.enabled:
+        return []
+    student = None
+    if policy.model_folder_problem() is None:  # a missing student folder is reported by its own check
+        # local: the student's tokenizer only when distilling (models.policy may build a built-in model once)
+        from nemo_rl_ext.models.loading import load_tokenizer
+        from nemo_rl_ext.models.policy import resolve_model_path
+
+        student = load_tokenizer(resolve_model_path(policy))
+    # local: distillation.checks imports httpx, which a config check without a teacher does without
+    from nemo_rl_ext.distillation.checks import distillation_problems
+
+    return distillation_problems(settings, agents, student)

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from nemo_rl_ext.data.generation_counts import GenerationCounts
 from nemo_rl_ext.data.nemo_rl_datum import as_datum
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
+from nemo_rl_ext.distillation.scoring import TeacherScorer
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.experience.fault_policy import FaultPolicy
 from nemo_rl_ext.experience.gym_rollouts import AsyncNemoGymRolloutImpl
@@ -27,9 +28,10 @@ from nemo_rl_ext.experience.native_rollouts import AsyncRolloutImpl
 from nemo_rl_ext.experience.nemo_rl_options import RolloutRetryPolicy, RolloutTimeouts, apply_nemo_rl_options
 from nemo_rl_ext.experience.prompt_length import count_prompts_too_long
 from nemo_rl_ext.experience.rollout_impl import NO_CALL, RolloutCall, RolloutImpl, RolloutSetup
-from nemo_rl_ext.experience.rollout_metrics import rollout_metrics
+from nemo_rl_ext.experience.rollout_metrics import rollout_metrics, teacher_metrics
 from nemo_rl_ext.experience.rollout_modes import NEMO_GYM, mode_name, rollout_mode_class
 from nemo_rl_ext.experience.rollout_params import TokenizerType
+from nemo_rl_ext.experience.teacher_faults import scored_or_failed
 from nemo_rl_ext.models.generation.interfaces import GenerationConfig, GenerationInterface
 
 __all__ = [
@@ -77,6 +79,7 @@ class RolloutManager:
         timeouts: RolloutTimeouts | Any = None,
         retry_policy: RolloutRetryPolicy | Any = None,
         mask_env_flagged_samples: bool | None = None,
+        teachers: TeacherScorer | None = None,
     ) -> None:
         mode = mode_name(mode, use_nemo_gym)
         fault_policy, gym_config = apply_nemo_rl_options(
@@ -93,6 +96,9 @@ class RolloutManager:
         self.use_nemo_gym = mode == NEMO_GYM
         """NeMo-RL's flag: True in nemo_gym mode."""
         self.owned_environments = tuple(owned_environments)
+        self.teachers = teachers
+        """On-policy distillation's teachers: each finished record's completions are scored by its agent's
+        teacher (`distillation.scoring`); None: no scoring."""
         setup = RolloutSetup(
             tokenizer, task_to_env, num_generations_per_prompt, max_seq_len, max_rollout_turns, policy_generation,
             self.generation_config, self.fault_policy, gym_config,
@@ -118,12 +124,14 @@ class RolloutManager:
 
     async def shutdown(self) -> None:
         """Stop servers the implementation started (the NeMo Gym path starts a policy server and Gym) and the
-        environments this manager owns (a remote one's actor, and a Ray only it started)."""
+        environments this manager owns (a remote one's actor, and a Ray only it started), and its teachers."""
         try:
             await self.impl.shutdown()
         finally:
             for env in self.owned_environments:
                 env.shutdown()
+            if self.teachers is not None:
+                self.teachers.close()
 
     def preflight(
         self, datums: Sequence[DatumSpec], counts: GenerationCounts | None = None, *, warn_unused: bool = True
@@ -168,6 +176,8 @@ class RolloutManager:
         `call`: per-call state (`RolloutCall`: e.g. this call's sample counts)."""
         start = self.weight_version
         record = await self.impl.run_rollout(as_datum(input_sample), call=call)
+        if self.teachers is not None:
+            record = await scored_or_failed(self.teachers, record, self.fault_policy)
         if start is None:
             return record
         tags = {"rollout/weight_version/start": float(start), "rollout/weight_version/end": float(self.weight_version)}
@@ -248,4 +258,5 @@ def batch_metrics(records: Sequence[PromptGroupRecord], wall_time_s: float) -> d
     metrics = rollout_metrics(completions, prompt_lens, wall_time_s)
     metrics["rollout/num_prompts"] = float(len(records))
     metrics["rollout/prompts_too_long"] = float(count_prompts_too_long(records)[0])
+    metrics.update(teacher_metrics(records))
     return metrics

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from nemo_rl_ext.data.records import Completion, StopReason
+from nemo_rl_ext.data.records import Completion, PromptGroupRecord, StopReason
+from nemo_rl_ext.distillation.scoring import reverse_kl_terms
 
 
 def token_counts(completion: Completion, prompt_len: int) -> tuple[int, int, int]:
@@ -87,4 +88,25 @@ def rollout_metrics(
         metrics[f"agent/{agent}/reward/std"] = _std(rewards)
         metrics[f"agent/{agent}/turns/mean"] = _mean([c.num_turns for c in mine])
         metrics[f"agent/{agent}/errors"] = float(sum(c.stop_reason is StopReason.ERROR for c in mine))
+    return metrics
+
+
+def teacher_metrics(records: Sequence[PromptGroupRecord]) -> dict[str, float]:
+    """On-policy distillation's metrics over several records (none when no token was scored): the reverse KL
+    (mean per scored token of generation - teacher logprob) overall and per agent, the teacher's seconds
+    (summed over groups) and tokens per second."""
+    by_agent: dict[str, list[float]] = {}
+    for r in records:
+        for c in r.completions:
+            by_agent.setdefault(c.agent_name, []).extend(reverse_kl_terms([c]))
+    terms = [t for agent in by_agent.values() for t in agent]
+    if not terms:
+        return {}
+    seconds = sum(r.rollout_metrics.get("distill/teacher_time_s", 0.0) for r in records)
+    tokens = sum(r.rollout_metrics.get("distill/teacher_tokens", 0.0) for r in records)
+    metrics = {"distill/reverse_kl": _mean(terms), "distill/scored_tokens": float(len(terms)),
+               "distill/teacher_time_s": seconds, "distill/teacher_tokens_per_s": tokens / seconds if seconds else 0.0}
+    for agent in sorted(by_agent):
+        if by_agent[agent]:
+            metrics[f"agent/{agent}/distill/reverse_kl"] = _mean(by_agent[agent])
     return metrics

@@ -21,18 +21,21 @@ from nemo_rl_ext.cluster import loads_model_folder
 from nemo_rl_ext.config import ConfigError, config_changes, raise_problems
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.experience.build import build_policy
+from nemo_rl_ext.experience.input_checks import dataset_agents, distillation_input_problems
 from nemo_rl_ext.grpo.config import (
     RESTART,
     RESUME_MAY_CHANGE,
     GRPOConfig,
     input_problems,
     saved_config_settings,
+    training_sources,
 )
 from nemo_rl_ext.grpo.metrics_logger import read_metrics
 from nemo_rl_ext.grpo.step_seeds import SaltedGeneration
 from nemo_rl_ext.grpo.trackers import missing_extras
 from nemo_rl_ext.models.loading import load_model_and_tokenizer, load_tokenizer
 from nemo_rl_ext.models.policy import resolve_model_path
+from nemo_rl_ext.objectives.distillation import distillation_loss
 from nemo_rl_ext.training.checkpoint import (
     MARKER_FILE,
     Checkpoint,
@@ -67,10 +70,33 @@ def check_inputs(cfg: GRPOConfig, train_datums: Sequence[DatumSpec] | None,
     """Raise one `ConfigError` naming every problem of the run's inputs (files, LoRA targets)."""
     problems = input_problems(cfg, train=train_datums is None, val=val_datums is None)
     problems += missing_extras(cfg.logger)  # a tracker's package: before any model loads
+    problems += distillation_problems(cfg, train_datums, val_datums)
     lora = cfg.trainer.lora
     if lora is not None and cfg.policy.model_folder_problem() is None:
         problems += [p for p in (lora_target_problem(lora, resolve_model_path(cfg.policy)),) if p]
     raise_problems(problems, "the GRPO run's inputs")
+
+
+def distillation_problems(cfg: GRPOConfig, train_datums: Sequence[DatumSpec] | None,
+                          val_datums: Sequence[DatumSpec] | None) -> list[str]:
+    """On-policy distillation's problems (`experience.input_checks.distillation_input_problems`) over the agents
+    of the run's rows: the given datums', else those of the training datasets and the validation file."""
+    settings = cfg.on_policy_distillation
+    if not settings.enabled:
+        return []
+    agents: set[str] = set()
+    for datums in (train_datums, val_datums):
+        if datums is not None:
+            pairs = getattr(datums, "agent_pairs", None)  # LazyDatums: without tokenizing every row
+            agents |= {a for _, a in pairs()} if pairs is not None else {d.agent for d in datums}
+    keys = dict(question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
+    if train_datums is None:
+        for _, path, rollouts, subset, split in training_sources(cfg):
+            agents |= set(dataset_agents(path, rollouts, subset=subset, split=split, **keys))
+    if val_datums is None and cfg.data.val_path is not None and (cfg.grpo.val_period > 0 or cfg.grpo.val_at_start):
+        agents |= set(dataset_agents(cfg.data.val_path, cfg.rollouts, limit=cfg.validation.num_prompts,
+                                     subset=cfg.data.subset, split=cfg.data.val_split, **keys))
+    return distillation_input_problems(settings, cfg.policy, sorted(agents))
 
 
 # ---- the checkpoint to resume -----------------------------------------------------------------------
@@ -189,6 +215,7 @@ def build_policy_parts(cfg: GRPOConfig, checkpoint: Checkpoint | None) -> Policy
         reference_model=reference,
         mixed_precision=cfg.trainer.mixed_precision,
         activation_checkpointing=cfg.trainer.activation_checkpointing,
+        distillation=distillation_loss(cfg.on_policy_distillation),
     )
     return PolicyParts(tokenizer, trainer, generation)
 

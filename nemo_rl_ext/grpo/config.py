@@ -368,7 +368,7 @@ class GRPOConfig(CheckedConfig):
                     correction,
                 )
             )
-        problems += gdpo_rule_problems(data)
+        problems += gdpo_rule_problems(data) + distillation_rule_problems(data)
         problems += kl_in_reward_rule_problems(data)
         device = raw_field(PolicyConfig, policy, "device") if isinstance(policy, Mapping) or policy is None else "cpu"
         problems += trainer_rule_problems(data, "cpu" if device is INVALID else device)
@@ -385,6 +385,18 @@ def kl_in_reward_rule_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
     if in_reward is True and estimator not in (INVALID, "reinforce_plus_plus"):
         return [(("loss", "use_kl_in_reward"), f"is read by grpo.adv_estimator: reinforce_plus_plus only (here "
                  f"{estimator!r}, whose advantages have no KL: NeMo-RL's would train without any KL term)", True)]
+    return []
+
+
+def distillation_rule_problems(data: Mapping[str, Any]) -> list[RuleProblem]:
+    """Dynamic sampling drops the groups whose rewards are all equal, which a distillation teacher still scores
+    token by token: the two together would throw away most of the teacher's signal."""
+    grpo, section = data.get("grpo"), data.get("on_policy_distillation")
+    dynamic = grpo.get("dynamic_sampling") if isinstance(grpo, Mapping) else None
+    enabled = raw_field(DistillationSettings, section, "enabled") if isinstance(section, Mapping) else False
+    if enabled is True and raw_field(DynamicSamplingSettings, dynamic, "enabled") is True:
+        return [(("grpo", "dynamic_sampling", "enabled"), "must be false with on_policy_distillation (it drops the "
+                 "groups without reward variance, which the teacher still scores per token)", True)]
     return []
 
 

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from nemo_rl_ext.cluster import loads_model_folder
 from nemo_rl_ext.config import ConfigError, dump_config
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
+from nemo_rl_ext.distillation.teachers import build_scorer
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
 from nemo_rl_ext.experience.build import build_rollouts
@@ -175,6 +176,7 @@ class GRPO:
             cluster=cfg.policy.cluster,
             task_to_env=task_to_env,
             more_envs=[e.env for e in cfg.data.datasets if e.env is not None],
+            teachers=build_scorer(cfg.on_policy_distillation),  # None unless distilling; the manager closes it
             **keys,
         )
         if train_datums is not None:

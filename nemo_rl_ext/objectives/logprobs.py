@@ -59,25 +59,30 @@ def _picked(
     head: Callable[[torch.Tensor], torch.Tensor],
     temperature: float,
     entropy: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    extra: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """([N] float32 logprob of `targets[i]` under `log_softmax(head(rows[i]) / temperature)`, [N] entropy of that
     distribution or None): the head and the log-softmax run in chunks of `LOGSOFTMAX_CHUNK_ELEMENTS` logits, and
     so does the entropy -sum p log p, from each chunk's log-softmax (`entropy` "detached": no gradient, one more
-    pass over the chunk; "grad": with its gradient, each chunk then also keeps p for the backward; None: none)."""
+    pass over the chunk; "grad": with its gradient, each chunk then also keeps p for the backward; None: none), and
+    with `extra` ([N, k] ids) the [N, k] logprobs of those ids from the same log-softmax (with the gradient)."""
     vocab = int(getattr(head, "out_features", rows.shape[-1]))
     step = max(1, LOGSOFTMAX_CHUNK_ELEMENTS // vocab)
-    picked, entropies = [], []
+    picked, entropies, extras = [], [], []
     for lo in range(0, rows.shape[0], step):
         logits = head(rows[lo : lo + step]).float()
         if temperature != 1.0:  # x / 1.0 == x exactly: skip a pass over the logits
             logits = logits / temperature
         log_p = torch.log_softmax(logits, dim=-1)
         picked.append(log_p.gather(-1, targets[lo : lo + step, None])[:, 0])
+        if extra is not None:
+            extras.append(log_p.gather(-1, extra[lo : lo + step]))
         if entropy is not None:
             with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
                 lp = log_p if entropy == "grad" else log_p.detach()
                 entropies.append(-(lp.exp() * lp).sum(dim=-1))
-    return torch.cat(picked), (torch.cat(entropies) if entropy is not None else None)
+    return (torch.cat(picked), torch.cat(entropies) if entropy is not None else None,
+            torch.cat(extras) if extra is not None else None)
 
 
 def token_logprobs(
@@ -87,10 +92,12 @@ def token_logprobs(
     temperature: float = 1.0,
     score_mask: torch.Tensor | None = None,
     entropy: str | None = None,
+    topk_ids: torch.Tensor | None = None,
 ) -> Any:
     """[B, T] float32 logprobs of the scored tokens under `log_softmax(logits / temperature)`, 0 elsewhere; with
     `entropy` ("detached" or "grad", see `_picked`) the pair (logprobs, [B, T] entropy of each scored token's
-    distribution, 0 elsewhere).
+    distribution, 0 elsewhere); with `topk_ids` ([B, T, k] ids per token, a distillation teacher's top-k) the
+    triple (logprobs, entropies or None, [B, T, k] logprobs of those ids at each scored token, 0 elsewhere).
 
     `logprobs[b, t]` scores `input_ids[b, t]` with the logits at position t - 1 (the loss convention), so
     position 0 is always 0. `score_mask` ([B, T], nonzero on the tokens to score, e.g. the loss mask)
@@ -102,19 +109,31 @@ def token_logprobs(
     temperature = temperature if temperature > 0 else 1.0
     batch, width = input_ids.shape
     zeros = torch.zeros(batch, width, dtype=torch.float32, device=input_ids.device)
-    if width < 2:
-        return (zeros, zeros) if entropy else zeros
     scored = score_mask[:, 1:] != 0 if score_mask is not None else torch.ones_like(input_ids[:, 1:], dtype=torch.bool)
-    if not bool(scored.any()):
-        return (zeros, zeros) if entropy else zeros
+    if width < 2 or not bool(scored.any()):
+        return _result(zeros, zeros if entropy else None, topk_ids, None, scored)
     module, head = _decoder_and_head(model)
     states = _states(module, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     # the states before the scored tokens
-    values, ent = _picked(states[:, :-1][scored], input_ids[:, 1:][scored], head, temperature, entropy)
+    extra = topk_ids[:, 1:][scored] if topk_ids is not None else None
+    values, ent, topk = _picked(states[:, :-1][scored], input_ids[:, 1:][scored], head, temperature, entropy, extra)
     out = torch.cat([zeros[:, :1], zeros[:, 1:].masked_scatter(scored, values)], dim=1)
-    if ent is None:
-        return out
-    return out, torch.cat([zeros[:, :1], zeros[:, 1:].masked_scatter(scored, ent)], dim=1)
+    ent_out = torch.cat([zeros[:, :1], zeros[:, 1:].masked_scatter(scored, ent)], dim=1) if ent is not None else None
+    return _result(out, ent_out, topk_ids, topk, scored)
+
+
+def _result(
+    out: torch.Tensor, ent: torch.Tensor | None, topk_ids: torch.Tensor | None, topk: torch.Tensor | None,
+    scored: torch.Tensor,
+) -> Any:
+    """`token_logprobs`' return value: logprobs, the pair with entropies, or the triple with the top-k logprobs
+    (`topk`: [N, k] values of the `scored` positions from 1 on, placed into [B, T, k] zeros)."""
+    if topk_ids is None:
+        return out if ent is None else (out, ent)
+    full = torch.zeros(topk_ids.shape, dtype=torch.float32, device=out.device)
+    if topk is not None:
+        full = torch.cat([full[:, :1], full[:, 1:].masked_scatter(scored[..., None].expand_as(full[:, 1:]), topk)], 1)
+    return out, ent, full
 
 
 def shared_prefix_logprobs(
@@ -174,7 +193,7 @@ def shared_prefix_logprobs(
     states, targets, where = _scored_states(
         input_ids, scored_rows, active, group_of, starts, lengths, prefix_states, rest_states
     )
-    values, ent = _picked(states, targets, head, temperature, entropy)
+    values, ent, _ = _picked(states, targets, head, temperature, entropy)
     out = torch.zeros(batch, width, dtype=torch.float32, device=device)
     return out.index_put(where, values) if ent is None else (out.index_put(where, values), out.index_put(where, ent))
 

@@ -334,6 +334,16 @@ class CompletionTensors:
     """[L] float32 0/1: see `build_loss_mask`."""
     generation_logprobs: torch.Tensor
     """[L] float32: the engine's logprob of each generated token; 0 where the token was not generated."""
+    teacher_logprobs: torch.Tensor | None = None
+    """[L] float32: a distillation teacher's logprob of each token it scored, 0 elsewhere; None: not scored."""
+    teacher_mask: torch.Tensor | None = None
+    """[L] float32 0/1: 1 on the tokens the teacher scored; None when it scored none."""
+    teacher_topk_ids: torch.Tensor | None = None
+    """[L, k] int64: the teacher's top-k ids per token (0 where it scored none); None without top-k."""
+    teacher_topk_logprobs: torch.Tensor | None = None
+    """[L, k] float32: the teacher's logprobs of `teacher_topk_ids`; None without top-k."""
+    agent_name: str | None = None
+    """The completion's agent (per-agent distillation metrics); None when unknown."""
 
 
 def completion_to_tensors(
@@ -351,7 +361,41 @@ def completion_to_tensors(
         token_ids=ids,
         loss_mask=build_loss_mask(completion, overlong_filtering, only_generated),
         generation_logprobs=torch.cat(gen) if gen else torch.zeros(0, dtype=torch.float32),
+        **teacher_tensors(completion),
+        agent_name=completion.agent_name,
     )
+
+
+def teacher_tensors(completion: Completion) -> dict[str, torch.Tensor | None]:
+    """`CompletionTensors`' teacher fields of a completion, aligned with its token ids: the scores of the messages
+    that carry `teacher_logprobs` (their top-k when every one of them has it), 0 / mask 0 on the others; all None
+    when no message was scored."""
+    scored = [m for m in completion.message_log if m.teacher_logprobs is not None]
+    none = dict.fromkeys(("teacher_logprobs", "teacher_mask", "teacher_topk_ids", "teacher_topk_logprobs"))
+    if not scored:
+        return none
+    with_topk = all(m.teacher_topk_ids is not None and m.teacher_topk_logprobs is not None for m in scored)
+    widths = {len(row) for m in scored if with_topk for row in (m.teacher_topk_ids or ())}
+    if len(widths) > 1:
+        raise ValueError(f"teacher top-k rows of one completion have different widths {sorted(widths)}")
+    k = widths.pop() if widths else 0
+    lp, mask, ids, tlp = [], [], [], []
+    for m in completion.message_log:
+        n = len(m.token_ids)
+        has = m.teacher_logprobs is not None
+        lp.append(torch.tensor(m.teacher_logprobs, dtype=torch.float32) if has else torch.zeros(n))
+        mask.append(torch.full((n,), 1.0 if has else 0.0))
+        if with_topk:
+            ids.append(torch.tensor(m.teacher_topk_ids, dtype=torch.int64).reshape(n, k) if has
+                       else torch.zeros(n, k, dtype=torch.int64))
+            tlp.append(torch.tensor(m.teacher_topk_logprobs, dtype=torch.float32).reshape(n, k) if has
+                       else torch.zeros(n, k))
+    return {
+        "teacher_logprobs": torch.cat(lp),
+        "teacher_mask": torch.cat(mask),
+        "teacher_topk_ids": torch.cat(ids) if with_topk else None,
+        "teacher_topk_logprobs": torch.cat(tlp) if with_topk else None,
+    }
 
 
 def pad_completion_tensors(

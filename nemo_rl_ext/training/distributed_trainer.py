@@ -33,6 +33,7 @@ import torch
 from nemo_rl_ext.cluster import ClusterConfig, init_ray
 from nemo_rl_ext.config import ConfigError
 from nemo_rl_ext.objectives.aggregation import minibatch_count
+from nemo_rl_ext.objectives.distillation import distillation_loss
 from nemo_rl_ext.objectives.kl_reward import kl_in_reward_advantages
 from nemo_rl_ext.training.config import TrainerSettings
 from nemo_rl_ext.training.fsdp_workers import RankSpec, TrainerRank
@@ -392,7 +393,7 @@ def rank_spec(cfg: Any, model_path: str | Path, reference_path: str | Path | Non
         dtype=cfg.policy.dtype, device=str(cfg.policy.device), optimizer=cfg.optimizer,
         loss=cfg.loss.to_loss_config(cfg.policy.generation.max_new_tokens), temperature=cfg.policy.generation.temperature, pad_token_id=pad_token_id,
         wrap=wrap, lora=trainer.lora, adapter_dir=str(adapter_dir) if adapter_dir is not None else None,
-        init_seed=cfg.grpo.seed,
+        init_seed=cfg.grpo.seed, distillation=distillation_loss(getattr(cfg, "on_policy_distillation", None)),
     )
 
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from nemo_rl_ext.models.loading import enable_activation_checkpointing, load_model_and_tokenizer
-from nemo_rl_ext.objectives.kl_reward import fit_to
+from nemo_rl_ext.objectives.distillation import DistillationLoss
 from nemo_rl_ext.objectives.logprobs import right_pad
-from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
+from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors
 from nemo_rl_ext.training.config import LoraSettings, OptimizerSettings
 from nemo_rl_ext.training.fsdp_refit import RefitSource
 from nemo_rl_ext.training.fsdp_wrap import (
@@ -39,7 +39,7 @@ from nemo_rl_ext.training.fsdp_wrap import (
     shard_model,
 )
 from nemo_rl_ext.training.sharded_checkpoint import load_trained_state, save_trained_state
-from nemo_rl_ext.training.trainer import _gen_kl
+from nemo_rl_ext.training.trainer import micro_batch_loss
 
 COLLECTIVE_TIMEOUT_S = 300.0
 """How long a rank waits in one collective (gloo / NCCL) before it fails instead of hanging."""
@@ -74,6 +74,8 @@ class RankSpec:
     init_seed: int | None = None
     """The torch seed new LoRA adapters are drawn under (`grpo.seed`: the in-process trainer draws them right
     after seeding torch with it, so every worker count starts from the same adapters)."""
+    distillation: DistillationLoss | None = None
+    """On-policy distillation: how the items' teacher scores enter the loss (as `PolicyTrainer`'s)."""
 
 
 def use_gloo_interface_of(ip: str) -> None:
@@ -228,23 +230,14 @@ class TrainerRank:
         self.optimizer.zero_grad(set_to_none=True)
         out: list[dict[str, float] | None] = []
         for slot in slots:
-            items, advantages, old, ref = slot if slot is not None else (None, None, None, None)
-            ids, attention, mask, gen = self._batch(items)
-            logprobs, entropy = self.policy(ids, attention, mask,
-                                            "grad" if self.spec.loss.entropy_coef != 0.0 else "detached")
             if slot is None:
+                ids, attention, mask, _ = self._batch(None)
+                logprobs = self.policy(ids, attention, mask)
                 if count > 0:
                     logprobs.sum().backward()  # zero gradients: this rank's share of the collectives
                 out.append(None)
                 continue
-            old_lp = right_pad(old, 0.0, torch.float32).to(self.device) if old else logprobs.detach()
-            ref_lp = right_pad(ref, 0.0, torch.float32).to(self.device) if ref else None
-            adv = fit_to(advantages, mask).to(self.device)
-            loss, metrics = clipped_pg_loss(
-                logprobs, old_lp, adv, mask, self.spec.loss, generation_logprobs=gen,
-                reference_logprobs=ref_lp, global_normalization_count=count, entropy=entropy,
-            )
-            metrics["gen_kl/mean"] = _gen_kl(old_lp, gen, mask)
+            loss, metrics = self._micro_batch_loss(*slot, count)
             if count > 0:
                 loss.backward()
             out.append(metrics)
@@ -258,6 +251,18 @@ class TrainerRank:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return out, norm
+
+    def _micro_batch_loss(
+        self, items: Sequence[CompletionTensors], advantages: torch.Tensor, old: list | None, ref: list | None,
+        count: float,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One micro-batch's loss and metrics (`trainer.micro_batch_loss`, as the in-process trainer's)."""
+        ids, attention, mask, gen = self._batch(items)
+        entropy_mode = "grad" if self.spec.loss.entropy_coef != 0.0 else "detached"
+        return micro_batch_loss(
+            lambda topk_ids: self.policy(ids, attention, mask, entropy_mode, topk_ids), items, mask, gen,
+            advantages, old, ref, count, self.spec.loss, self.spec.distillation,
+        )
 
     def _clip_gradients(self) -> float:
         """Clip by the norm of the whole (global) gradient, as `clip_grad_norm_` does on one process: each rank's

@@ -44,13 +44,18 @@ class LogprobPass(torch.nn.Module):
         self.model = model
         self.temperature = temperature
 
-    def forward(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor, entropy: str | None = None) -> Any:
-        """[B, T] logprobs, or with `entropy` ("detached" or "grad") the pair (logprobs, entropies)."""
+    def forward(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor, entropy: str | None = None,
+                topk_ids: torch.Tensor | None = None) -> Any:
+        """[B, T] logprobs, or with `entropy` ("detached" or "grad") the pair (logprobs, entropies); with `topk_ids`
+        ([B, T, k]) the triple (logprobs, entropies or None, [B, T, k] logprobs of those ids)."""
         if ids.shape[1] >= 2 and bool((mask[:, 1:] != 0).any()):
-            return token_logprobs(self.model, ids, attention, self.temperature, score_mask=mask, entropy=entropy)
+            return token_logprobs(self.model, ids, attention, self.temperature, score_mask=mask, entropy=entropy,
+                                  topk_ids=topk_ids)
         states = self.model.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False)
         head = self.model.get_output_embeddings()(states.last_hidden_state[:, :1])
         zeros = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device) + 0.0 * head.float().sum()
+        if topk_ids is not None:
+            return zeros, (zeros if entropy else None), torch.zeros(topk_ids.shape, device=ids.device)
         return (zeros, zeros) if entropy else zeros
 
 

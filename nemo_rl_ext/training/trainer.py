@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,12 @@ from transformers import PreTrainedModel
 from nemo_rl_ext.models.adapters import is_peft_model
 from nemo_rl_ext.models.loading import enable_activation_checkpointing
 from nemo_rl_ext.objectives.aggregation import minibatch_count
+from nemo_rl_ext.objectives.distillation import (
+    DistillationLoss,
+    distillation_terms,
+    means_of_sums,
+    teacher_batch,
+)
 from nemo_rl_ext.objectives.kl_reward import fit_to, kl_in_reward_advantages
 from nemo_rl_ext.objectives.logprobs import right_pad, shared_prefix_logprobs, token_logprobs
 from nemo_rl_ext.objectives.loss import ClippedPGLossConfig, CompletionTensors, clipped_pg_loss
@@ -91,6 +97,9 @@ class _MetricSums:
                 self.maxima[key] = max(self.maxima.get(key, -math.inf), metrics[key])
         for key in _SUM_METRICS:
             self.sums[key] = self.sums.get(key, 0.0) + metrics.get(key, 0.0)
+        for key, value in metrics.items():  # `sum:<key>` / `n:<key>` pairs: means over their own counts
+            if key.startswith(("sum:", "n:")):
+                self.sums[key] = self.sums.get(key, 0.0) + value
 
     def skip(self, masked_tokens: Sequence[float]) -> None:
         """A micro-batch skipped for its zero advantages (its samples' masked-token counts): its tokens and
@@ -118,7 +127,8 @@ class _MetricSums:
         return metrics
 
     def result(self) -> dict[str, float]:
-        out = dict(self.sums)
+        out = {k: v for k, v in self.sums.items() if not k.startswith(("sum:", "n:"))}
+        out.update(means_of_sums(self.sums))
         masked = out.get("is/masked_tokens", 0.0)
         if masked > 0 and masked == out.get("num_tokens"):
             logger.warning("every trained token of this step (%d) was masked by loss.truncated_importance_sampling_"
@@ -143,7 +153,10 @@ class PolicyTrainer:
         reference_model: PreTrainedModel | None = None,
         mixed_precision: str | None = None,
         activation_checkpointing: bool = False,
+        distillation: DistillationLoss | None = None,
     ) -> None:
+        self.distillation = distillation
+        """On-policy distillation: how the items' teacher scores enter the loss (`objectives.distillation`)."""
         self.lora = is_peft_model(model)
         """The model is a LoRA policy: adapters train, its reference is itself with the adapters disabled."""
         self.refit_partial = self.lora
@@ -271,26 +284,10 @@ class PolicyTrainer:
         size = self.settings.micro_batch_size
         for start in range(indices.start, indices.stop, size):
             chunk = list(range(start, min(start + size, indices.stop)))
-            if self._contributes_nothing(advantages[chunk], ref):
+            if self._contributes_nothing(advantages[chunk], ref, [items[i] for i in chunk]):
                 sums.skip([float(items[i].loss_mask.sum()) for i in chunk])
                 continue
-            ids, attention, mask, gen = self._batch([items[i] for i in chunk])
-            entropy_mode = "grad" if self.loss_config.entropy_coef != 0.0 else "detached"
-            logprobs, entropy = self._token_logprobs(self.model, ids, attention, mask, entropy_mode)
-            old_lp = right_pad([old[i] for i in chunk], 0.0, torch.float32).to(self.device) if old else logprobs.detach()
-            ref_lp = right_pad([ref[i] for i in chunk], 0.0, torch.float32).to(self.device) if ref else None
-            loss, metrics = clipped_pg_loss(
-                logprobs,
-                old_lp,
-                fit_to(advantages[chunk], mask).to(self.device),
-                mask,
-                self.loss_config,
-                generation_logprobs=gen,
-                reference_logprobs=ref_lp,
-                global_normalization_count=count,
-                entropy=entropy,
-            )
-            metrics["gen_kl/mean"] = _gen_kl(old_lp, gen, mask)
+            loss, metrics = self._micro_batch_loss(items, chunk, advantages, old, ref, count)
             if count > 0 and loss.requires_grad:  # a micro-batch without trained tokens ran no model
                 loss.backward()
             sums.add(metrics)
@@ -308,28 +305,48 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def _contributes_nothing(self, advantages: torch.Tensor, ref: list[torch.Tensor] | None) -> bool:
+    def _micro_batch_loss(
+        self, items: Sequence[CompletionTensors], chunk: list[int], advantages: torch.Tensor,
+        old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None, count: float,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One micro-batch's loss (its share of the minibatch's, divided by `count`) and metrics."""
+        chunk_items = [items[i] for i in chunk]
+        entropy_mode = "grad" if self.loss_config.entropy_coef != 0.0 else "detached"
+        ids, attention, mask, gen = self._batch(chunk_items)
+        return micro_batch_loss(
+            lambda topk_ids: self._token_logprobs(self.model, ids, attention, mask, entropy_mode, topk_ids),
+            chunk_items, mask, gen, advantages[chunk], [old[i] for i in chunk] if old else None,
+            [ref[i] for i in chunk] if ref else None, count, self.loss_config, self.distillation,
+        )
+
+    def _contributes_nothing(
+        self, advantages: torch.Tensor, ref: list[torch.Tensor] | None, chunk: Sequence[CompletionTensors]
+    ) -> bool:
         """A micro-batch whose every advantage is 0 adds exactly 0 to the gradient when the loss has no term
-        without the advantage (no KL penalty): its forward and backward are skipped (`trainer.skip_zero_advantage`),
-        its tokens still count in the normalisation, so the update is bit for bit the one without skipping."""
+        without the advantage (no KL penalty, no teacher scores): its forward and backward are skipped
+        (`trainer.skip_zero_advantage`), its tokens still count in the normalisation, so the update is bit for bit
+        the one without skipping."""
+        distilled = self.distillation is not None and any(x.teacher_mask is not None for x in chunk)
         return (self.settings.skip_zero_advantage and ref is None and self.loss_config.kl_coef == 0.0
-                and self.loss_config.entropy_coef == 0.0
+                and self.loss_config.entropy_coef == 0.0 and not distilled
                 and not bool(torch.any(advantages != 0)))
 
     def _token_logprobs(
         self, model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor,
-        entropy: str | None = None,
+        entropy: str | None = None, topk_ids: torch.Tensor | None = None,
     ) -> Any:
         """[B, T] logprobs of a micro-batch on its loss mask (`_batch`'s right-padded tensors): each shared
         prompt computed once with `optimizer.share_prompt_prefix`, else a forward over every token; with
-        `entropy` ("detached" or "grad") the pair (logprobs, entropies) (`logprobs.token_logprobs`)."""
+        `entropy` ("detached" or "grad") the pair (logprobs, entropies); with `topk_ids` the triple with the
+        logprobs of those ids (`logprobs.token_logprobs`; a forward over every token)."""
         with self._compute():
-            if self.settings.share_prompt_prefix:
+            if self.settings.share_prompt_prefix and topk_ids is None:
                 shared = shared_prefix_logprobs(model, ids, attention, self.temperature, score_mask=mask,
                                                 entropy=entropy)
                 if shared is not None:
                     return shared
-            return token_logprobs(model, ids, attention, self.temperature, score_mask=mask, entropy=entropy)
+            extra = {"topk_ids": topk_ids} if topk_ids is not None else {}
+            return token_logprobs(model, ids, attention, self.temperature, score_mask=mask, entropy=entropy, **extra)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights to hand to the generation backend (`update_weights`), under the plain model's names;
@@ -352,6 +369,49 @@ class PolicyTrainer:
 
     def close(self) -> None:
         """Nothing to release (the model is freed with this object)."""
+
+
+def micro_batch_loss(
+    forward: Callable[[torch.Tensor | None], Any],
+    items: Sequence[CompletionTensors],
+    mask: torch.Tensor,
+    gen: torch.Tensor,
+    advantages: torch.Tensor,
+    old: list[torch.Tensor] | None,
+    ref: list[torch.Tensor] | None,
+    count: float,
+    loss_config: ClippedPGLossConfig,
+    distillation: DistillationLoss | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One micro-batch's loss and metrics, for both trainers: `forward(topk_ids)` is the policy's logprob pass over
+    the micro-batch (the pair (logprobs, entropies); the triple with the top-k logprobs when `topk_ids` is given);
+    with teacher scores and `distillation`, its per-token advantages and forward-KL term (`objectives.distillation`).
+    `mask`, `gen`: the right-padded loss mask and engine logprobs on the device; `old`, `ref`: per-item logprobs."""
+    device = mask.device
+    teacher = teacher_batch(items, device) if distillation is not None else None
+    topk_ids = teacher.topk_ids if teacher is not None and distillation.forward_weight else None
+    out = forward(topk_ids)
+    logprobs, entropy, student_topk = out if topk_ids is not None else (*out, None)
+    old_lp = right_pad(old, 0.0, torch.float32).to(device) if old else logprobs.detach()
+    ref_lp = right_pad(ref, 0.0, torch.float32).to(device) if ref else None
+    adv = fit_to(advantages, mask).to(device)
+    terms = None
+    if teacher is not None:
+        terms = distillation_terms(distillation, teacher, old_logprobs=old_lp, advantages=adv, mask=mask,
+                                   student_topk_logprobs=student_topk, loss_config=loss_config, count=count,
+                                   agents=[x.agent_name for x in items])
+        adv = terms.advantages
+    loss, metrics = clipped_pg_loss(
+        logprobs, old_lp, adv, mask, loss_config, generation_logprobs=gen, reference_logprobs=ref_lp,
+        global_normalization_count=count, entropy=entropy,
+    )
+    metrics["gen_kl/mean"] = _gen_kl(old_lp, gen, mask)
+    if terms is not None:
+        metrics.update(terms.metrics)
+        if terms.extra_loss is not None:
+            loss = loss + terms.extra_loss
+            metrics["loss"] = float(loss.detach())
+    return loss, metrics
 
 
 @torch.no_grad()
