@@ -7,6 +7,8 @@ Importable from any test module because pytest puts this folder (the one holding
 
 from __future__ import annotations
 
+from tolerances import SAME_MODEL_LOGPROBS, approx
+
 from nemo_rl_ext.data.datasets import datum_from_messages
 from nemo_rl_ext.data.records import PromptGroupRecord, StopReason
 from nemo_rl_ext.environments.tool_env import ToolCalculatorEnvironment
@@ -14,7 +16,6 @@ from nemo_rl_ext.experience.rollout_manager import RolloutManager
 from nemo_rl_ext.models.generation import GenerationConfig
 from nemo_rl_ext.testing import ScriptedGeneration, forward_logprobs
 from nemo_rl_ext.testing.reference import forward_top_logprobs
-from tolerances import SAME_MODEL_LOGPROBS, approx
 
 TOOL_SCRIPT = [
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call><|im_end|>',

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from nemo_rl_ext.config import StrictModel
 
@@ -69,3 +69,11 @@ class DistillationSettings(StrictModel):
     health_timeout_s: float = Field(
         default=10.0, gt=0, description="A teacher over HTTP: the deadline of the checks before any model loads."
     )
+
+    @model_validator(mode="after")
+    def _a_teacher_when_enabled(self) -> DistillationSettings:
+        """Distillation with no teacher at all is a config error (rather than a run that distils nothing)."""
+        if self.enabled and not self.teacher_model_by_agent_name and self.default_teacher_alias is None:
+            raise ValueError("on_policy_distillation.enabled needs a teacher: set teacher_model_by_agent_name "
+                             "({agent: model, folder or http(s):// URL}) or default_teacher_alias")
+        return self

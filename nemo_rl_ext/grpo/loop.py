@@ -44,9 +44,9 @@ from tqdm.auto import tqdm
 from nemo_rl_ext.cluster import loads_model_folder
 from nemo_rl_ext.config import ConfigError, dump_config
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
+from nemo_rl_ext.distillation.teachers import build_scorer
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
-from nemo_rl_ext.distillation.teachers import build_scorer
 from nemo_rl_ext.experience.build import build_rollouts
 from nemo_rl_ext.experience.prompt_length import PromptLengthWarning, count_prompts_too_long
 from nemo_rl_ext.experience.rollout_manager import batch_metrics

@@ -15,7 +15,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from policy_server_cli import policy_server_cli
 from teacher_checks import assert_scores_match_forward, tool_datum, tool_manager
 
