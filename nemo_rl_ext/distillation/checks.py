@@ -22,14 +22,18 @@ MAX_LISTED = 8
 """Most differing ids an error lists (then how many more)."""
 
 
+def rendered_ids(tokenizer: Any) -> list[int]:
+    """The ids of `PROBE_CONVERSATION` rendered with the tokenizer's chat template."""
+    rendered = tokenizer.apply_chat_template(PROBE_CONVERSATION, tokenize=True, add_generation_prompt=False)
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
 def probe_ids(tokenizer: Any, samples: int = 64) -> list[int]:
     """Ids a teacher must spell as the student does: the chat template's rendering of `PROBE_CONVERSATION`,
     every special id, and `samples` ids spread over the whole vocabulary (its last id included)."""
-    rendered = tokenizer.apply_chat_template(PROBE_CONVERSATION, tokenize=True, add_generation_prompt=False)
-    rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     size = len(tokenizer)
     spread = sorted({size * i // samples for i in range(samples)} | {size - 1})
-    return list(dict.fromkeys([*rendered, *tokenizer.all_special_ids, *spread]))
+    return list(dict.fromkeys([*rendered_ids(tokenizer), *tokenizer.all_special_ids, *spread]))
 
 
 def _listed(ids: list[int]) -> str:
@@ -49,11 +53,14 @@ def tokenizer_problem(name: str, student: Any, teacher: Any) -> str | None:
         problems.append(f"ids spelled otherwise: {_listed(differ)}")
     specials = {k: (getattr(student, k), getattr(teacher, k)) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     problems += [f"{k} {t} (the student's: {s})" for k, (s, t) in specials.items() if s != t]
-    if not differ:
-        s_ids, t_ids = probe_ids(student), probe_ids(teacher)
-        if s_ids != t_ids:
-            problems.append(f"chat-template ids {_listed([i for i in t_ids if i not in s_ids])} where the "
-                            f"student's template has {_listed([i for i in s_ids if i not in t_ids])}")
+    s_special, t_special = sorted(student.all_special_ids), sorted(teacher.all_special_ids)
+    if s_special != t_special:
+        problems.append(f"special ids {_listed(t_special)} (the student's: {_listed(s_special)})")
+    s_ids, t_ids = rendered_ids(student), rendered_ids(teacher)
+    if s_ids != t_ids:
+        at = next((i for i, (a, b) in enumerate(zip(s_ids, t_ids, strict=False)) if a != b), min(len(s_ids), len(t_ids)))
+        problems.append(f"its chat template renders ids {_listed(t_ids[at:])} from position {at} where the "
+                        f"student's renders {_listed(s_ids[at:])}")
     if not problems:
         return None
     return f"on_policy_distillation: teacher {name!r} does not share the student's tokenizer: " + "; ".join(problems)

@@ -71,7 +71,14 @@ class DistillationSettings(StrictModel):
 
     @model_validator(mode="after")
     def _coherent(self) -> DistillationSettings:
-        """A kl_type the teacher's scores cannot serve is refused before any model loads."""
+        """Settings the teachers cannot serve, all in one error, before any model loads: a kl_type over the
+        teacher's top-k with top_k 0; distillation enabled with no teacher at all (a run that distils nothing)."""
+        problems = []
         if self.kl_type in ("forward", "mixed") and self.top_k == 0:
-            raise ValueError(f"kl_type {self.kl_type} is computed over the teacher's top-k: set top_k > 0")
+            problems.append(f"kl_type {self.kl_type} is computed over the teacher's top-k: set top_k > 0")
+        if self.enabled and not self.teacher_model_by_agent_name and self.default_teacher_alias is None:
+            problems.append("on_policy_distillation.enabled needs a teacher: set teacher_model_by_agent_name "
+                            "({agent: model, folder or http(s):// URL}) or default_teacher_alias")
+        if problems:
+            raise ValueError("; ".join(problems))
         return self

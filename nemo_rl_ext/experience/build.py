@@ -192,8 +192,7 @@ def build_rollouts(
     `rollouts.env.remote`, on `cluster`'s Ray) and the manager owns it (its `shutdown` stops it); a given
     `task_to_env` is used instead and stays the caller's. `more_envs`: environments built (and owned) beside it
     (the environments of GRPO's `data.datasets`; one per name). A rollout's tokens are capped by the engine's
-    `max_model_len` as well as by `rollouts.max_seq_len`. `teachers`: on-policy distillation's teachers, which
-    score every finished record (`distillation.teachers.build_scorer`); the manager closes them at shutdown.
+    `max_model_len` as well as by `rollouts.max_seq_len`. `teachers` score every record (on-policy distillation).
     """
     datums = make_datums(cfg, tokenizer, rows, question_key=question_key, answer_key=answer_key)
     common: dict[str, Any] = dict(
@@ -202,8 +201,7 @@ def build_rollouts(
         max_seq_len=min(cfg.max_seq_len, generation.max_model_len),
         policy_generation=generation,
         generation_config=generation_config,
-        fault_policy=cfg.fault_policy,
-        teachers=teachers,
+        fault_policy=cfg.fault_policy, teachers=teachers,
     )
     if cfg.mode == "nemo_gym":
         return datums, RolloutManager(**common, task_to_env=None, mode=cfg.mode, gym_config=cfg.gym)

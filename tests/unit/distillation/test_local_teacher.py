@@ -3,6 +3,7 @@ teacher over the same ids, for a multi-turn record with tool turns in between.""
 
 from __future__ import annotations
 
+import cloudpickle
 import pytest
 from teacher_checks import assert_scores_match_forward, tool_datum, tool_manager
 
@@ -34,6 +35,9 @@ async def test_teacher_scores_every_assistant_turn_as_a_separate_forward(tiny_mo
     batch = batch_metrics([record], 1.0)
     assert batch["distill/reverse_kl"] == pytest.approx(metrics["distill/reverse_kl"], rel=1e-12)
     assert batch["distill/scored_tokens"] == len(terms) and batch["distill/teacher_tokens_per_s"] > 0
+    # records cross Ray (an eval worker, a remote collector) pickled: the teacher's scores travel with them
+    copy = cloudpickle.loads(cloudpickle.dumps(record))
+    assert copy == record and copy.completions[0].message_log[1].teacher_topk_ids is not None
 
 
 async def test_an_agent_without_a_teacher_is_not_scored(tiny_model_and_tokenizer, teacher):
