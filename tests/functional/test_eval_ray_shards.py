@@ -193,16 +193,19 @@ def result_lines(store: Path) -> list[tuple[int, int]]:
     return [(x["prompt_idx"], x["sample_idx"]) for x in rows if x["stop_reason"] != "error"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_a_worker_killed_between_writing_and_reporting_a_prompt_leaves_it_in_one_store(
     local_ray, tiny_model_dir, one_shard, tmp_path
 ) -> None:
-    root = tmp_path / "ray"
-    marker = tmp_path / "killed-after-prompt"
-    cfg = config(tiny_model_dir, root, "eval.ray_workers=2", "eval.max_concurrent_prompts=1", WORKER_CPUS,
-                 "policy.cluster.max_failures=1")  # taken out at its first death: worker-0 finishes the queue
-    result = run_ray_eval(cfg, progress=False, on_written=die_once_after_writing(marker))
-    assert marker.exists(), "worker-1 wrote no prompt"
+    for attempt in range(3):  # on a loaded machine worker-0 may take every prompt before worker-1 has loaded
+        root = tmp_path / f"ray-{attempt}"
+        marker = tmp_path / f"killed-after-prompt-{attempt}"
+        cfg = config(tiny_model_dir, root, "eval.ray_workers=2", "eval.max_concurrent_prompts=1", WORKER_CPUS,
+                     "policy.cluster.max_failures=1")  # taken out at its first death: worker-0 finishes the queue
+        result = run_ray_eval(cfg, progress=False, on_written=die_once_after_writing(marker))
+        if marker.exists():
+            break
+    assert marker.exists(), "worker-1 wrote no prompt, 3 times"
     killed_after = int(marker.read_text())
     assert result.complete and result.summary is not None
 
