@@ -119,9 +119,9 @@ class CompletionLine(JsonView):
     """The reward's named parts where the environment reports them (written only then, after `message_log`,
     so a line without them is byte-identical to one written before they existed)."""
     distill: Mapping[str, float] = field(default_factory=dict)
-    """On-policy distillation in the eval: `reverse_kl_sum` (the sum over the teacher-scored assistant tokens of
-    generation logprob - teacher logprob) and `scored_tokens` (their count), so shards and resumes aggregate as
-    sum / count; empty (and not written) without a teacher."""
+    """On-policy distillation in the eval: `reverse_kl_sum` (over the teacher-scored assistant tokens, of
+    generation logprob - teacher logprob), `scored_tokens` (their count) and `teacher_logprob_sum`, so shards
+    and resumes aggregate as sum / count; empty (and not written) without a teacher."""
 
     @property
     def is_error(self) -> bool:
@@ -208,12 +208,15 @@ class CompletionLine(JsonView):
 
 
 def distill_sums(completion: Completion) -> dict[str, float]:
-    """`reverse_kl_sum` and `scored_tokens` of a completion the teacher scored (`scoring.reverse_kl_terms`),
-    empty when no token was scored (no teacher, or an error completion)."""
+    """`reverse_kl_sum`, `scored_tokens` and `teacher_logprob_sum` (the teacher's logprobs of those tokens) of a
+    completion the teacher scored (`scoring.reverse_kl_terms`), empty when no token was scored (no teacher, or an error completion)."""
     terms = reverse_kl_terms([completion])
     if not terms:
         return {}
-    return {"reverse_kl_sum": math.fsum(terms), "scored_tokens": float(len(terms))}
+    teacher = [t for m in completion.message_log if m.teacher_logprobs is not None and m.generation_logprobs
+               is not None for t in m.teacher_logprobs]
+    return {"reverse_kl_sum": math.fsum(terms), "scored_tokens": float(len(terms)),
+            "teacher_logprob_sum": math.fsum(teacher)}
 
 
 def _wrong_type(value: Any, types: tuple[type, ...]) -> bool:

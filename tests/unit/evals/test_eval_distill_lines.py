@@ -45,7 +45,7 @@ def test_distill_sums_of_a_completion_are_generation_minus_teacher_logprobs() ->
     done = Completion(message_log=(Message("user", "q", (1, 2)), assistant, tool, second), reward=1.0,
                       truncated=False, stop_reason=StopReason.NATURAL, num_turns=2, agent_name="a")
     # (-0.5 + 0.25) + (-1.0 + 1.5) + 0 + (-3.0 + 1.0) = -1.75 over 4 scored tokens (exact in binary)
-    assert distill_sums(done) == {"reverse_kl_sum": -1.75, "scored_tokens": 4.0}
+    assert distill_sums(done) == {"reverse_kl_sum": -1.75, "scored_tokens": 4.0, "teacher_logprob_sum": -4.75}
     unscored = Completion(message_log=(Message("assistant", "x", (5,), generation_logprobs=(-0.5,)),),
                           reward=0.0, truncated=False, stop_reason=StopReason.NATURAL, num_turns=1, agent_name="a")
     assert distill_sums(unscored) == {}
@@ -85,3 +85,19 @@ def test_a_summary_without_a_teacher_has_no_kl(tmp_path: Path) -> None:
     assert not [k for k in summary.metrics if k.startswith("distill/")]
     assert "student-teacher KL" not in format_metric_table(summary)
     assert "Student-teacher KL" not in markdown_report(summary, "p.png")
+
+
+def test_the_eval_checks_its_teachers_before_any_model_loads(tmp_path: Path) -> None:
+    from nemo_rl_ext.config import ConfigError, load_config
+    from nemo_rl_ext.evals.config import EvalConfig, check_inputs
+
+    data = Path(__file__).resolve().parents[3] / "examples" / "data" / "arithmetic.jsonl"
+    cfg = load_config(None, [f"eval.dataset_path={data}", f"eval.save_path={tmp_path}", "policy.model_name=tiny",
+                             "on_policy_distillation.enabled=true",
+                             f"on_policy_distillation.teacher_model_by_agent_name={{other: {tmp_path / 'nope'}}}"],
+                      EvalConfig)
+    with pytest.raises(ConfigError) as info:
+        check_inputs(cfg)
+    msg = str(info.value)
+    assert msg.startswith("2 problems with the eval's inputs"), msg
+    assert "no teacher for agent(s) ['math']" in msg and str(tmp_path / "nope") in msg

@@ -1,0 +1,49 @@
+"""The eval with a teacher (on-policy distillation's scorer in the eval's rollouts): the tiny model scored by
+itself has a student-teacher KL of ~0, scored by another tiny model (other weights, same tokenizer) a KL > 0."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_eval import make_cfg
+
+from nemo_rl_ext.evals.driver import run_eval
+from nemo_rl_ext.models.tiny import build_tiny_model
+from tests.tolerances import ENGINE_LOGPROBS
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def distill_eval(tiny_model_dir: Path, generation, out: Path, teacher: Path):
+    cfg = make_cfg(tiny_model_dir, out, num_prompts=3)
+    cfg = type(cfg).model_validate({**cfg.model_dump(), "on_policy_distillation": {
+        "enabled": True, "default_teacher_alias": str(teacher)}})
+    result = run_eval(cfg, generation=generation, progress=False)
+    lines = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(lines) == 12 and not [x for x in lines if x["stop_reason"] == "error"]
+    for x in lines:  # every generated token was scored, once
+        assert x["distill"]["scored_tokens"] == sum(m["num_tokens"] for m in x["message_log"]
+                                                    if m["role"] == "assistant")
+    return result.summary["metrics"], lines
+
+
+@pytest.mark.timeout(60)
+def test_the_same_model_as_teacher_gives_kl_0_and_another_model_kl_above_0(tiny_model_dir, generation,
+                                                                           tmp_path) -> None:
+    same, lines = distill_eval(tiny_model_dir, generation, tmp_path / "same", tiny_model_dir)
+    # each term is engine logprob - forward-pass logprob of the same weights: |g - t| <= atol + rtol |t|
+    # (ENGINE_LOGPROBS), so the sum over all tokens is bounded by n * atol + rtol * sum |t|, with t <= 0
+    n = sum(x["distill"]["scored_tokens"] for x in lines)
+    bound = n * ENGINE_LOGPROBS["atol"] - ENGINE_LOGPROBS["rtol"] * sum(x["distill"]["teacher_logprob_sum"]
+                                                                         for x in lines)
+    assert abs(same["distill/reverse_kl"]) * n <= bound, (same["distill/reverse_kl"], bound / n)
+    agent = lines[0]["agent"]
+    assert same["distill/scored_tokens"] == n and same[f"distill/reverse_kl/{agent}"] == same["distill/reverse_kl"]
+    other_dir = build_tiny_model(tmp_path / "other", seed=1)
+    other, _ = distill_eval(tiny_model_dir, generation, tmp_path / "other_eval", other_dir)
+    # another random model disagrees by far more than rounding: its KL is hundreds of the bound above
+    assert other["distill/reverse_kl"] > 100 * bound / n, other["distill/reverse_kl"]
+    print("KL same", same["distill/reverse_kl"], "bound", bound / n, "KL other", other["distill/reverse_kl"])
+    assert other["pass@1"] == same["pass@1"]  # the teacher scores; it does not change the samples (seeded)
