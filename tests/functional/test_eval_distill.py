@@ -80,7 +80,10 @@ def test_a_teacher_down_leaves_error_completions_that_a_resume_scores(tiny_model
         for line in proc.stderr:
             if "listening on http://" in line:
                 break
-        up = run_eval(cfg, generation=generation, progress=False)
+        # how the teacher is reached may change on resume (experience/resume_keys.py), which teacher may not
+        teacher = cfg.on_policy_distillation.model_copy(update={"request_retries": 2, "request_timeout_s": 60})
+        up = run_eval(cfg.model_copy(update={"on_policy_distillation": teacher}), generation=generation,
+                      progress=False)
     finally:
         proc.kill()
         proc.wait(timeout=30)
