@@ -29,10 +29,16 @@ from nemo_rl_ext.config import (
     raw_field,
 )
 from nemo_rl_ext.data.hf_source import is_hub_id
+from nemo_rl_ext.distillation.config import DistillationSettings
 from nemo_rl_ext.evals.metrics import metric_defs
 from nemo_rl_ext.evals.shards import ShardSpec
 from nemo_rl_ext.experience.config import RolloutsConfig, largest_count, rollouts_rule_problems
-from nemo_rl_ext.experience.input_checks import dataset_problems, rollouts_problems
+from nemo_rl_ext.experience.input_checks import (
+    dataset_agents,
+    dataset_problems,
+    distillation_input_problems,
+    rollouts_problems,
+)
 from nemo_rl_ext.gym.config import GymConfig, resolve_gym_path
 from nemo_rl_ext.models.config import PolicyConfig
 from nemo_rl_ext.models.generation.interfaces import SEED_LIMIT
@@ -194,6 +200,11 @@ class EvalConfig(CheckedConfig):
     eval: EvalSettings
     rollouts: RolloutsConfig = Field(default_factory=RolloutsConfig, description="How samples are rolled out.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    on_policy_distillation: DistillationSettings = Field(
+        default_factory=DistillationSettings,
+        description="A teacher scores every completion, and the summary reports the student-teacher KL "
+        "(`distill/reverse_kl`) beside pass@k. Only the teacher keys matter in an eval; the update's keys "
+        "(kl_type, mixed_kl_weight, top_k, reward_weight) are ignored.")
 
     @property
     def ks(self) -> tuple[int, ...]:
@@ -312,7 +323,9 @@ def _gym_worker_problems(data: Mapping[str, Any], workers: int) -> list[RuleProb
 
 def input_problems(cfg: EvalConfig) -> list[str]:
     """What a run of `cfg` would stop on once its model is loaded, found without loading it: a missing model
-    folder, a missing or unreadable dataset, rows whose agent has no count in `num_generations_per_prompt`."""
+    folder, a missing or unreadable dataset, rows whose agent has no count in `num_generations_per_prompt`, and
+    on-policy distillation's problems (unmapped agents, a teacher that is missing, unreachable or whose
+    tokenizer is not the student's)."""
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
     problems += rollouts_problems(cfg.rollouts)
     problems += dataset_problems(
@@ -325,6 +338,10 @@ def input_problems(cfg: EvalConfig) -> list[str]:
         subset=cfg.eval.dataset_subset,
         split=cfg.eval.dataset_split,
     )
+    if cfg.on_policy_distillation.enabled:
+        agents = dataset_agents(dataset_file(cfg), cfg.rollouts, limit=cfg.eval.num_prompts,
+                                subset=cfg.eval.dataset_subset, split=cfg.eval.dataset_split)
+        problems += distillation_input_problems(cfg.on_policy_distillation, cfg.policy, sorted(set(agents)))
     return problems
 
 

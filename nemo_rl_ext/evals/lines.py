@@ -6,12 +6,14 @@ files written before this record existed still load and new lines are byte-ident
 
 from __future__ import annotations
 
+import math
 import reprlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_rl_ext.data.records import PROMPT_TOO_LONG, Completion, PromptGroupRecord, StopReason, is_data_error
+from nemo_rl_ext.distillation.scoring import reverse_kl_terms
 
 ERROR = StopReason.ERROR.value
 """The stop_reason of an error completion."""
@@ -34,6 +36,7 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "env_extras": (dict,),
     "message_log": (list,),
     "reward_components": (dict,),
+    "distill": (dict,),
 }
 """Keys a line may lack (hand-written or older lines; they read as None / empty), with their JSON types."""
 
@@ -115,6 +118,10 @@ class CompletionLine(JsonView):
     reward_components: Mapping[str, float] = field(default_factory=dict)
     """The reward's named parts where the environment reports them (written only then, after `message_log`,
     so a line without them is byte-identical to one written before they existed)."""
+    distill: Mapping[str, float] = field(default_factory=dict)
+    """On-policy distillation in the eval: `reverse_kl_sum` (over the teacher-scored assistant tokens, of
+    generation logprob - teacher logprob), `scored_tokens` (their count) and `teacher_logprob_sum`, so shards
+    and resumes aggregate as sum / count; empty (and not written) without a teacher."""
 
     @property
     def is_error(self) -> bool:
@@ -147,7 +154,8 @@ class CompletionLine(JsonView):
             "metadata": dict(self.metadata),
             "env_extras": dict(self.env_extras),
             "message_log": [m.to_json() for m in self.message_log],
-        } | ({"reward_components": dict(self.reward_components)} if self.reward_components else {})
+        } | ({"reward_components": dict(self.reward_components)} if self.reward_components else {}) | (
+            {"distill": dict(self.distill)} if self.distill else {})
 
     @classmethod
     def from_json(cls, obj: Any) -> CompletionLine:
@@ -169,6 +177,7 @@ class CompletionLine(JsonView):
             env_extras=obj.get("env_extras") or {},
             message_log=tuple(LineMessage.from_json(m) for m in obj.get("message_log") or ()),
             reward_components={str(k): float(v) for k, v in (obj.get("reward_components") or {}).items()},
+            distill={str(k): float(v) for k, v in (obj.get("distill") or {}).items()},
         )
 
     @classmethod
@@ -194,7 +203,20 @@ class CompletionLine(JsonView):
                 for m in completion.message_log
             ),
             reward_components=dict(completion.reward_components),
+            distill=distill_sums(completion),
         )
+
+
+def distill_sums(completion: Completion) -> dict[str, float]:
+    """`reverse_kl_sum`, `scored_tokens` and `teacher_logprob_sum` (the teacher's logprobs of those tokens) of a
+    completion the teacher scored (`scoring.reverse_kl_terms`), empty when no token was scored (no teacher, or an error completion)."""
+    terms = reverse_kl_terms([completion])
+    if not terms:
+        return {}
+    teacher = [t for m in completion.message_log if m.teacher_logprobs is not None and m.generation_logprobs
+               is not None for t in m.teacher_logprobs]
+    return {"reverse_kl_sum": math.fsum(terms), "scored_tokens": float(len(terms)),
+            "teacher_logprob_sum": math.fsum(teacher)}
 
 
 def _wrong_type(value: Any, types: tuple[type, ...]) -> bool:

@@ -161,6 +161,8 @@ def format_metric_table(summary: EvalSummary) -> str:
     if summary.reward_components:
         lines.append("reward components (mean): " + ", ".join(
             f"{name} {stats['mean']:.4f}" for name, stats in summary.reward_components.items()))
+    if DISTILL_KL in summary.metrics:
+        lines.append(distill_note(summary))
     note = error_note(summary)
     lines += note[:1] + [f"  {x}" for x in note[1:]]
     if summary.num_prompts_too_long:
@@ -384,6 +386,28 @@ def definition_lines(summary: EvalSummary) -> list[str]:
             for m in shown_metrics(summary) if m.description]
 
 
+DISTILL_KL = "distill/reverse_kl"
+"""The summary's student-teacher KL key (on-policy distillation's teacher scored the samples)."""
+
+
+def distill_note(summary: EvalSummary) -> str:
+    """One line: the student-teacher KL per token, overall and per agent, and the tokens it is over."""
+    m = summary.metrics
+    agents = [f"{a} {m[f'{DISTILL_KL}/{a}']:.4f}" for a in summary.agents if f"{DISTILL_KL}/{a}" in m]
+    return (f"student-teacher KL ({DISTILL_KL}, per token): {m[DISTILL_KL]:.4f} over "
+            f"{int(m.get('distill/scored_tokens', 0))} scored tokens" + (f"; {', '.join(agents)}" if agents else ""))
+
+
+def distill_lines(summary: EvalSummary) -> list[str]:
+    """The report's "Student-teacher KL" section ([] where no teacher scored the samples)."""
+    if DISTILL_KL not in summary.metrics:
+        return []
+    return ["", "## Student-teacher KL", "",
+            "The mean over the teacher-scored assistant tokens of the non-error samples of generation logprob - "
+            "teacher logprob (an estimate of KL(student || teacher) on the sampled tokens).", "",
+            distill_note(summary)]
+
+
 def markdown_report(summary: EvalSummary, plot_name: str) -> str:
     """A short Markdown summary: what was run, the metric table and what each metric is, the plot, the reward
     profile."""
@@ -410,6 +434,7 @@ def markdown_report(summary: EvalSummary, plot_name: str) -> str:
             "",
             f"![pass@k against k]({plot_name})",
             *component_lines(summary),
+            *distill_lines(summary),
             *profile_lines(summary),
             *gym_metric_lines(summary),
             "",

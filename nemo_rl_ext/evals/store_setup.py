@@ -25,6 +25,7 @@ import orjson
 
 from nemo_rl_ext.config import dump_config
 from nemo_rl_ext.data.records import DatumSpec
+from nemo_rl_ext.distillation.teachers import build_scorer
 from nemo_rl_ext.evals.config import EvalConfig, dataset_file
 from nemo_rl_ext.evals.gym_eval import prepare_rows
 from nemo_rl_ext.evals.shards import ShardSpec
@@ -62,6 +63,7 @@ def build_rollout_setup(
         rows,
         generation_config=cfg.policy.generation,
         cluster=cfg.policy.cluster,
+        teachers=build_scorer(cfg.on_policy_distillation),  # None without a teacher; the manager closes it
     )
 
 

@@ -218,8 +218,8 @@ def summarize(
     prompts = [_prompt_samples(group) for group in groups]
     lines = [x for group in groups for x in group]
     ks = cfg.ks
-    metrics = aggregate_eval_metrics(prompts, ks, cfg.eval.reward_threshold)
     scored = [x for x in lines if not x.is_error]
+    metrics = {**aggregate_eval_metrics(prompts, ks, cfg.eval.reward_threshold), **distill_metrics(scored)}
     return EvalSummary(
         rollout_mode=cfg.rollouts.mode_name,
         model=cfg.policy.model_name,
@@ -242,6 +242,23 @@ def summarize(
         report_metrics=cfg.eval.metrics,
         reward_components=component_stats(scored),
     )
+
+
+def distill_metrics(scored: Sequence[CompletionLine]) -> dict[str, float]:
+    """`distill/reverse_kl` (overall and `/<agent>`): the summed KL terms over the summed scored tokens of the
+    lines a teacher scored (a mean per token, exact across shards and resumes), and `distill/scored_tokens`;
+    empty when no line was scored."""
+    sums: dict[str, list[float]] = {}
+    for line in scored:
+        if line.distill.get("scored_tokens"):
+            for key in ("", f"/{line.agent}"):
+                acc = sums.setdefault(key, [0.0, 0.0])
+                acc[0] += line.distill["reverse_kl_sum"]
+                acc[1] += line.distill["scored_tokens"]
+    if not sums:
+        return {}
+    out = {f"distill/reverse_kl{key}": kl / n for key, (kl, n) in sorted(sums.items())}
+    return out | {"distill/scored_tokens": sums[""][1]}
 
 
 def component_stats(scored: Sequence[CompletionLine]) -> dict[str, dict[str, float]] | None:

@@ -34,6 +34,11 @@ RUNTIME_KEYS: tuple[str, ...] = (
 )
 """Keys of the shared sections that change how a run executes, not what it computes."""
 
+DISTILL_RUNTIME_KEYS: tuple[str, ...] = tuple(f"on_policy_distillation.{k}" for k in (
+    "max_batch_tokens", "request_timeout_s", "request_retries", "retry_backoff_s", "max_concurrent_requests",
+    "health_timeout_s"))
+"""How a teacher is batched and reached over HTTP: the scores, and so the completions' KL, stay the same."""
+
 EVAL_RESUME_MAY_CHANGE: frozenset[str] = frozenset(
     (
         *LOCATION_KEYS,
@@ -45,9 +50,15 @@ EVAL_RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "eval.ray_workers",
         "eval.ray_lease_timeout_s",
         "eval.metrics",
+        *DISTILL_RUNTIME_KEYS,
+        "on_policy_distillation.kl_type",
+        "on_policy_distillation.mixed_kl_weight",
+        "on_policy_distillation.top_k",
+        "on_policy_distillation.reward_weight",
     )
 )
-"""Keys that may differ between an eval and its resumption (they change no completion)."""
+"""Keys that may differ between an eval and its resumption (they change no completion): with a teacher, also
+how it is reached (not which teacher it is) and the update's keys, which an eval ignores."""
 
 GRPO_RESUME_MAY_CHANGE: tuple[str, ...] = (
     *LOCATION_KEYS,
