@@ -78,15 +78,7 @@ class GuessNumberEnvironment(EnvironmentInterface):
             raise ValueError(f"{len(message_logs)} message logs but {len(metadata)} metadata entries")
         secrets = [secret_of(ground_truth_of(m, i), f"rollout {i}") for i, m in enumerate(metadata)]
         steps = [self._one(log, meta, secret) for log, meta, secret in zip(message_logs, metadata, secrets, strict=True)]
-        return EnvironmentReturn(
-            observations=[s[0] for s in steps],
-            metadata=[s[1] for s in steps],
-            next_stop_strings=[None] * len(steps),
-            rewards=[s[2] for s in steps],
-            terminateds=[s[3] for s in steps],
-            answers=[s[4] for s in steps],
-            extras=[s[5] for s in steps],
-        )
+        return EnvironmentReturn.from_steps(steps)
 
     def _one(
         self, log: Sequence[Message], meta: Mapping[str, Any] | None, secret: int

@@ -52,6 +52,22 @@ class EnvironmentReturn:
         if len(set(sizes.values())) > 1:
             raise ValueError(f"EnvironmentReturn fields have different lengths: {sizes}")
 
+    @classmethod
+    def from_steps(
+        cls, steps: Sequence[tuple[Observation, Mapping[str, Any] | None, float, bool, str | None, Mapping[str, Any]]]
+    ) -> EnvironmentReturn:
+        """One step from per-rollout (observation, metadata, reward, terminated, answer, extras) tuples, each
+        rollout's next generation with its default stop strings."""
+        return cls(
+            observations=[s[0] for s in steps],
+            metadata=[s[1] for s in steps],
+            next_stop_strings=[None] * len(steps),
+            rewards=[s[2] for s in steps],
+            terminateds=[s[3] for s in steps],
+            answers=[s[4] for s in steps],
+            extras=[s[5] for s in steps],
+        )
+
 
 class EnvironmentInterface(abc.ABC):
     """An environment: scores the latest assistant turn of each rollout and says what comes next."""

@@ -72,15 +72,7 @@ class SignalWordEnvironment(EnvironmentInterface):
         signals = [self._signal(t, i) for i, t in enumerate(targets)]
         steps = [self._one(log, meta, target, signal)
                  for log, meta, target, signal in zip(message_logs, metadata, targets, signals, strict=True)]
-        return EnvironmentReturn(
-            observations=[s[0] for s in steps],
-            metadata=[s[1] for s in steps],
-            next_stop_strings=[None] * len(steps),
-            rewards=[s[2] for s in steps],
-            terminateds=[s[3] for s in steps],
-            answers=[s[4] for s in steps],
-            extras=[s[5] for s in steps],
-        )
+        return EnvironmentReturn.from_steps(steps)
 
     def _one(
         self, log: Sequence[Message], meta: Mapping[str, Any] | None, target: str, signal: str

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from policy_server_cli import policy_server_cli
+from policy_server_cli import policy_server_cli, start_policy_server
 from teacher_checks import assert_scores_match_forward, tool_datum, tool_manager
 
 from nemo_rl_ext.data.records import StopReason
@@ -37,21 +35,9 @@ def server_cmd(model_dir: Path) -> list[str]:
 @contextlib.contextmanager
 def killable_server(model_dir: Path) -> Iterator[tuple[str, subprocess.Popen]]:
     """The policy server CLI and its URL; the test may SIGKILL it (it is killed at the end either way)."""
-    proc = subprocess.Popen(server_cmd(model_dir), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    log: list[str] = []
-    listening = threading.Event()
-
-    def drain() -> None:
-        for line in proc.stderr:
-            log.append(line)
-            if "listening on http://" in line:
-                listening.set()
-
-    threading.Thread(target=drain, daemon=True).start()
+    proc, url, _ = start_policy_server(server_cmd(model_dir), cwd=REPO, env=ENV, start_s=120)
     try:
-        assert listening.wait(120), "the policy server did not start:\n" + "".join(log[-40:])
-        yield re.search(r"listening on (http://\S+/v1)", "".join(log)).group(1), proc
+        yield url, proc
     finally:
         proc.kill()
         proc.wait(timeout=30)
