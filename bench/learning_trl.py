@@ -128,15 +128,16 @@ def model_folder(name: str) -> str:
     return str(resolve_model_path(PolicyConfig(model_name=name)))
 
 
-def run_ours(runner: Runner, cfg: dict, saves: list[int]) -> dict[int, str]:
-    """GRPO with a checkpoint at every save step, then each exported: {step: export folder}."""
+def run_ours(runner: Runner, cfg: dict, saves: list[int], tag: str = "ours") -> dict[int, str]:
+    """GRPO with a checkpoint at every save step, then each exported: {step: export folder} (phases named after
+    `tag`: grpo_TAG, export_TAG_STEP)."""
     set_key(cfg, "grpo.save_period", saves[0])
     set_key(cfg, "keep_last_checkpoints", None)
-    runner.run("grpo_ours", "run_grpo.py", "--config", str(runner.config("grpo_ours", cfg)))
+    runner.run(f"grpo_{tag}", "run_grpo.py", "--config", str(runner.config(f"grpo_{tag}", cfg)))
     exports = {}
     for step in saves:
         folder = Path(cfg["output_dir"]) / "export" / f"step_{step}"
-        runner.run(f"export_ours_{step}", "run_grpo.py", "export", cfg["output_dir"], "--step", str(step),
+        runner.run(f"export_{tag}_{step}", "run_grpo.py", "export", cfg["output_dir"], "--step", str(step),
                    "--out", str(folder))
         exports[step] = str(folder)
     return exports
