@@ -91,3 +91,32 @@ def test_two_ranks_score_as_a_local_teacher_and_hold_it_frozen(config_file, tmp_
     finally:
         local.close()
         ranks.close()
+
+
+@pytest.mark.timeout(600)
+def test_grpo_on_two_ranks_scores_with_the_ranks_teacher_sync_and_async(config_file, tmp_path, monkeypatch) -> None:  # noqa: F811
+    """GRPO with a local teacher: on two ranks (synchronous, then asynchronous with max_lag 1, where the collector
+    scores while the trainer thread trains) the driver loads no teacher, and step 1's rollout-layer reverse KL (the
+    same generations: same seed and model) is the one-worker run's, whose teacher is in this process."""
+    from nemo_rl_ext.grpo.loop import GRPO
+    from nemo_rl_ext.models.tiny import build_tiny_model
+
+    teacher_dir = build_tiny_model(tmp_path / "teacher", seed=7, initializer_range=0.05)
+    distill = ["on_policy_distillation.enabled=true", f"on_policy_distillation.default_teacher_alias={teacher_dir}",
+               "grpo.max_num_steps=2", "grpo.save_period=0"]
+    runs = {}
+    for name, extra in (("one", ["trainer.workers=1"]), ("two", ["trainer.workers=2"]),
+                        ("async", ["trainer.workers=2", "grpo.async.enabled=true", "grpo.async.max_lag=1"])):
+        if name != "one":  # from here on, a teacher loaded in the driver fails the run
+            monkeypatch.setattr(LocalTeacher, "load", classmethod(lambda *a, **k: pytest.fail("driver loaded it")))
+        cfg = load_config(config_file, [f"output_dir={tmp_path / name}", *distill, *extra], GRPOConfig)
+        with GRPO(cfg) as grpo:
+            runs[name] = grpo.run()
+    for name, history in runs.items():
+        assert [m["step"] for m in history] == [1, 2], name
+        assert all(m["distill/scored_tokens"] > 0 and "train/distill/reverse_kl" in m for m in history), name
+        assert all(m.get("distill/teacher_failures", 0.0) == 0.0 for m in history), name
+    for name in ("two", "async"):
+        assert runs[name][0]["rollout/reward/mean"] == runs["one"][0]["rollout/reward/mean"]
+        assert runs[name][0]["distill/reverse_kl"] == pytest.approx(runs["one"][0]["distill/reverse_kl"], rel=1e-4,
+                                                                     abs=1e-7), name
