@@ -213,8 +213,8 @@ class DistributedTrainer:
             rank=rank, pid=where.get("pid", "?"), node_id=where.get("node_id", "?"), ip=where.get("ip", "?"),
             what=what, cause=_one_line(exc),
         )
-        self._kill_ranks()  # Ray itself stays up for the others using it (a generation pool) until `close`
         self._failure = error
+        self._kill_ranks(keep_handles=True)  # Ray itself stays up for the others using it (a generation pool)
         raise error from exc
 
     def _slots(self, chunks: Sequence[Any]) -> list[list[Any]]:
@@ -360,12 +360,15 @@ class DistributedTrainer:
         """Every rank loads its shards of a sharded checkpoint folder (written by any number of ranks)."""
         self._call([(rank.load_sharded, (str(folder),)) for rank in self._ranks])
 
-    def _kill_ranks(self) -> None:
+    def _kill_ranks(self, keep_handles: bool = False) -> None:
+        """Kill every rank; `keep_handles` (after a failure): keep the dead handles, so a later call reaches
+        `_call` and raises the failure instead of tripping over a missing rank."""
         import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         for rank in getattr(self, "_ranks", []):
             ray.kill(rank, no_restart=True)
-        self._ranks = []
+        if not keep_handles:
+            self._ranks = []
 
     def refit_metrics(self) -> dict[str, float]:
         """The last `state_dict` gather: the bytes gathered (a tied tensor once), its seconds and buckets."""

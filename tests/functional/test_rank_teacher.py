@@ -18,7 +18,7 @@ from nemo_rl_ext.distillation.local_teacher import LocalTeacher
 from nemo_rl_ext.distillation.rank_teacher import RankTeacher
 from nemo_rl_ext.distillation.teacher import TeacherError
 from nemo_rl_ext.grpo.config import GRPOConfig
-from nemo_rl_ext.training.distributed_trainer import DistributedTrainer, rank_spec
+from nemo_rl_ext.training.distributed_trainer import DistributedTrainer, TrainerWorkerError, rank_spec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "local_ray")
 
@@ -85,8 +85,13 @@ def test_two_ranks_score_as_a_local_teacher_and_hold_it_frozen(config_file, tmp_
             assert grads and not any(grads) and not training
             assert in_optimizer == policy_params  # the optimizer holds the policy's parameters, none of the teacher's
         ray.kill(ranks._ranks[1], no_restart=True)
-        with pytest.raises(TeacherError, match="trainer ranks: TrainerWorkerError.*rank 1"):
+        with pytest.raises(TeacherError, match="trainer ranks: TrainerWorkerError.*rank 1") as failed:
             asyncio.run(teacher.score(sequences()[:2]))
+        # the scorer turns that into error completions; the run's next training call raises the same error
+        # (the ranks are gone): the run stops as an infrastructure failure naming the dead rank
+        with pytest.raises(TrainerWorkerError) as later:
+            ranks.train_step(items, advantages)
+        assert later.value is failed.value.__cause__ and later.value.rank == 1 and later.value.what == "died"
         teacher.close()
     finally:
         local.close()
