@@ -1,7 +1,7 @@
 """A teacher on the trainer ranks, through a test double of the distributed trainer (`TeacherHost`): the driver
 loads nothing, the batches it sends are the local teacher's and come back in order, one host teacher per distinct
 model (deduplicated), and a host that fails is a teacher failure: the fault policy's error completions, as over
-HTTP (two ranks for real: tests/functional/test_rank_teacher.py)."""
+HTTP (two ranks for real: tests/functional/test_trainer_workers_teacher.py)."""
 
 from __future__ import annotations
 
