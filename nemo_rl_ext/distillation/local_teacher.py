@@ -45,39 +45,48 @@ class LocalTeacher(Teacher):
         """Forward passes over batches of at most `max_batch_tokens` (padded) tokens, in the worker thread."""
         loop = asyncio.get_running_loop()
         out: list[TeacherScores] = []
-        for batch in _batches([list(s) for s in sequences], self.max_batch_tokens):
+        for batch in batches([list(s) for s in sequences], self.max_batch_tokens):
             out += await loop.run_in_executor(self._executor, self._score_batch, batch, top_k)
         return out
 
     def _score_batch(self, batch: list[list[int]], top_k: int) -> list[TeacherScores]:
-        """One right-padded forward pass over `batch`; the logprob of each next id, and the top-k there."""
-        longest = max(len(s) for s in batch)
-        device = next(self.model.parameters()).device
-        ids = torch.zeros((len(batch), longest), dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, seq in enumerate(batch):
-            ids[row, : len(seq)] = torch.tensor(seq)
-            mask[row, : len(seq)] = 1
-        with self._lock, torch.no_grad():
-            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-        out = []
-        for row, seq in enumerate(batch):
-            logprobs = torch.log_softmax(logits[row, : len(seq) - 1].float(), dim=-1)
-            chosen = logprobs.gather(-1, torch.tensor(seq[1:], device=logprobs.device)[:, None])[:, 0]
-            scores = TeacherScores(tuple(chosen.tolist()))
-            if top_k > 0:
-                values, indices = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
-                scores = TeacherScores(scores.logprobs, tuple(map(tuple, indices.tolist())),
-                                       tuple(map(tuple, values.tolist())))
-            out.append(scores)
-        return out
+        """`score_batch` with this teacher's model (one forward at a time)."""
+        with self._lock:
+            return score_batch(self.model, batch, top_k)
 
     def close(self) -> None:
         """Stop the worker thread."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _batches(sequences: list[list[int]], max_tokens: int) -> list[list[list[int]]]:
+def score_batch(model: Any, batch: list[list[int]], top_k: int, device: torch.device | None = None
+                ) -> list[TeacherScores]:
+    """One right-padded forward pass of `model` over `batch` on `device` (default: its first parameter's): the
+    logprob of each next id, and the top-k there (the local teacher's and the trainer ranks' sharded teacher's,
+    so both compute the same math)."""
+    longest = max(len(s) for s in batch)
+    device = device or next(model.parameters()).device
+    ids = torch.zeros((len(batch), longest), dtype=torch.long)
+    mask = torch.zeros((len(batch), longest), dtype=torch.long)
+    for row, seq in enumerate(batch):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    out = []
+    for row, seq in enumerate(batch):
+        logprobs = torch.log_softmax(logits[row, : len(seq) - 1].float(), dim=-1)
+        chosen = logprobs.gather(-1, torch.tensor(seq[1:], device=logprobs.device)[:, None])[:, 0]
+        scores = TeacherScores(tuple(chosen.tolist()))
+        if top_k > 0:
+            values, indices = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+            scores = TeacherScores(scores.logprobs, tuple(map(tuple, indices.tolist())),
+                                   tuple(map(tuple, values.tolist())))
+        out.append(scores)
+    return out
+
+
+def batches(sequences: list[list[int]], max_tokens: int) -> list[list[list[int]]]:
     """`sequences` in order, cut into batches whose padded size (rows x longest) stays within `max_tokens`
     (a longer sequence alone is a batch)."""
     batches: list[list[list[int]]] = []

@@ -20,6 +20,9 @@ import torch
 from nemo_rl_ext.cluster import loads_model_folder
 from nemo_rl_ext.config import ConfigError, config_changes, raise_problems
 from nemo_rl_ext.data.records import DatumSpec
+from nemo_rl_ext.distillation.rank_teacher import teachers_on
+from nemo_rl_ext.distillation.scoring import TeacherScorer
+from nemo_rl_ext.distillation.teachers import build_scorer
 from nemo_rl_ext.experience.build import build_policy
 from nemo_rl_ext.experience.input_checks import dataset_agents, distillation_input_problems
 from nemo_rl_ext.grpo.config import (
@@ -229,6 +232,16 @@ def _distributed_trainer(cfg: GRPOConfig, checkpoint: Checkpoint | None, model_p
                   adapter_dir=adapters),
         cfg.trainer, cfg.policy.cluster,
     )
+
+
+def teacher_scorer(cfg: GRPOConfig, trainer: Any) -> TeacherScorer | None:
+    """The distillation teachers of a run (None unless distilling): with `trainer.workers > 1` a local teacher is
+    loaded on the trainer ranks (`distillation.rank_teacher`), never in this process; else in this process. A URL
+    is a teacher over HTTP either way."""
+    settings = cfg.on_policy_distillation
+    if cfg.trainer.workers > 1:
+        return build_scorer(settings, teachers_on(trainer))
+    return build_scorer(settings)
 
 
 def _engine(cfg: GRPOConfig, model_path: Path, dtype: torch.dtype, tokenizer: Any) -> SaltedGeneration:

@@ -44,7 +44,6 @@ from tqdm.auto import tqdm
 from nemo_rl_ext.cluster import loads_model_folder
 from nemo_rl_ext.config import ConfigError, dump_config
 from nemo_rl_ext.data.records import DatumSpec, PromptGroupRecord
-from nemo_rl_ext.distillation.teachers import build_scorer
 from nemo_rl_ext.environments.interfaces import EnvironmentInterface
 from nemo_rl_ext.evals.metrics import aggregate_eval_metrics, prompt_samples_from_record
 from nemo_rl_ext.experience.build import build_rollouts
@@ -62,6 +61,7 @@ from nemo_rl_ext.grpo.build import (
     check_inputs,
     checkpoint_to_resume,
     seed_everything,
+    teacher_scorer,
 )
 from nemo_rl_ext.grpo.config import RESTART, GRPOConfig, async_wedge_warning
 from nemo_rl_ext.grpo.data_rows import run_sources, training_stream, validation_datums
@@ -176,7 +176,8 @@ class GRPO:
             cluster=cfg.policy.cluster,
             task_to_env=task_to_env,
             more_envs=[e.env for e in cfg.data.datasets if e.env is not None],
-            teachers=build_scorer(cfg.on_policy_distillation),  # None unless distilling; the manager closes it
+            # None unless distilling; on the trainer ranks when trainer.workers > 1; the manager closes it
+            teachers=teacher_scorer(cfg, self.trainer),
             **keys,
         )
         if train_datums is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -127,6 +128,9 @@ class DistributedTrainer:
         """`refit_weights` holds only the tensors training changes (the engine keeps the others)."""
         self.optimizer = _CheckpointOptimizer(self)
         self._refit: dict[str, float] = {}
+        self._submit = threading.Lock()  # one call to every rank at a time: each rank runs them in the same order
+        self._failure: TrainerWorkerError | None = None  # a rank died or failed: every later call raises it
+        self._teachers: dict[str, str] = {}  # distillation teachers on the ranks: key -> model spec
         actor = ray.remote(TrainerRank).options(
             num_cpus=settings.worker.num_cpus, num_gpus=settings.worker.num_gpus, max_restarts=0,
         )
@@ -154,7 +158,13 @@ class DistributedTrainer:
         rank to die or fail raises `TrainerWorkerError` at once (and the other ranks are killed)."""
         import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
-        refs = [method.remote(*args) for method, args in calls]
+        if self._failure is not None:
+            raise self._failure
+        # Ray runs one caller's calls to an actor in submission order; under the lock every rank gets the calls
+        # of the threads that share this trainer (async GRPO trains on one, the rank teacher scores on another)
+        # in the same order, so their collectives pair up
+        with self._submit:
+            refs = [method.remote(*args) for method, args in calls]
         rank_of = {ref: i for i, ref in enumerate(refs)}
         pending, deadline = list(refs), (time.monotonic() + timeout_s) if timeout_s else None
         while pending:
@@ -203,7 +213,8 @@ class DistributedTrainer:
             rank=rank, pid=where.get("pid", "?"), node_id=where.get("node_id", "?"), ip=where.get("ip", "?"),
             what=what, cause=_one_line(exc),
         )
-        self._kill_ranks()  # Ray itself stays up for the others using it (a generation pool) until `close`
+        self._failure = error
+        self._kill_ranks(keep_handles=True)  # Ray itself stays up for the others using it (a generation pool)
         raise error from exc
 
     def _slots(self, chunks: Sequence[Any]) -> list[list[Any]]:
@@ -262,6 +273,26 @@ class DistributedTrainer:
             else:
                 grad_norms.append(norm)
         return sums.step_result(n_mini, grad_norms, skipped, self._call([(self._ranks[0].lr, ())])[0])
+
+    def load_teacher(self, spec: str) -> str:
+        """Load the distillation teacher `spec` names (a model name the loaders know, or a folder) on every rank,
+        frozen and sharded as the reference model is; returns the key `score_teacher` takes."""
+        from nemo_rl_ext.models.config import PolicyConfig  # lazy: models.policy builds the built-in models
+        from nemo_rl_ext.models.policy import resolve_model_path
+
+        key = f"teacher-{len(self._teachers)}"
+        path = str(resolve_model_path(PolicyConfig(model_name=spec)))
+        self._call([(rank.load_teacher, (key, path)) for rank in self._ranks], timeout_s=START_TIMEOUT_S)
+        self._teachers[key] = spec
+        logger.info("distillation teacher %s: loaded on %d ranks (%s)", spec, self.world, key)
+        return key
+
+    def score_teacher(self, key: str, batches: Sequence[list[list[int]]], top_k: int) -> list[list[Any]]:
+        """Each batch's `TeacherScores` under teacher `key`: batch j on rank j % workers (a dummy forward on a
+        rank with none), one forward pass per batch; in order."""
+        per_rank = self._call([(rank.teacher_scores, (key, slots, top_k))
+                               for rank, slots in zip(self._ranks, self._slots(list(batches)), strict=True)])
+        return self._in_order(per_rank, len(batches))
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next optimizer steps, on every rank (`optimizer.scheduler`)."""
@@ -329,12 +360,15 @@ class DistributedTrainer:
         """Every rank loads its shards of a sharded checkpoint folder (written by any number of ranks)."""
         self._call([(rank.load_sharded, (str(folder),)) for rank in self._ranks])
 
-    def _kill_ranks(self) -> None:
+    def _kill_ranks(self, keep_handles: bool = False) -> None:
+        """Kill every rank; `keep_handles` (after a failure): keep the dead handles, so a later call reaches
+        `_call` and raises the failure instead of tripping over a missing rank."""
         import ray  # lazy: ray loads only when Ray is used, not by importing this module
 
         for rank in getattr(self, "_ranks", []):
             ray.kill(rank, no_restart=True)
-        self._ranks = []
+        if not keep_handles:
+            self._ranks = []
 
     def refit_metrics(self) -> dict[str, float]:
         """The last `state_dict` gather: the bytes gathered (a tied tensor once), its seconds and buckets."""

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from nemo_rl_ext.distillation.local_teacher import score_batch
+from nemo_rl_ext.distillation.teacher import TeacherScores
 from nemo_rl_ext.models.loading import enable_activation_checkpointing, load_model_and_tokenizer
 from nemo_rl_ext.objectives.distillation import DistillationLoss
 from nemo_rl_ext.objectives.logprobs import right_pad
@@ -35,6 +37,7 @@ from nemo_rl_ext.training.fsdp_refit import RefitSource
 from nemo_rl_ext.training.fsdp_wrap import (
     WrapSettings,
     adapters_off,
+    shard_frozen,
     shard_group,
     shard_model,
 )
@@ -107,6 +110,7 @@ class TrainerRank:
         self.policy: Any = None
         self.reference: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.teachers: dict[str, Any] = {}  # distillation teachers by key: frozen, sharded, never optimized
         self._listen: socket.socket | None = None  # rank 0: the rendezvous socket (`where`, else `setup`)
         self._ip: str | None = None  # this rank's node address (`where`): gloo's connections use it
 
@@ -184,6 +188,26 @@ class TrainerRank:
             no_ac = dataclasses.replace(spec.wrap, activation_checkpointing=False)  # never trained: no backward
             self.reference = shard_model(reference.eval().requires_grad_(False), spec.temperature, no_ac,
                                          self.device, self.world_size)
+
+    def load_teacher(self, key: str, path: str) -> int:
+        """Load the distillation teacher at `path` as `key` (after `setup`: it is never given to the optimizer),
+        frozen and sharded as the reference model is (same dtype and wrapping); returns its parameter count."""
+        dtype = torch.float32 if self.spec.wrap.mixed_precision == "bf16" else getattr(torch, self.spec.dtype)
+        model, _ = load_model_and_tokenizer(path, dtype=dtype, device=str(self.device))
+        no_ac = dataclasses.replace(self.spec.wrap, activation_checkpointing=False)  # never trained: no backward
+        self.teachers[key] = shard_frozen(model, no_ac, self.device, self.world_size)
+        return sum(p.numel() for p in model.parameters())
+
+    def teacher_scores(self, key: str, slots: Sequence[list[list[int]] | None], top_k: int
+                       ) -> list[list[TeacherScores] | None]:
+        """Teacher `key`'s scores of each batch of id sequences (`local_teacher.score_batch`, the local teacher's
+        math); a None slot runs a two-token dummy forward (its peers have a batch: the same collectives)."""
+        teacher = self.teachers[key]
+        out: list[list[TeacherScores] | None] = []
+        for batch in slots:
+            scores = score_batch(teacher, batch or [[self.spec.pad_token_id] * 2], top_k, self.device)
+            out.append(None if batch is None else scores)
+        return out
 
     # ---- passes -----------------------------------------------------------------------------------
 

@@ -93,17 +93,37 @@ def shard_model(model: torch.nn.Module, temperature: float, settings: WrapSettin
     # lazy: torch.distributed.fsdp loads only when a model is sharded
     from torch.distributed.fsdp import fully_shard
 
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder `layers` to shard")
     kwargs = _fsdp_kwargs(settings or WrapSettings(), device or torch.device("cpu"), world_size)
-    units = [fully_shard(layer, **kwargs) for layer in layers]
+    units = [fully_shard(layer, **kwargs) for layer in _decoder_layers(model)]
     root = fully_shard(LogprobPass(model, temperature), **kwargs)
     for unit in [*units, root]:  # per module: a root's setting does not reach its children
         unit.set_gradient_divide_factor(1.0)
         if hasattr(unit, "set_force_sum_reduction_for_comms"):  # torch >= 2.8
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return root
+
+
+def _decoder_layers(model: torch.nn.Module) -> Any:
+    """The decoder layers FSDP2 shards one by one; ValueError for a model without them."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder `layers` to shard")
+    return layers
+
+
+def shard_frozen(model: torch.nn.Module, settings: WrapSettings, device: torch.device, world_size: int
+                 ) -> torch.nn.Module:
+    """A model that is never trained (a distillation teacher), frozen and sharded as the reference model is
+    (`fully_shard` per decoder layer, then the root, with the run's mixed precision, offload and replication;
+    no activation checkpointing): the model itself, whose forward returns its logits."""
+    # lazy: torch.distributed.fsdp loads only when a model is sharded
+    from torch.distributed.fsdp import fully_shard
+
+    model = model.eval().requires_grad_(False)
+    kwargs = _fsdp_kwargs(settings, device, world_size)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
 
 
 @contextlib.contextmanager

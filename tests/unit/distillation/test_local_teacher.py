@@ -7,7 +7,7 @@ import cloudpickle
 import pytest
 from teacher_checks import assert_scores_match_forward, tool_datum, tool_manager
 
-from nemo_rl_ext.distillation.local_teacher import LocalTeacher, _batches
+from nemo_rl_ext.distillation.local_teacher import LocalTeacher, batches
 from nemo_rl_ext.distillation.scoring import TeacherScorer
 from nemo_rl_ext.experience.rollout_manager import batch_metrics
 
@@ -54,6 +54,6 @@ def test_the_teacher_is_frozen(teacher):
 
 def test_batches_stay_within_the_padded_token_budget():
     seqs = [[1] * n for n in (3, 5, 2, 9, 1)]
-    batches = _batches(seqs, 10)
-    assert [s for b in batches for s in b] == seqs  # order kept, nothing lost
-    assert [[len(s) for s in b] for b in batches] == [[3, 5], [2], [9], [1]]
+    cut = batches(seqs, 10)
+    assert [s for b in cut for s in b] == seqs  # order kept, nothing lost
+    assert [[len(s) for s in b] for b in cut] == [[3, 5], [2], [9], [1]]
