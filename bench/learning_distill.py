@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,6 +159,17 @@ def teacher_server(folder: str, runner: Runner, start_s: float, max_model_len: i
             proc.wait(timeout=30)
 
 
+def server_requests(url: str) -> dict[str, int]:
+    """The teacher server's answered `/v1/completions` requests by status code, from its Prometheus `/metrics`
+    (how many scoring requests the students sent; a non-200 status is a request the fault policy retried or
+    turned into error completions)."""
+    base = url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    pattern = r'^nemo_rl_ext_requests_total\{route="/v1/completions",status="(\d+)"\} ([0-9.e+]+)$'
+    return {m.group(1): int(float(m.group(2))) for m in re.finditer(pattern, text, flags=re.M)}
+
+
 def student_config(base: dict, name: str, url: str, out: Path, args) -> dict:
     """The opd recipe's config for one student: the teacher at `url`; `grpo` with the teacher off, `mixed` with
     the reward's weight."""
@@ -220,11 +232,13 @@ def run_distill(args) -> dict:
     with teacher_server(teacher, runner, args.server_start_s, base["policy"].get("max_model_len", 512)) as url:
         scores, seconds, read = train_students(args, runner, base, url, saves, eval_file, expected)
         control = run_control(args, runner, base, url, eval_file, expected)
+        requests = server_requests(url)
     samples = base["grpo"]["num_prompts_per_step"] * base["rollouts"]["num_generations_per_prompt"]
     curves = {name: curve_rows({0: before, **scores[name]}, seconds[name], before, teacher_scores, samples,
                                seed=args.seed, resamples=args.resamples) for name in STUDENTS}
     results = {
         "recipe": args.recipe, "task": args.task, "model": base["policy"]["model_name"], "steps": saves[-1],
+        "teacher_requests": requests,
         "save_every": args.save_every, "eval_size": len(evaluated), "heldout_size": args.heldout_size,
         "train_size": args.train_size, "seed": args.seed, "resamples": args.resamples, "machine": machine,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "threads": args.threads,

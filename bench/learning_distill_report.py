@@ -105,9 +105,18 @@ def results_markdown(results: Mapping[str, Any]) -> str:
             f"seed {results['seed']}).\n\n"
             f"Teacher: {t['folder']}, from {results['teacher']['how']}, served by our policy server; held-out greedy "
             f"pass@1 {t['lenient']['after']:.3f} [{t['lenient']['low']:.3f}, {t['lenient']['high']:.3f}]. "
-            f"Untrained student: {before['lenient']['after']:.3f}.\n\n{curve_table(results)}\n\n"
+            f"Untrained student: {before['lenient']['after']:.3f}. {_requests(results)}\n\n{curve_table(results)}\n\n"
             f"First evaluated step at a share of the teacher's pass@1:\n\n{reached_lines(results)}\n\n"
             f"{control_line}\n\nWall-clock per phase: {timings}.\n")
+
+
+def _requests(results: Mapping[str, Any]) -> str:
+    """"The teacher server answered 1,234 scoring requests (status 200)." from its /metrics counters."""
+    counts = results.get("teacher_requests") or {}
+    if not counts:
+        return "The teacher server reported no scoring request."
+    statuses = ", ".join(f"{n:,} with status {code}" for code, n in sorted(counts.items()))
+    return f"The teacher server answered {sum(counts.values()):,} scoring requests ({statuses})."
 
 
 def plot_budget(results: Mapping[str, Any], path: Path) -> list[str]:
