@@ -13,6 +13,9 @@ file ($OUT/gpu_report.md when $OUT is set, else ./gpu_report.md):
   size 1 (NCCL on CUDA, gloo on the CPU; on CUDA once more with `trainer.cpu_offload`). A setting whose feature is
   not built yet is refused by the config (`training/config.UNBUILT`): that check says NOT BUILT, and runs unchanged
   once the feature lands.
+- teacher: a local distillation teacher built from a GRPO config (`trainer.workers: 1`) lives on the device and
+  scores a three-turn tool record; its logprobs equal a CPU float32 forward pass of the same model
+  (scripts/gpu_check_teacher.py).
 - learning bench: `bench/learning.py --device DEVICE` (eval before -> GRPO -> export -> eval after, an lr-0
   control) on CUDA with SmolLM2 when its package is installed, else (and always on the CPU) on the tiny model's
   say_yes task, with a larger batch on CUDA; its results table goes into the report (scripts/gpu_check_learning.py).
@@ -53,6 +56,7 @@ NEEDED_MODULES = ("nemo_rl_ext.models.tiny", "nemo_rl_ext.models.generation.hf_b
 
 import torch  # noqa: E402
 from gpu_check_learning import check_learning  # noqa: E402
+from gpu_check_teacher import teacher_check  # noqa: E402
 
 ENGINE_RTOL, ENGINE_ATOL = 1e-4, 1e-4
 """Engine logprobs (KV-cache decode, rows padded in a batch) against one fp32 forward pass over the whole sequence:
@@ -180,8 +184,9 @@ def check_engine(device: str, model_dir: Path, result: Result) -> None:
 
 # ---- GRPO steps ------------------------------------------------------------------------------------------------
 
-def grpo_config(device: str, model_dir: Path, work: Path, name: str, trainer: dict[str, Any]) -> Path:
-    """A 2-step GRPO config of the say-"yes" task on `device` with this `trainer:` section."""
+def grpo_config(device: str, model_dir: Path, work: Path, name: str, trainer: dict[str, Any],
+                extra: dict[str, Any] | None = None) -> Path:
+    """A 2-step GRPO config of the say-"yes" task on `device` with this `trainer:` section (and `extra` sections)."""
     data = work / "say_yes.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"question": f"Say yes. {w}", "answer": "yes"}) + "\n" for w in WORDS))
@@ -197,6 +202,7 @@ def grpo_config(device: str, model_dir: Path, work: Path, name: str, trainer: di
         "logger": {"progress": False, "tensorboard_enabled": False, "print_steps": False},
         "trainer": trainer,
         "output_dir": str(work / name),
+        **(extra or {}),
     }
     path = work / f"{name}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
@@ -288,6 +294,14 @@ def check_fsdp(device: str, model_dir: Path, work: Path, result: Result) -> None
         result.figures["cpu_offload"] = "needs CUDA"
     _peak_memory(device, result)
     result.status, result.detail = ("FAIL", "; ".join(problems)) if problems else ("PASS", "")
+
+
+def check_teacher(device: str, model_dir: Path, work: Path, result: Result) -> None:
+    """A local distillation teacher built from a GRPO config on the device: its logprobs equal a CPU float32 forward
+    pass (scripts/gpu_check_teacher.py)."""
+    distill = {"on_policy_distillation": {"enabled": True, "default_teacher_alias": str(model_dir)}}
+    teacher_check(device, model_dir, grpo_config(device, model_dir, work, "teacher", {}, distill), result)
+    _peak_memory(device, result)
 
 
 def _rank_step(spec: Any, items: list[Any], advantages: torch.Tensor,
@@ -428,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                                   {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}, r)),
             ("trainer.workers: FSDP2 rank at world size 1 (and trainer.cpu_offload on CUDA)",
              lambda r: check_fsdp(dev, model_dir, work, r)),
+            ("teacher: a local distillation teacher on the device, logprobs = CPU fp32 forward",
+             lambda r: check_teacher(dev, model_dir, work, r)),
             ("learning bench: bench/learning.py --device " + dev.split(":")[0],
              lambda r: check_learning(dev, model_dir, work, r, bench_seconds(start))),
         ]

@@ -1,9 +1,12 @@
 """A teacher in this process: a model our loaders know (`smollm2`, `tiny`, a folder), loaded once, frozen, in
-eval mode, scored with batched forward passes in one worker thread with one torch thread (as the engines)."""
+eval mode, on the student's device and in its precision (`teachers.Placement`), scored with batched forward passes
+in one worker thread (the event loop keeps generating meanwhile); on the CPU with one torch thread (as the
+engines). The scores come back as Python floats whatever the device."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,28 +21,40 @@ class LocalTeacher(Teacher):
     """Scores sequences with `model` (frozen here: no grad, eval mode, never given to an optimizer)."""
 
     def __init__(self, model: Any, name: str, *, max_batch_tokens: int = 16384, torch_threads: int | None = 1,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, autocast: torch.dtype | None = None) -> None:
         self.name = name
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens
+        self.autocast = autocast
+        """The dtype its forward passes run under autocast in (bf16 mixed precision), or None."""
         init = (lambda: torch.set_num_threads(torch_threads)) if torch_threads else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="teacher", initializer=init)
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, name: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             **kwargs: Any) -> LocalTeacher:
-        """Load the model `name` names (as `policy.model_name`: a built-in name or a folder)."""
+    def load(cls, name: str, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+             autocast: torch.dtype | str | None = None, **kwargs: Any) -> LocalTeacher:
+        """Load the model `name` names (as `policy.model_name`: a built-in name or a folder) on `device` with
+        weights in `dtype` (a torch dtype or its name), its forward passes under `autocast` (a dtype) or not; on
+        the CPU it scores with one torch thread unless `torch_threads` says otherwise (elsewhere torch's own)."""
         # local: models.policy builds the built-in models on first use (light import, but only when loading)
         from nemo_rl_ext.models.config import PolicyConfig
         from nemo_rl_ext.models.loading import load_model_and_tokenizer
         from nemo_rl_ext.models.policy import resolve_model_path
 
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        autocast = getattr(torch, autocast) if isinstance(autocast, str) else autocast
+        kwargs.setdefault("torch_threads", 1 if torch.device(device).type == "cpu" else None)
         model, tokenizer = load_model_and_tokenizer(resolve_model_path(PolicyConfig(model_name=name)), dtype, device)
-        return cls(model, name, tokenizer=tokenizer, **kwargs)
+        return cls(model, name, tokenizer=tokenizer, autocast=autocast, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        """Where its weights are."""
+        return next(self.model.parameters()).device
 
     async def score(self, sequences: Sequence[Sequence[int]], top_k: int = 0) -> list[TeacherScores]:
         """Forward passes over batches of at most `max_batch_tokens` (padded) tokens, in the worker thread."""
@@ -50,8 +65,10 @@ class LocalTeacher(Teacher):
         return out
 
     def _score_batch(self, batch: list[list[int]], top_k: int) -> list[TeacherScores]:
-        """`score_batch` with this teacher's model (one forward at a time)."""
-        with self._lock:
+        """`score_batch` with this teacher's model (one forward at a time; autocast is per thread: set here)."""
+        precision = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
+                     else contextlib.nullcontext())
+        with self._lock, precision:
             return score_batch(self.model, batch, top_k)
 
     def close(self) -> None:

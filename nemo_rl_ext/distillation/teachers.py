@@ -5,6 +5,7 @@ distinct model or URL when `deduplicate_shared_teacher_checkpoints` is on."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from nemo_rl_ext.distillation.config import DistillationSettings
 from nemo_rl_ext.distillation.scoring import TeacherScorer
@@ -50,8 +51,35 @@ def teacher_specs(settings: DistillationSettings) -> list[str]:
     return list(dict.fromkeys(specs + ([default] if default is not None else [])))
 
 
-def build_teacher(spec: str, settings: DistillationSettings) -> Teacher:
-    """The teacher `spec` names: an `HttpTeacher` for a URL, else a `LocalTeacher` loaded now."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a local teacher loaded in this process lives, and its precision: the student's (`placement`)."""
+
+    device: str = "cpu"
+    """Its torch device (`policy.device`)."""
+    dtype: str = "float32"
+    """Its weights' torch dtype name."""
+    autocast: str | None = None
+    """The torch dtype name its forward passes run under autocast in ("bfloat16" under
+    `trainer.mixed_precision: bf16`, as the trainer's reference model), or None: the weights' dtype."""
+
+
+def placement(device: str, dtype: str, mixed_precision: str | None = None) -> Placement:
+    """A local teacher as the student's KL reference model is placed (`grpo.build`, `training.fsdp_workers`):
+    on `device`, weights in `dtype`, or in float32 computed in bf16 under `mixed_precision: bf16`."""
+    if mixed_precision == "bf16":
+        return Placement(device, "float32", "bfloat16")
+    return Placement(device, dtype)
+
+
+def local_teachers(where: Placement) -> Callable[[str, DistillationSettings], Teacher]:
+    """A `build_scorer` maker: a local teacher loaded in this process at `where`, a URL over HTTP."""
+    return lambda spec, settings: build_teacher(spec, settings, where)
+
+
+def build_teacher(spec: str, settings: DistillationSettings, where: Placement | None = None) -> Teacher:
+    """The teacher `spec` names: an `HttpTeacher` for a URL, else a `LocalTeacher` loaded now at `where`
+    (default: on the CPU in float32)."""
     if is_url(spec):
         # local: httpx loads only for a teacher over HTTP (light; could move up)
         from nemo_rl_ext.distillation.http_teacher import HttpTeacher
@@ -62,7 +90,9 @@ def build_teacher(spec: str, settings: DistillationSettings) -> Teacher:
     # local: torch and transformers load only for a local teacher
     from nemo_rl_ext.distillation.local_teacher import LocalTeacher
 
-    return LocalTeacher.load(spec, max_batch_tokens=settings.max_batch_tokens)
+    where = where or Placement()
+    return LocalTeacher.load(spec, device=where.device, dtype=where.dtype, autocast=where.autocast,
+                             max_batch_tokens=settings.max_batch_tokens)
 
 
 def build_scorer(

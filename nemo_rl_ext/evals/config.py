@@ -323,10 +323,16 @@ def _gym_worker_problems(data: Mapping[str, Any], workers: int) -> list[RuleProb
 
 def input_problems(cfg: EvalConfig) -> list[str]:
     """What a run of `cfg` would stop on once its model is loaded, found without loading it: a missing model
-    folder, a missing or unreadable dataset, rows whose agent has no count in `num_generations_per_prompt`, and
+    folder, a `policy.device` torch does not have here (the engine and a local teacher load on it), a missing or
+    unreadable dataset, rows whose agent has no count in `num_generations_per_prompt`, and
     on-policy distillation's problems (unmapped agents, a teacher that is missing, unreachable or whose
     tokenizer is not the student's)."""
     problems = [p for p in (cfg.policy.model_folder_problem(),) if p is not None]
+    if cfg.policy.cluster is None and cfg.policy.device != "cpu":  # loaded here (a Ray worker: on its machine)
+        # local: torch only for a device to check
+        from nemo_rl_ext.models.loading import device_problem
+
+        problems += [p for p in (device_problem("policy.device", cfg.policy.device),) if p is not None]
     problems += rollouts_problems(cfg.rollouts)
     problems += dataset_problems(
         "eval.dataset_path",

@@ -25,7 +25,7 @@ import orjson
 
 from nemo_rl_ext.config import dump_config
 from nemo_rl_ext.data.records import DatumSpec
-from nemo_rl_ext.distillation.teachers import build_scorer
+from nemo_rl_ext.distillation.teachers import build_scorer, local_teachers, placement
 from nemo_rl_ext.evals.config import EvalConfig, dataset_file
 from nemo_rl_ext.evals.gym_eval import prepare_rows
 from nemo_rl_ext.evals.shards import ShardSpec
@@ -63,7 +63,9 @@ def build_rollout_setup(
         rows,
         generation_config=cfg.policy.generation,
         cluster=cfg.policy.cluster,
-        teachers=build_scorer(cfg.on_policy_distillation),  # None without a teacher; the manager closes it
+        # None without a teacher; the manager closes it. A local one: on this process's policy.device
+        teachers=build_scorer(cfg.on_policy_distillation,
+                              local_teachers(placement(cfg.policy.device, cfg.policy.dtype))),
     )
 
 

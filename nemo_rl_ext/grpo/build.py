@@ -22,7 +22,7 @@ from nemo_rl_ext.config import ConfigError, config_changes, raise_problems
 from nemo_rl_ext.data.records import DatumSpec
 from nemo_rl_ext.distillation.rank_teacher import teachers_on
 from nemo_rl_ext.distillation.scoring import TeacherScorer
-from nemo_rl_ext.distillation.teachers import build_scorer
+from nemo_rl_ext.distillation.teachers import build_scorer, local_teachers, placement
 from nemo_rl_ext.experience.build import build_policy
 from nemo_rl_ext.experience.input_checks import dataset_agents, distillation_input_problems
 from nemo_rl_ext.grpo.config import (
@@ -36,7 +36,7 @@ from nemo_rl_ext.grpo.config import (
 from nemo_rl_ext.grpo.metrics_logger import read_metrics
 from nemo_rl_ext.grpo.step_seeds import SaltedGeneration
 from nemo_rl_ext.grpo.trackers import missing_extras
-from nemo_rl_ext.models.loading import load_model_and_tokenizer, load_tokenizer
+from nemo_rl_ext.models.loading import device_problem, load_model_and_tokenizer, load_tokenizer
 from nemo_rl_ext.models.policy import resolve_model_path
 from nemo_rl_ext.objectives.distillation import distillation_loss
 from nemo_rl_ext.training.checkpoint import (
@@ -70,8 +70,11 @@ def pad_id(tokenizer: Any) -> int:
 
 def check_inputs(cfg: GRPOConfig, train_datums: Sequence[DatumSpec] | None,
                  val_datums: Sequence[DatumSpec] | None) -> None:
-    """Raise one `ConfigError` naming every problem of the run's inputs (files, LoRA targets)."""
+    """Raise one `ConfigError` naming every problem of the run's inputs (files, LoRA targets, a device torch does
+    not have here)."""
     problems = input_problems(cfg, train=train_datums is None, val=val_datums is None)
+    if cfg.trainer.workers == 1:  # the trainer and a local teacher load here on policy.device (else: on the ranks)
+        problems += [p for p in (device_problem("policy.device", cfg.policy.device),) if p is not None]
     problems += missing_extras(cfg.logger)  # a tracker's package: before any model loads
     problems += distillation_problems(cfg, train_datums, val_datums)
     lora = cfg.trainer.lora
@@ -236,12 +239,13 @@ def _distributed_trainer(cfg: GRPOConfig, checkpoint: Checkpoint | None, model_p
 
 def teacher_scorer(cfg: GRPOConfig, trainer: Any) -> TeacherScorer | None:
     """The distillation teachers of a run (None unless distilling): with `trainer.workers > 1` a local teacher is
-    loaded on the trainer ranks (`distillation.rank_teacher`), never in this process; else in this process. A URL
-    is a teacher over HTTP either way."""
+    loaded on the trainer ranks (`distillation.rank_teacher`), never in this process; else in this process, on
+    the trainer's device in its reference model's precision. A URL is a teacher over HTTP either way."""
     settings = cfg.on_policy_distillation
     if cfg.trainer.workers > 1:
         return build_scorer(settings, teachers_on(trainer))
-    return build_scorer(settings)
+    return build_scorer(settings, local_teachers(
+        placement(cfg.policy.device, cfg.policy.dtype, cfg.trainer.mixed_precision)))
 
 
 def _engine(cfg: GRPOConfig, model_path: Path, dtype: torch.dtype, tokenizer: Any) -> SaltedGeneration:

@@ -1,4 +1,5 @@
-"""Loading a causal LM folder (tiny, SmolLM2 or any transformers folder) and its tokenizer."""
+"""Loading a causal LM folder (tiny, SmolLM2 or any transformers folder) and its tokenizer, and whether this
+process has the device to load it on."""
 
 from __future__ import annotations
 
@@ -42,3 +43,23 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     plain = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     enable = getattr(plain, "activation_checkpointing_enable", None) or plain.gradient_checkpointing_enable
     enable({"use_reentrant": False})
+
+
+def device_problem(key: str, device: str) -> str | None:
+    """Why torch in this process cannot put a model on `device` (the value of the config key `key`): not a torch
+    device, an accelerator this torch was not built with or sees none of, an index past its last; None for the CPU
+    (and `meta`) or a device it has."""
+    try:
+        where = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        return f"{key}={device!r} is not a torch device: {str(exc).strip()}"
+    if where.type in ("cpu", "meta"):
+        return None
+    backend = getattr(torch, where.type, None)  # torch.cuda, torch.xpu, torch.mps, ...
+    if backend is None or not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+        return (f"{key}={device!r} but torch {torch.__version__} in this process sees no {where.type} device "
+                f"(a torch built without it, or none visible): use {key}=cpu, or run where one is")
+    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else 1
+    if where.index is not None and where.index >= count:
+        return f"{key}={device!r} but torch sees {count} {where.type} device(s) here (indices 0 to {count - 1})"
+    return None

@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh (the device checks of issue 26) on the CPU: `--device cpu` runs the logic the lent GPU
 machine runs, and the report says PASS for the engine and the fp32 GRPO steps, and PASS or NOT BUILT for each
-trainer setting, NOT BUILT exactly while the config still refuses it (`trainer_config.UNBUILT`), and PASS for
+trainer setting, NOT BUILT exactly while the config still refuses it (`trainer_config.UNBUILT`), PASS for the local
+distillation teacher on the device (its logprobs against a CPU fp32 forward pass), and PASS for
 the learning bench (`bench/learning.py --device cpu` on the tiny model's say_yes task, its table in the report)."""
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def test_gpu_check_runs_on_the_cpu_and_reports_every_check(tmp_path: Path) -> No
     report = (tmp_path / "gpu_report.md").read_text()  # $OUT/gpu_report.md
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + report
     rows = _rows(report)
-    assert len(rows) == 8, rows
+    assert len(rows) == 9, rows
     assert "- blocked (absent on the GPU image): ray, vllm" in report
     assert "INCOMPLETE" not in report  # rewritten after each check, final once all ran
     assert f"- nemo_rl_ext: {REPO / 'nemo_rl_ext'}" in report  # this checkout's code, not an installed copy
@@ -58,6 +59,11 @@ def test_gpu_check_runs_on_the_cpu_and_reports_every_check(tmp_path: Path) -> No
             assert f"{row_start}: " in report and "is not built yet" in report  # the config's own message
     (fsdp,) = [v for k, v in rows.items() if k.startswith("trainer.workers")]
     assert "backend=gloo" in fsdp[1] and "shards_on=cpu" in fsdp[1], fsdp  # shards and AdamW state, after the step
+    (teacher,) = [v for k, v in rows.items() if k.startswith("teacher")]
+    assert teacher[0] == "PASS" and "teacher_on=cpu/float32" in teacher[1], teacher  # GRPO's placement: policy.device
+    assert "assistant_turns_scored=6/6" in teacher[1], teacher  # two completions of three assistant turns
+    teacher_diff = float(re.search(r"logprob_max_abs_diff_vs_cpu_fp32=([0-9.e+-]+)", teacher[1]).group(1))
+    assert teacher_diff < 1e-4, teacher
     _assert_learning_section(report, rows)
 
 

@@ -5,6 +5,8 @@ HTTP (two ranks for real: tests/functional/test_trainer_workers_teacher.py)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from teacher_checks import tool_datum, tool_manager
 
@@ -67,7 +69,7 @@ def test_local_teachers_load_on_the_host_once_per_model_never_here(no_local_load
 async def test_scores_come_back_in_order_from_the_local_teachers_batches(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     host = Host(model)
-    local = LocalTeacher(model, "tiny", max_batch_tokens=200)
+    local = LocalTeacher(copy.deepcopy(model), "tiny", max_batch_tokens=200)  # it freezes its model: not the shared one
     scorer = build_scorer(settings(calc="tiny"), teachers_on(host))
     record = await tool_manager(tok, scorer).run_rollout(tool_datum(tok))
     want = await tool_manager(tok, TeacherScorer({"calc": local})).run_rollout(tool_datum(tok))
