@@ -67,7 +67,7 @@ def curve_table(results: Mapping[str, Any]) -> str:
         for r in rows:
             if r["step"] == 0:
                 continue
-            share = "-" if r["of_teacher"] is None else f"{r['of_teacher']:.0%}"
+            share = "-" if r["of_teacher"] is None else f"{r['of_teacher']:.1%}"
             lines.append(f"| {name} | {r['step']} | {r['samples']:,} | {r['train_s']:.0f} | "
                          f"{r['lenient']['after']:.3f} [{r['lenient']['low']:.3f}, {r['lenient']['high']:.3f}] | "
                          f"{r['gain']['diff']:+.3f} [{r['gain']['low']:+.3f}, {r['gain']['high']:+.3f}] | "
