@@ -439,6 +439,8 @@ class GRPO:
                 f"| gen_kl {m.get('train/gen_kl/mean', 0.0):.2e} "
                 f"| rollout {m['timing/rollout_s']:.1f}s train {m['timing/train_s'] + m['timing/refit_s']:.1f}s"
             )
+            if "distill/reverse_kl" in m:  # on-policy distillation: how far the student still is from its teacher
+                line += f" | distill_kl {m['distill/reverse_kl']:.3f}"
             if "val/mean_reward" in m:
                 line += f" | val reward {m['val/mean_reward']:.3f}"
         tqdm.write(line)

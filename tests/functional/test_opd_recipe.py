@@ -80,6 +80,8 @@ def test_the_shipped_recipe_distils_from_a_teacher_served_over_http(tiny_model_d
         for key in ("distill/reverse_kl", "train/distill/reverse_kl"):
             assert isinstance(m[key], float) and math.isfinite(m[key]), (key, m)
         assert m["distill/reverse_kl"] > 1.0, m  # another random model: a real KL (~10 nats a token)
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(printed) == STEPS and all("| distill_kl " in line for line in printed), proc.stdout[-2000:]
     saved = yaml.safe_load((out / "config.yaml").read_text())["on_policy_distillation"]
     assert saved["default_teacher_alias"] == url and saved["kl_type"] == "reverse"
 
