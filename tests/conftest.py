@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 SLOW_FILES_FIRST = (
     "test_eval_ray_shards.py",
     "test_trainer_workers.py",
+    "test_learning_distill_bench.py",
     "test_two_hosts.py",
     "test_stop_signals.py",
     "test_eval_shard_jobs.py",
@@ -32,6 +34,19 @@ SLOW_FILES_FIRST = (
     "test_learning_bench.py",
     "test_gpu_check.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give SIGINT Python's default handler (KeyboardInterrupt) when this process inherited it ignored.
+
+    A suite started as a background job (`make test &`, `( ... & )` in a script) inherits SIGINT ignored (POSIX), and
+    Python keeps an inherited SIG_IGN; so does each xdist worker. The runs under test then rightly keep Ctrl-C
+    ignored too (`lifecycle.graceful_stop`), and the tests that press Ctrl-C (`os.kill(os.getpid(), SIGINT)`) would
+    test a run nobody can interrupt: `test_a_stopped_run_never_replays_the_group_in_flight` trained all its steps
+    and failed "DID NOT RAISE KeyboardInterrupt". With the default handler they test what a run in a terminal does.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
