@@ -261,6 +261,13 @@ def train_and_export(runner: Runner, cfg: dict, tag: str) -> Path:
     return export
 
 
+def data_differences(earlier: Path, out: Path) -> list[str]:
+    """The data files (`data/train.jsonl`, `data/heldout.jsonl`) of an earlier bench run's folder `earlier` that
+    are not byte for byte those of this run's folder `out`: [] when it trained and held out the same problems."""
+    names = ("train.jsonl", "heldout.jsonl")
+    return [f"data/{n}" for n in names if (earlier / "data" / n).read_bytes() != (out / "data" / n).read_bytes()]
+
+
 def eval_read(save: Path) -> str:
     """The model folder an eval actually loaded, from the config.yaml it wrote."""
     return str(yaml.safe_load((save / "config.yaml").read_text())["policy"]["model_name"])

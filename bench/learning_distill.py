@@ -46,6 +46,7 @@ from learning import (  # noqa: E402
     PhaseError,
     Runner,
     build_parser,
+    data_differences,
     eval_read,
     evaluate,
     grpo_config,
@@ -108,10 +109,11 @@ def teacher_folder(args, runner: Runner, out: Path) -> tuple[str, str]:
         folder = Path(args.teacher).resolve()
         bench_run = folder.parent.parent if folder.parent.name in ("run", "ours") else None
         if bench_run is not None and (bench_run / "data" / "heldout.jsonl").is_file():
-            for name in ("train.jsonl", "heldout.jsonl"):
-                if (bench_run / "data" / name).read_bytes() != (out / "data" / name).read_bytes():
-                    raise ValueError(f"--teacher {folder}: its bench run's data/{name} differs from this run's "
-                                     "(the teacher may have trained on these held-out problems)")
+            differ = data_differences(bench_run, out)
+            if differ:
+                raise ValueError(f"--teacher {folder}: its bench run's {' and '.join(differ)} "
+                                 f"differ{'s' if len(differ) == 1 else ''} from this run's (the teacher may have "
+                                 "trained on these held-out problems)")
             return str(folder), f"`--teacher {folder}` (trained by the bench run in {bench_run}: the same data)"
         return str(folder), f"`--teacher {folder}` (not a bench run's export: its training data are not checked)"
     _, recipe = load_recipe(args.teacher_recipe)

@@ -35,6 +35,7 @@ from learning import (  # noqa: E402
     PhaseError,
     Runner,
     build_parser,
+    data_differences,
     eval_read,
     evaluate,
     grpo_config,
@@ -170,9 +171,7 @@ def reuse_trl(earlier: Path, spec: dict, out: Path) -> Path:
     with which settings, is then the same; a ValueError naming what differs otherwise."""
     old = json.loads((earlier / "configs" / "trl_spec.json").read_text())
     differ = sorted(k for k in set(old) | set(spec) if k not in ("out", "train_path") and old.get(k) != spec.get(k))
-    for name in ("train.jsonl", "heldout.jsonl"):
-        if (earlier / "data" / name).read_bytes() != (out / "data" / name).read_bytes():
-            differ.append(f"data/{name}")
+    differ += data_differences(earlier, out)
     if differ:
         raise ValueError(f"--trl-from {earlier}: its TRL run differs from this one in {', '.join(differ)}")
     (out / "trl_from.txt").write_text(f"TRL training reused from {earlier.resolve()}\n")

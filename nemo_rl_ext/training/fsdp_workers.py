@@ -100,6 +100,12 @@ Slot = Sequence[CompletionTensors] | None
 """One micro-batch of a pass, or None: the rank runs a dummy micro-batch (its peers have a real one)."""
 
 
+def _weights_dtype(spec: RankSpec) -> torch.dtype:
+    """The dtype a rank loads the policy, the reference and a teacher in: bf16 mixed precision keeps float32
+    master weights (FSDP2 casts the gathered weights for compute), else `spec.dtype`."""
+    return torch.float32 if spec.wrap.mixed_precision == "bf16" else getattr(torch, spec.dtype)
+
+
 class TrainerRank:
     """One rank of the distributed trainer (hosted by `ray.remote`); the driver calls every rank alike."""
 
@@ -167,8 +173,7 @@ class TrainerRank:
 
     def _load_models(self, spec: RankSpec) -> None:
         """Load the policy (LoRA-wrapped with `spec.lora`) and the reference model, each wrapped and sharded."""
-        # bf16 mixed precision keeps float32 master weights: FSDP2 casts the gathered weights for compute
-        dtype = torch.float32 if spec.wrap.mixed_precision == "bf16" else getattr(torch, spec.dtype)
+        dtype = _weights_dtype(spec)
         # with CPU offload FSDP2 moves the shards to the CPU itself; the model is built on the GPU first
         model, _ = load_model_and_tokenizer(spec.model_path, dtype=dtype, device=str(self.device))
         if spec.lora is not None:  # adapters before sharding: each layer's FSDP unit holds its adapters
@@ -192,8 +197,7 @@ class TrainerRank:
     def load_teacher(self, key: str, path: str) -> int:
         """Load the distillation teacher at `path` as `key` (after `setup`: it is never given to the optimizer),
         frozen and sharded as the reference model is (same dtype and wrapping); returns its parameter count."""
-        dtype = torch.float32 if self.spec.wrap.mixed_precision == "bf16" else getattr(torch, self.spec.dtype)
-        model, _ = load_model_and_tokenizer(path, dtype=dtype, device=str(self.device))
+        model, _ = load_model_and_tokenizer(path, dtype=_weights_dtype(self.spec), device=str(self.device))
         no_ac = dataclasses.replace(self.spec.wrap, activation_checkpointing=False)  # never trained: no backward
         self.teachers[key] = shard_frozen(model, no_ac, self.device, self.world_size)
         return sum(p.numel() for p in model.parameters())
